@@ -1,0 +1,154 @@
+"""The tolerance rule of SPEC.md, as a function.
+
+A result ``impl`` (o, lse or one gradient) passes against the float64 reference ``ref``
+and the plain low-precision implementation ``lowp`` (see ``reference.lowp_forward`` /
+``lowp_backward``) when
+
+1. ``max|impl - ref| <= 2 * max|lowp - ref| + 1e-5``,
+2. ``||impl - ref||_2 / ||ref||_2 <= rel_bound(dtype)`` -- 2e-3 for float16, 1e-2 for
+   bfloat16 (SPEC.md); 1e-4 for float32 and 1e-10 for float64 (this project's choice:
+   SPEC.md names no bound for them; float32 kernels use float32 throughout, so 1e-4
+   leaves room for reduction order over long rows, and float64 is the reference's own
+   precision). When ``||ref|| == 0`` the absolute norm ``||impl - ref||`` is used.
+3. no NaN or Inf in ``impl`` where ``ref`` is finite, and
+4. non-finite entries of ``ref`` (the ``-inf`` of ``lse`` for rows with no admissible
+   key) are matched exactly by ``impl`` (``-inf`` in both; NaN matches NaN).
+
+Entries where ``ref`` is not finite are excluded from the error norms.  Entries where
+``lowp`` is not finite (e.g. float16 overflow) are left out of ``max|lowp - ref|``.
+With ``inputs_finite=False`` (inputs holding NaN/Inf) rules 3 and 4 are waived and the
+norms are taken over the entries where both ``ref`` and ``impl`` are finite.
+
+Inputs are converted with ``np.asarray(x, float64)``; callers convert GPU arrays first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Verdict", "compare", "assert_close", "rel_bound", "ABS_SLACK", "REL_BOUNDS"]
+
+#: Absolute slack added to twice the low-precision error.
+ABS_SLACK = 1e-5
+
+#: Relative (L2) bounds by input dtype.  float16 / bfloat16 from SPEC.md; float32 and
+#: float64 chosen by this project (SPEC.md gives none).
+REL_BOUNDS = {
+    "float16": 2e-3,
+    "bfloat16": 1e-2,
+    "float32": 1e-4,
+    "float64": 1e-10,
+}
+
+
+def _dtype_name(dtype) -> str:
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = str(dtype)
+    name = name.replace("torch.", "").lower()
+    return {"bf16": "bfloat16", "fp16": "float16", "half": "float16",
+            "fp32": "float32", "float": "float32", "fp64": "float64",
+            "double": "float64"}.get(name, name)
+
+
+def rel_bound(dtype) -> float:
+    """Relative L2 bound for inputs of ``dtype`` (str, NumPy, torch or CuPy dtype)."""
+    name = _dtype_name(dtype)
+    try:
+        return REL_BOUNDS[name]
+    except KeyError:
+        raise ValueError(
+            f"dtype: expected one of {sorted(REL_BOUNDS)}, got {dtype!r}") from None
+
+
+@dataclass
+class Verdict:
+    name: str
+    max_err: float
+    bound: float
+    rel_err: float
+    rel_bound: float
+    finite: bool
+    passed: bool
+    #: entries where ref is non-finite (-inf lse) and impl differs from it
+    nonfinite_mismatch: int = 0
+    note: str = ""
+
+    def __str__(self) -> str:
+        status = "PASS" if self.passed else "FAIL"
+        text = (f"{status} {self.name}: max|impl-ref|={self.max_err:.3e} "
+                f"(bound {self.bound:.3e}), ||impl-ref||/||ref||={self.rel_err:.3e} "
+                f"(bound {self.rel_bound:.1e}), finite={self.finite}")
+        if self.nonfinite_mismatch:
+            text += f", {self.nonfinite_mismatch} non-finite ref entries not matched"
+        if self.note:
+            text += f" [{self.note}]"
+        return text
+
+
+def compare(name, impl, ref, lowp, dtype, *, inputs_finite=True) -> Verdict:
+    """Apply SPEC.md's tolerance rule to one output; see the module docstring."""
+    rb = rel_bound(dtype)
+    impl = np.asarray(impl, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    lowp = np.asarray(lowp, dtype=np.float64)
+    if impl.shape != ref.shape or lowp.shape != ref.shape:
+        return Verdict(name, float("inf"), float("nan"), float("inf"), rb, False, False,
+                       note=f"shape mismatch: impl {impl.shape}, ref {ref.shape}, "
+                            f"lowp {lowp.shape}")
+
+    ref_fin = np.isfinite(ref)
+    impl_fin = np.isfinite(impl)
+    notes = []
+    if inputs_finite:
+        finite = bool(impl_fin[ref_fin].all())
+        nf = ~ref_fin
+        same = (impl[nf] == ref[nf]) | (np.isnan(impl[nf]) & np.isnan(ref[nf]))
+        mismatch = int(np.count_nonzero(~same))
+        mask = ref_fin
+    else:
+        finite = True
+        mismatch = 0
+        mask = ref_fin & impl_fin
+        notes.append("inputs not finite: NaN/Inf checks waived")
+
+    diff = np.abs(impl[mask] - ref[mask])
+    if diff.size:
+        diff = np.where(np.isfinite(diff), diff, np.inf)
+        max_err = float(diff.max())
+        err_norm = float(np.sqrt(np.sum(np.square(diff)))) if np.isfinite(max_err) else float("inf")
+    else:
+        max_err, err_norm = 0.0, 0.0
+
+    lmask = mask & np.isfinite(lowp)
+    if np.count_nonzero(mask & ~np.isfinite(lowp)):
+        notes.append(f"{np.count_nonzero(mask & ~np.isfinite(lowp))} non-finite lowp "
+                     "entries left out of the bound")
+    ldiff = np.abs(lowp[lmask] - ref[lmask])
+    lowp_err = float(ldiff.max()) if ldiff.size else 0.0
+    bound = 2.0 * lowp_err + ABS_SLACK
+
+    ref_norm = float(np.linalg.norm(ref[mask])) if mask.any() else 0.0
+    if ref_norm > 0.0:
+        rel_err = err_norm / ref_norm
+    else:
+        rel_err = err_norm
+        notes.append("||ref|| == 0: absolute norm used")
+
+    passed = (finite and mismatch == 0 and max_err <= bound and rel_err <= rb)
+    return Verdict(name, max_err, bound, rel_err, rb, finite, bool(passed),
+                   nonfinite_mismatch=mismatch, note="; ".join(notes))
+
+
+def assert_close(name, impl, ref, lowp, dtype) -> Verdict:
+    """:func:`compare`, raising ``AssertionError(str(verdict))`` when it fails."""
+    verdict = compare(name, impl, ref, lowp, dtype)
+    if not verdict.passed:
+        raise AssertionError(str(verdict))
+    return verdict
