@@ -1,0 +1,26 @@
+"""cupy-piecewise: piecewise attention for CuPy, PyTorch and NumPy.
+
+The score of query ``i`` and key ``j`` comes from ``q1·k1`` when the key lies
+less than ``dist_threshold`` positions behind the query and from ``q2·k2``
+otherwise (ReRoPE / NLPE style length extrapolation). See :func:`attention`
+and :func:`attention_backward`; ``python -m cupy_piecewise info`` reports the
+environment.
+
+Importing the package needs only NumPy; CuPy and torch are imported when an
+array of theirs is passed.
+"""
+
+__version__ = "0.1.0"
+
+from .api import attention, attention_backward  # noqa: E402
+from .validate import GPU_DTYPES, GPU_HEAD_DIMS, Problem, check_inputs  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "attention",
+    "attention_backward",
+    "Problem",
+    "check_inputs",
+    "GPU_DTYPES",
+    "GPU_HEAD_DIMS",
+]

@@ -1,0 +1,329 @@
+"""Tile sizes per GPU, as data.
+
+The table maps (compute capability, phase, head dim) to a :class:`TileConfig`;
+an entry may be refined by dtype and/or causal. Phases:
+
+- ``fwd``: forward, one block per query tile; ``block_m`` query rows
+  (16 per warp), ``block_n`` keys per step.
+- ``bwd_dq``: backward for dq1/dq2, one block per query tile (16 query rows
+  per warp).
+- ``bwd_dkv``: backward for dk1/dk2/dv, one block per key tile; ``block_n``
+  keys (16 per warp), ``block_m`` queries per step.
+
+Every entry satisfies, for its architecture (checked by the tests):
+
+- ``block_m``, ``block_n`` in {16, 32, 64, 128};
+- ``block_m == 16 * num_warps`` (fwd, bwd_dq) or ``block_n == 16 * num_warps``
+  (bwd_dkv): each warp owns 16 rows of the tile, the mma m16 height;
+- :func:`shared_bytes` ``<=`` :data:`SHARED_LIMIT` of the architecture.
+
+Fallback for a GPU whose compute capability is not listed: take the entry of
+the nearest lower listed architecture whose tiles fit the GPU's shared-memory
+limit per block (:data:`SHARED_LIMIT` if known there, else the ``max_shared``
+argument, else the smallest listed limit, 99 KiB, to be safe), walking down the
+listed architectures until one fits. A GPU below compute capability 8.0 is not
+supported (the kernels use ``cp.async`` and bf16 ``mma.sync``): ValueError.
+
+Override, for tuning: the ``override=`` argument of :func:`lookup`
+(``{phase: TileConfig}``) or the environment variable ``CUPY_PIECEWISE_TILES``,
+e.g. ``"fwd=128x64x8,bwd_dq=64x64x4"`` (``block_m x block_n x num_warps``, an
+optional fourth field for stages: ``128x64x8x3``). The argument wins over the
+variable, the variable over the table. Overrides obey the same constraints;
+a bad one raises ValueError naming ``CUPY_PIECEWISE_TILES``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+__all__ = [
+    "TileConfig",
+    "PHASES",
+    "LISTED_ARCHS",
+    "SHARED_LIMIT",
+    "TABLE",
+    "ENV_VAR",
+    "shared_bytes",
+    "check_config",
+    "lookup",
+    "selectable_configs",
+    "parse_override",
+    "resolve_arch",
+    "head_dims",
+]
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes of one kernel variant: rows of the query tile, rows of the
+    key tile, warps per block, and cp.async pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    stages: int = 2
+
+    def __str__(self) -> str:  # the CUPY_PIECEWISE_TILES spelling
+        return f"{self.block_m}x{self.block_n}x{self.num_warps}x{self.stages}"
+
+
+PHASES = ("fwd", "bwd_dq", "bwd_dkv")
+LISTED_ARCHS = ((8, 0), (8, 6), (8, 9), (9, 0))
+ENV_VAR = "CUPY_PIECEWISE_TILES"
+BLOCK_SIZES = (16, 32, 64, 128)
+STAGES = (1, 2, 3, 4)
+#: dtypes the table is written for (2-byte elements in shared memory).
+TABLE_DTYPES = ("float16", "bfloat16")
+
+#: Largest dynamic shared memory per block (bytes, opt-in), per compute capability.
+SHARED_LIMIT = {
+    (8, 0): 166912,  # A100: 163 KiB
+    (8, 6): 101376,  # GA10x: 99 KiB
+    (8, 7): 166912,  # Orin: 163 KiB
+    (8, 9): 101376,  # Ada: 99 KiB
+    (9, 0): 232448,  # H100/H200: 227 KiB
+    (10, 0): 232448,  # B200: 227 KiB
+    (12, 0): 101376,  # consumer Blackwell: 99 KiB
+}
+
+
+def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> int:
+    """Shared memory (bytes) one block of ``phase`` needs with tiles ``cfg``.
+
+    Rows are padded by 8 elements (bank-conflict-free ``ldmatrix``). fwd keeps
+    q1, q2 and ``stages`` copies of k1, k2, v; bwd_dq adds do (and 8 bytes per
+    row for lse and delta); bwd_dkv keeps the key tile (k1, k2, v) and
+    ``stages`` copies of the query-side tiles (q1, q2, do) plus lse/delta.
+    """
+    stride = head_dim + 8  # padded rows, elements
+    if phase == "fwd":
+        return elem_bytes * (2 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * stride
+    if phase == "bwd_dq":
+        return elem_bytes * (3 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * stride + 8 * cfg.block_m
+    if phase == "bwd_dkv":
+        return (
+            elem_bytes * (3 * cfg.block_n + 3 * cfg.stages * cfg.block_m) * stride
+            + 8 * cfg.stages * cfg.block_m
+        )
+    raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+
+
+# ----------------------------------------------------------------------------
+# The table. TABLE[cc][phase][head_dim] is a TileConfig, or a dict refining it by
+# (dtype, causal) where either may be None meaning "any"; the (None, None) key
+# is the default of that refinement. Starting values, to be tuned on hardware.
+
+_T = TileConfig
+
+TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
+    # A100: 163 KiB shared per block.
+    (8, 0): {
+        "fwd": {128: _T(64, 64, 4), 64: _T(128, 64, 8), 32: _T(128, 64, 8), 16: _T(128, 64, 8)},
+        "bwd_dq": {128: _T(64, 64, 4), 64: _T(64, 64, 4), 32: _T(64, 128, 4), 16: _T(64, 128, 4)},
+        "bwd_dkv": {128: _T(64, 64, 4), 64: _T(64, 64, 4), 32: _T(128, 64, 4), 16: _T(128, 64, 4)},
+    },
+    # RTX 30xx / A10 / A40: 99 KiB shared per block.
+    (8, 6): {
+        "fwd": {128: _T(64, 32, 4), 64: _T(64, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
+        "bwd_dq": {128: _T(32, 32, 2), 64: _T(64, 32, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
+        "bwd_dkv": {128: _T(32, 32, 2), 64: _T(32, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
+    },
+    # RTX 40xx / L4 / L40: 99 KiB shared per block.
+    (8, 9): {
+        "fwd": {128: _T(64, 32, 4), 64: _T(64, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
+        "bwd_dq": {128: _T(32, 32, 2), 64: _T(64, 32, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
+        "bwd_dkv": {128: _T(32, 32, 2), 64: _T(32, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
+    },
+    # H100 / H200: 227 KiB shared per block.
+    (9, 0): {
+        "fwd": {128: _T(128, 64, 8), 64: _T(128, 128, 8), 32: _T(128, 128, 8), 16: _T(128, 128, 8)},
+        "bwd_dq": {128: _T(64, 64, 4), 64: _T(64, 128, 4), 32: _T(64, 128, 4), 16: _T(64, 128, 4)},
+        "bwd_dkv": {128: _T(64, 64, 4), 64: _T(128, 64, 4), 32: _T(128, 64, 4), 16: _T(128, 64, 4)},
+    },
+}
+
+del _T
+
+
+def head_dims(cc: tuple[int, int]) -> tuple[int, ...]:
+    """Head dims the table has entries for on ``cc`` (after fallback)."""
+    arch = resolve_arch(cc)
+    return tuple(sorted(TABLE[arch]["fwd"]))
+
+
+def _elem_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def _limit_for(cc: tuple[int, int], max_shared: int | None) -> int:
+    if cc in SHARED_LIMIT:
+        return SHARED_LIMIT[cc]
+    if max_shared is not None:
+        return int(max_shared)
+    return min(SHARED_LIMIT[a] for a in LISTED_ARCHS)
+
+
+def check_config(
+    phase: str, head_dim: int, cfg: TileConfig, cc: tuple[int, int], *, max_shared: int | None = None, elem_bytes: int = 2
+) -> list[str]:
+    """Return the list of constraints ``cfg`` breaks (empty when it is valid)."""
+    problems = []
+    if phase not in PHASES:
+        return [f"unknown phase {phase!r}; phases are {', '.join(PHASES)}"]
+    for field in ("block_m", "block_n"):
+        value = getattr(cfg, field)
+        if value not in BLOCK_SIZES:
+            problems.append(f"{field}={value} is not one of {BLOCK_SIZES}")
+    if cfg.num_warps < 1:
+        problems.append(f"num_warps={cfg.num_warps} must be at least 1")
+    if cfg.stages not in STAGES:
+        problems.append(f"stages={cfg.stages} is not one of {STAGES}")
+    rows_field = "block_n" if phase == "bwd_dkv" else "block_m"
+    rows = getattr(cfg, rows_field)
+    if rows != 16 * cfg.num_warps:
+        problems.append(f"{phase} needs {rows_field} == 16 * num_warps, got {rows_field}={rows}, num_warps={cfg.num_warps}")
+    if not problems:
+        need = shared_bytes(phase, head_dim, cfg, elem_bytes)
+        limit = _limit_for(cc, max_shared)
+        if need > limit:
+            problems.append(
+                f"needs {need} bytes of shared memory for head_dim {head_dim}, more than the "
+                f"{limit} bytes per block of sm_{cc[0]}{cc[1]}"
+            )
+    return problems
+
+
+def resolve_arch(cc: tuple[int, int], max_shared: int | None = None) -> tuple[int, int]:
+    """The listed architecture whose entries serve ``cc`` (see the module doc)."""
+    cc = (int(cc[0]), int(cc[1]))
+    if cc < (8, 0):
+        raise ValueError(
+            f"GPU of compute capability {cc[0]}.{cc[1]} (sm_{cc[0]}{cc[1]}) is not supported: "
+            "cupy-piecewise needs sm_80 (Ampere) or newer"
+        )
+    if cc in TABLE:
+        return cc
+    limit = _limit_for(cc, max_shared)
+    for arch in sorted((a for a in LISTED_ARCHS if a <= cc), reverse=True):
+        fits = all(
+            shared_bytes(phase, d, cfg) <= limit
+            for phase in PHASES
+            for d, entry in TABLE[arch][phase].items()
+            for cfg in _entry_configs(entry)
+        )
+        if fits:
+            return arch
+    return min(LISTED_ARCHS, key=lambda a: SHARED_LIMIT[a])
+
+
+def _entry_configs(entry) -> list[TileConfig]:
+    return [entry] if isinstance(entry, TileConfig) else list(entry.values())
+
+
+def _refine(entry, dtype: str, causal: bool) -> TileConfig:
+    if isinstance(entry, TileConfig):
+        return entry
+    for key in ((dtype, causal), (dtype, None), (None, causal), (None, None)):
+        if key in entry:
+            return entry[key]
+    raise KeyError(f"table refinement has no default (None, None) entry: {entry!r}")
+
+
+def parse_override(text: str, source: str = ENV_VAR) -> dict[str, TileConfig]:
+    """Parse ``"fwd=128x64x8,bwd_dq=64x64x4"`` into ``{phase: TileConfig}``."""
+    result: dict[str, TileConfig] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        phase, sep, spec = item.partition("=")
+        phase = phase.strip()
+        if not sep or phase not in PHASES:
+            raise ValueError(
+                f"{source}: cannot read {item!r}; expected PHASE=BMxBNxWARPS[xSTAGES] with PHASE one of "
+                f"{', '.join(PHASES)}, e.g. CUPY_PIECEWISE_TILES='fwd=128x64x8,bwd_dq=64x64x4'"
+            )
+        try:
+            numbers = [int(n) for n in spec.strip().lower().split("x")]
+        except ValueError:
+            numbers = []
+        if len(numbers) not in (3, 4):
+            raise ValueError(
+                f"{source}: cannot read tile sizes {spec!r} for {phase}; expected BMxBNxWARPS[xSTAGES] "
+                "(CUPY_PIECEWISE_TILES format), e.g. 128x64x8"
+            )
+        result[phase] = TileConfig(*numbers)
+    return result
+
+
+def lookup(
+    cc: tuple[int, int],
+    phase: str,
+    head_dim: int,
+    dtype: str,
+    causal: bool,
+    override: Mapping[str, TileConfig] | None = None,
+    *,
+    max_shared: int | None = None,
+) -> TileConfig:
+    """Tile sizes for one kernel variant on a GPU of compute capability ``cc``.
+
+    ``override`` (``{phase: TileConfig}``) wins over the ``CUPY_PIECEWISE_TILES``
+    environment variable, which wins over the table. ``max_shared`` is the GPU's
+    opt-in shared memory per block, used only when ``cc`` is not in
+    :data:`SHARED_LIMIT`.
+
+    Raises:
+        ValueError: unknown phase, head_dim without an entry, dtype the table
+            does not cover, GPU older than sm_80, or an override breaking a
+            constraint (message names CUPY_PIECEWISE_TILES).
+    """
+    cc = (int(cc[0]), int(cc[1]))
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
+    if dtype not in TABLE_DTYPES:
+        raise ValueError(f"dtype {dtype!r} has no tile table; expected one of {', '.join(TABLE_DTYPES)}")
+    arch = resolve_arch(cc, max_shared)
+
+    chosen = None
+    source = None
+    if override is not None and phase in override:
+        chosen, source = override[phase], f"override[{phase!r}] (same rules as {ENV_VAR})"
+        if not isinstance(chosen, TileConfig):
+            raise ValueError(f"{source} must be a TileConfig, got {type(chosen).__qualname__}")
+    else:
+        env = os.environ.get(ENV_VAR, "").strip()
+        if env:
+            parsed = parse_override(env)
+            if phase in parsed:
+                chosen, source = parsed[phase], f"{ENV_VAR}={env!r}"
+    if chosen is not None:
+        problems = check_config(phase, head_dim, chosen, cc, max_shared=max_shared, elem_bytes=_elem_bytes(dtype))
+        if problems:
+            raise ValueError(f"{source}: tiles {chosen} for {phase} are invalid: " + "; ".join(problems))
+        return chosen
+
+    entry = TABLE[arch][phase].get(head_dim)
+    if entry is None:
+        raise ValueError(
+            f"head_dim {head_dim} has no tile entry; expected one of "
+            f"{', '.join(str(d) for d in sorted(TABLE[arch][phase]))}"
+        )
+    return _refine(entry, dtype, bool(causal))
+
+
+def selectable_configs(cc: tuple[int, int], *, max_shared: int | None = None) -> set[tuple[str, int, str, bool, TileConfig]]:
+    """Every (phase, head_dim, dtype, causal, TileConfig) the table can select on ``cc``.
+
+    Ignores ``CUPY_PIECEWISE_TILES``: this is what the build check compiles.
+    """
+    cc = (int(cc[0]), int(cc[1]))
+    arch = resolve_arch(cc, max_shared)
+    out = set()
+    for phase in PHASES:
+        for head_dim in sorted(TABLE[arch][phase]):
+            for dtype in TABLE_DTYPES:
+                for causal in (False, True):
+                    out.add((phase, head_dim, dtype, causal, _refine(TABLE[arch][phase][head_dim], dtype, causal)))
+    return out

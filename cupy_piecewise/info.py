@@ -1,0 +1,179 @@
+"""``python -m cupy_piecewise info``: what this machine offers the package.
+
+Prints versions (Python, NumPy, CuPy, torch, this package), whether CuPy sees
+a CUDA GPU, whether NVRTC loads, where the kernel sources are, and the tile
+sizes the capability table picks for each GPU found (or for every listed
+architecture when there is none). ``--json`` prints the same as one JSON object.
+Never fails for a missing GPU, CuPy or torch: it says so instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+
+def _version(module_name: str) -> str | None:
+    try:
+        module = __import__(module_name)
+    except Exception as exc:  # not installed, or broken: say which
+        return None if isinstance(exc, ModuleNotFoundError) else f"import failed: {exc}"
+    return str(getattr(module, "__version__", "unknown"))
+
+
+def _gpus() -> tuple[list[dict], str | None]:
+    """-> (devices, reason none were found)."""
+    try:
+        import cupy
+    except Exception as exc:
+        return [], f"CuPy not importable ({type(exc).__name__}: {exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return [], f"{type(exc).__name__}: {exc}"
+    if count == 0:
+        return [], "CuPy reports 0 CUDA devices"
+    devices = []
+    for i in range(count):
+        entry: dict = {"index": i}
+        try:
+            dev = cupy.cuda.Device(i)
+            cc = dev.compute_capability  # e.g. '90'
+            entry["cc"] = (int(cc[:-1]), int(cc[-1]))
+            entry["name"] = cupy.cuda.runtime.getDeviceProperties(i)["name"].decode(errors="replace")
+            entry["max_shared_optin"] = int(dev.attributes.get("MaxSharedMemoryPerBlockOptin", 0)) or None
+        except Exception as exc:
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        devices.append(entry)
+    return devices, None
+
+
+def _nvrtc() -> tuple[str | None, str | None]:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        major, minor = nvrtc.getVersion()
+        return f"{major}.{minor}", None
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _kernel_dir() -> tuple[str | None, list[str], str | None]:
+    from .kernel_sources import kernel_dir, kernel_files
+
+    try:
+        return str(kernel_dir()), [p.name for p in kernel_files()], None
+    except Exception as exc:
+        return None, [], f"{type(exc).__name__}: {exc}"
+
+
+def _tiles(cc: tuple[int, int], max_shared: int | None = None) -> dict:
+    """{phase: {head_dim: 'BMxBNxWARPSxSTAGES'}} for float16, non-causal, or an error."""
+    from . import capability
+
+    try:
+        arch = capability.resolve_arch(cc, max_shared)
+        table = {}
+        for phase in capability.PHASES:
+            table[phase] = {
+                d: str(capability.lookup(cc, phase, d, "float16", False, max_shared=max_shared))
+                for d in capability.head_dims(cc)
+            }
+        return {"table_arch": f"sm_{arch[0]}{arch[1]}", "tiles": table}
+    except ValueError as exc:
+        return {"error": str(exc)}
+
+
+def collect() -> dict:
+    """Everything ``info`` reports, as a dict."""
+    from . import __version__, capability
+
+    gpus, gpu_reason = _gpus()
+    nvrtc_version, nvrtc_reason = _nvrtc()
+    kdir, kfiles, kreason = _kernel_dir()
+    info = {
+        "versions": {
+            "python": platform.python_version(),
+            "numpy": _version("numpy"),
+            "cupy": _version("cupy"),
+            "torch": _version("torch"),
+            "cupy_piecewise": __version__,
+        },
+        "gpus": gpus,
+        "gpu_missing_reason": gpu_reason,
+        "nvrtc": nvrtc_version,
+        "nvrtc_missing_reason": nvrtc_reason,
+        "kernel_dir": kdir,
+        "kernel_files": kfiles,
+        "kernel_dir_error": kreason,
+        "tile_override": __import__("os").environ.get(capability.ENV_VAR) or None,
+    }
+    if gpus:
+        for g in gpus:
+            if "cc" in g:
+                g.update(_tiles(g["cc"], g.get("max_shared_optin")))
+    else:
+        info["listed_arch_tiles"] = {f"sm_{a}{b}": _tiles((a, b)) for a, b in capability.LISTED_ARCHS}
+    return info
+
+
+def _print_tiles(entry: dict, indent: str) -> None:
+    if "error" in entry:
+        print(f"{indent}tiles: {entry['error']}")
+        return
+    print(f"{indent}tile table {entry['table_arch']} (float16, non-causal; BMxBNxWARPSxSTAGES):")
+    for phase, row in entry["tiles"].items():
+        cells = "  ".join(f"D{d}={cfg}" for d, cfg in row.items())
+        print(f"{indent}  {phase:<8} {cells}")
+
+
+def _print(info: dict) -> None:
+    v = info["versions"]
+    print(f"cupy-piecewise {v['cupy_piecewise']}")
+    for name in ("python", "numpy", "cupy", "torch"):
+        print(f"  {name:<7} {v[name] or 'not installed'}")
+    if info["nvrtc"]:
+        print(f"NVRTC: found, version {info['nvrtc']}")
+    else:
+        print(f"NVRTC: not found ({info['nvrtc_missing_reason']})")
+    if info["kernel_dir"]:
+        files = ", ".join(info["kernel_files"]) or "no .cu/.cuh files"
+        print(f"kernel sources: {info['kernel_dir']} ({files})")
+    else:
+        print(f"kernel sources: not found ({info['kernel_dir_error']})")
+    if info["tile_override"]:
+        print(f"tile override {info['tile_override']!r} (CUPY_PIECEWISE_TILES) applies to the tables below")
+    if info["gpus"]:
+        print(f"GPU: {len(info['gpus'])} found")
+        for g in info["gpus"]:
+            if "error" in g:
+                print(f"  [{g['index']}] {g['error']}")
+                continue
+            cc = g["cc"]
+            print(f"  [{g['index']}] {g['name']}, sm_{cc[0]}{cc[1]}, {g['max_shared_optin']} B shared/block")
+            _print_tiles(g, "      ")
+    else:
+        print(f"GPU: none found ({info['gpu_missing_reason']})")
+        print("tile tables per listed architecture:")
+        for arch, entry in info["listed_arch_tiles"].items():
+            print(f"  {arch}")
+            _print_tiles(entry, "    ")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cupy_piecewise info", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    args = parser.parse_args(argv)
+    info = collect()
+    if args.json:
+        json.dump(info, sys.stdout, indent=2, default=str)
+        print()
+    else:
+        _print(info)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

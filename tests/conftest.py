@@ -1,0 +1,32 @@
+"""Shared pytest set-up.
+
+Tests marked ``gpu`` need a CUDA GPU visible to CuPy; where there is none they
+are skipped with the reason "no CUDA GPU visible to CuPy", never passed silently.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+NO_GPU_REASON = "no CUDA GPU visible to CuPy"
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_count() -> int:
+    """Number of CUDA devices CuPy sees (0 when CuPy or the driver is missing)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu_items and gpu_count() == 0:
+        skip = pytest.mark.skip(reason=NO_GPU_REASON)
+        for item in gpu_items:
+            item.add_marker(skip)
