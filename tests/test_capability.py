@@ -1,0 +1,213 @@
+"""The tile table (cupy_piecewise.capability): every entry obeys the constraints
+on every listed architecture; lookups, fallback and overrides behave. CPU only."""
+
+from __future__ import annotations
+
+import pytest
+
+from cupy_piecewise import capability as cap
+from cupy_piecewise.capability import (
+    LISTED_ARCHS,
+    PHASES,
+    SHARED_LIMIT,
+    TABLE,
+    TileConfig,
+    lookup,
+    selectable_configs,
+    shared_bytes,
+)
+
+HEAD_DIMS = (16, 32, 64, 128)
+DTYPES = ("float16", "bfloat16")
+
+
+@pytest.fixture(autouse=True)
+def _no_env_override(monkeypatch):
+    monkeypatch.delenv(cap.ENV_VAR, raising=False)
+
+
+def _all_entries():
+    for cc in LISTED_ARCHS:
+        for phase in PHASES:
+            for head_dim, entry in TABLE[cc][phase].items():
+                configs = [entry] if isinstance(entry, TileConfig) else list(entry.values())
+                for cfg in configs:
+                    yield cc, phase, head_dim, cfg
+
+
+def test_table_covers_every_listed_arch_phase_and_head_dim():
+    assert set(TABLE) == set(LISTED_ARCHS)
+    for cc in LISTED_ARCHS:
+        assert set(TABLE[cc]) == set(PHASES)
+        for phase in PHASES:
+            assert set(HEAD_DIMS) <= set(TABLE[cc][phase]), (cc, phase)
+
+
+@pytest.mark.parametrize("cc,phase,head_dim,cfg", list(_all_entries()), ids=lambda x: str(x))
+def test_entry_satisfies_constraints(cc, phase, head_dim, cfg):
+    assert cfg.block_m in (16, 32, 64, 128)
+    assert cfg.block_n in (16, 32, 64, 128)
+    if phase in ("fwd", "bwd_dq"):
+        assert cfg.block_m == 16 * cfg.num_warps
+    else:
+        assert cfg.block_n == 16 * cfg.num_warps
+    assert shared_bytes(phase, head_dim, cfg) <= SHARED_LIMIT[cc]
+    assert cap.check_config(phase, head_dim, cfg, cc) == []
+
+
+def test_shared_bytes_formula():
+    cfg = TileConfig(128, 64, 8)  # sm_90 fwd D128
+    assert shared_bytes("fwd", 128, cfg) == 2 * (2 * 128 + 3 * 2 * 64) * 136
+    cfg = TileConfig(64, 64, 4)
+    assert shared_bytes("bwd_dq", 128, cfg) == 2 * (3 * 64 + 3 * 2 * 64) * 136 + 8 * 64
+    assert shared_bytes("bwd_dkv", 128, cfg) == 2 * (3 * 64 + 3 * 2 * 64) * 136 + 8 * 2 * 64
+    assert shared_bytes("fwd", 64, cfg, elem_bytes=4) == 2 * shared_bytes("fwd", 64, cfg)
+    with pytest.raises(ValueError, match="phase"):
+        shared_bytes("bwd", 64, cfg)
+
+
+def test_starting_entries():
+    assert lookup((9, 0), "fwd", 128, "bfloat16", False) == TileConfig(128, 64, 8)
+    assert lookup((9, 0), "fwd", 64, "float16", True) == TileConfig(128, 128, 8)
+    assert lookup((9, 0), "bwd_dq", 128, "float16", False) == TileConfig(64, 64, 4)
+    assert lookup((9, 0), "bwd_dkv", 128, "float16", False) == TileConfig(64, 64, 4)
+    assert lookup((9, 0), "bwd_dkv", 64, "float16", False) == TileConfig(128, 64, 4)
+    assert lookup((8, 0), "fwd", 128, "float16", False) == TileConfig(64, 64, 4)
+    for cc in ((8, 6), (8, 9)):
+        assert lookup(cc, "fwd", 128, "bfloat16", True) == TileConfig(64, 32, 4)
+        assert lookup(cc, "bwd_dq", 128, "float16", False) == TileConfig(32, 32, 2)
+        assert lookup(cc, "bwd_dkv", 128, "float16", False) == TileConfig(32, 32, 2)
+
+
+@pytest.mark.parametrize("cc", LISTED_ARCHS)
+def test_selectable_configs_cover_lookup(cc):
+    configs = selectable_configs(cc)
+    assert len(configs) == len(PHASES) * len(HEAD_DIMS) * len(DTYPES) * 2
+    for phase in PHASES:
+        for d in HEAD_DIMS:
+            for dtype in DTYPES:
+                for causal in (False, True):
+                    assert (phase, d, dtype, causal, lookup(cc, phase, d, dtype, causal)) in configs
+
+
+def test_selectable_configs_ignore_env(monkeypatch):
+    before = selectable_configs((9, 0))
+    monkeypatch.setenv(cap.ENV_VAR, "fwd=64x64x4")
+    assert selectable_configs((9, 0)) == before
+
+
+# --------------------------------------------------------------------- fallback
+
+
+@pytest.mark.parametrize(
+    "cc,arch",
+    [
+        ((8, 7), (8, 6)),  # Orin: nearest lower listed
+        ((9, 5), (8, 9)),  # unknown limit: conservative 99 KiB, sm_90 tiles do not fit
+        ((12, 0), (8, 9)),  # consumer Blackwell: 99 KiB, sm_90 tiles do not fit
+        ((10, 0), (9, 0)),  # B200: 227 KiB, sm_90 tiles fit
+    ],
+)
+def test_fallback_for_unlisted_gpu(cc, arch):
+    assert cap.resolve_arch(cc) == arch
+    for phase in PHASES:
+        for d in HEAD_DIMS:
+            assert lookup(cc, phase, d, "float16", False) == lookup(arch, phase, d, "float16", False)
+
+
+def test_fallback_uses_device_shared_limit():
+    assert cap.resolve_arch((9, 5), max_shared=232448) == (9, 0)
+    assert cap.resolve_arch((9, 5), max_shared=166912) == (8, 9)  # sm_90 D128 fwd needs 174080
+    # Whatever is picked fits the stated limit.
+    for cfg in (lookup((11, 0), p, d, "float16", False, max_shared=120000) for p in PHASES for d in HEAD_DIMS):
+        assert isinstance(cfg, TileConfig)
+
+
+@pytest.mark.parametrize("cc", [(7, 5), (7, 0), (6, 1)])
+def test_old_gpu_refused(cc):
+    with pytest.raises(ValueError, match=f"sm_{cc[0]}{cc[1]}"):
+        lookup(cc, "fwd", 64, "float16", False)
+
+
+def test_unknown_phase_head_dim_dtype():
+    with pytest.raises(ValueError, match="phase"):
+        lookup((9, 0), "bwd", 64, "float16", False)
+    with pytest.raises(ValueError, match="head_dim"):
+        lookup((9, 0), "fwd", 96, "float16", False)
+    with pytest.raises(ValueError, match="dtype"):
+        lookup((9, 0), "fwd", 64, "float64", False)
+
+
+def test_dtype_causal_refinement(monkeypatch):
+    refined = {
+        (None, None): TileConfig(64, 64, 4),
+        ("bfloat16", None): TileConfig(64, 32, 4),
+        (None, True): TileConfig(32, 64, 2),
+        ("bfloat16", True): TileConfig(16, 16, 1),
+    }
+    table = {cc: {ph: dict(row) for ph, row in TABLE[cc].items()} for cc in TABLE}
+    table[(8, 0)]["fwd"][64] = refined
+    monkeypatch.setattr(cap, "TABLE", table)
+    assert lookup((8, 0), "fwd", 64, "float16", False) == TileConfig(64, 64, 4)
+    assert lookup((8, 0), "fwd", 64, "bfloat16", False) == TileConfig(64, 32, 4)
+    assert lookup((8, 0), "fwd", 64, "float16", True) == TileConfig(32, 64, 2)
+    assert lookup((8, 0), "fwd", 64, "bfloat16", True) == TileConfig(16, 16, 1)
+    assert {c[4] for c in selectable_configs((8, 0)) if c[:2] == ("fwd", 64)} == set(refined.values())
+
+
+# --------------------------------------------------------------------- overrides
+
+
+def test_env_override(monkeypatch):
+    monkeypatch.setenv(cap.ENV_VAR, "fwd=64x64x4, bwd_dq=32x64x2x3")
+    assert lookup((9, 0), "fwd", 128, "float16", False) == TileConfig(64, 64, 4)
+    assert lookup((9, 0), "bwd_dq", 64, "float16", False) == TileConfig(32, 64, 2, 3)
+    # phases the variable does not name keep the table
+    assert lookup((9, 0), "bwd_dkv", 128, "float16", False) == TileConfig(64, 64, 4)
+
+
+def test_argument_override_wins_over_env(monkeypatch):
+    monkeypatch.setenv(cap.ENV_VAR, "fwd=64x64x4")
+    got = lookup((9, 0), "fwd", 64, "float16", False, override={"fwd": TileConfig(32, 32, 2)})
+    assert got == TileConfig(32, 32, 2)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "fwd=64x64",  # too few fields
+        "fwd=axbxc",  # not numbers
+        "fwd:64x64x4",  # no '='
+        "bwd=64x64x4",  # unknown phase
+        "fwd=48x64x3",  # block_m not a tile size
+        "fwd=64x64x8",  # block_m != 16 * warps
+        "fwd=128x128x8x4",  # shared memory: 2*(256+1536)*136 = 487424 > sm_90's limit
+        "bwd_dkv=64x64x2",  # block_n != 16 * warps
+        "fwd=64x64x4x9",  # stages
+    ],
+)
+def test_bad_env_override(monkeypatch, value):
+    monkeypatch.setenv(cap.ENV_VAR, value)
+    with pytest.raises(ValueError, match=cap.ENV_VAR):
+        for phase in PHASES:
+            lookup((9, 0), phase, 128, "float16", False)
+
+
+def test_bad_argument_override():
+    with pytest.raises(ValueError, match=cap.ENV_VAR):
+        lookup((8, 6), "fwd", 128, "float16", False, override={"fwd": TileConfig(128, 128, 8)})
+    with pytest.raises(ValueError, match=cap.ENV_VAR):
+        lookup((8, 6), "fwd", 128, "float16", False, override={"fwd": (64, 64, 4)})
+
+
+def test_override_fits_only_where_memory_allows():
+    big = {"fwd": TileConfig(128, 64, 8)}  # 174080 bytes at D128
+    assert lookup((9, 0), "fwd", 128, "float16", False, override=big) == big["fwd"]
+    with pytest.raises(ValueError, match="shared memory"):
+        lookup((8, 0), "fwd", 128, "float16", False, override=big)
+
+
+def test_parse_override_round_trip():
+    cfg = TileConfig(64, 32, 4, 3)
+    assert cap.parse_override(f"bwd_dq={cfg}") == {"bwd_dq": cfg}
+    assert cap.parse_override("") == {}

@@ -1,0 +1,105 @@
+"""Packaging: the wheel carries the CUDA sources and a non-editable install finds
+them from any folder. Builds a wheel, installs it into a fresh venv and imports
+it from a temporary folder. Takes some seconds (marked ``slow``; runs in CI)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import site
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_SUFFIXES = (".cu", ".cuh")
+
+pytestmark = pytest.mark.slow
+
+
+def _kernel_names(root: Path = ROOT) -> list[str]:
+    folder = root / "kernels_cu"
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix in KERNEL_SUFFIXES)
+
+
+def _run(cmd, **kwargs):
+    result = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    if result.returncode != 0:
+        raise AssertionError(
+            f"command failed ({result.returncode}): {' '.join(map(str, cmd))}\n"
+            f"--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
+        )
+    return result
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> tuple[Path, list[str]]:
+    """-> (the wheel, the kernel file names it was built from)."""
+    names = _kernel_names()
+    if not any(n.endswith(".cu") for n in names):
+        print("kernels_cu/ holds no .cu files yet: nothing to check in the wheel")
+        pytest.skip("kernels_cu/ holds no .cu files yet")
+    # Build from a copy so the checkout gets no build/ or *.egg-info folders.
+    src = tmp_path_factory.mktemp("src")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "dist")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    for name in ("cupy_piecewise", "kernels_cu"):
+        shutil.copytree(ROOT / name, src / name, ignore=ignore)
+    out = tmp_path_factory.mktemp("wheelhouse")
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(src)])
+    wheels = list(out.glob("cupy_piecewise-*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0], _kernel_names(src)
+
+
+def test_wheel_contains_kernel_sources(wheel):
+    wheel, names = wheel
+    assert names
+    with zipfile.ZipFile(wheel) as zf:
+        members = set(zf.namelist())
+    for name in names:
+        assert f"cupy_piecewise/kernels_cu/{name}" in members, f"{name} missing from {wheel.name}"
+    assert "cupy_piecewise/__init__.py" in members
+    assert "cupy_piecewise/kernel_sources.py" in members
+    assert not any(m.startswith(("tests/", "bench/", "kernels_cu/")) for m in members), sorted(members)
+
+
+def test_installed_wheel_finds_kernels_from_another_folder(wheel, tmp_path):
+    wheel, names = wheel
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
+    py = venv / "bin" / "python"
+    # The new venv's "system" packages are the base interpreter's, not this venv's:
+    # point it at this interpreter's site-packages for NumPy (appended after its own).
+    purelib = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()}
+    (Path(purelib) / "_outer_site.pth").write_text("\n".join(sorted(ours)) + "\n")
+    _run([str(py), "-m", "pip", "install", "--no-deps", "--quiet", str(wheel)])
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code = (
+        "import cupy_piecewise, json\n"
+        "from cupy_piecewise.kernel_sources import kernel_dir, kernel_files\n"
+        "print(json.dumps({'package': cupy_piecewise.__file__, 'dir': str(kernel_dir()),\n"
+        "                  'files': [p.name for p in kernel_files()]}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    out = _run([str(py), "-c", code], cwd=elsewhere, env=env).stdout
+    import json
+
+    found = json.loads(out.strip().splitlines()[-1])
+    venv_root = str(venv.resolve())
+    assert found["package"].startswith(venv_root), found
+    assert found["dir"].startswith(venv_root) and found["dir"].endswith("cupy_piecewise/kernels_cu"), found
+    assert found["files"] == names
+
+    info = _run([str(py), "-m", "cupy_piecewise", "info"], cwd=elsewhere, env=env).stdout
+    assert "kernels_cu" in info and "cupy-piecewise" in info
