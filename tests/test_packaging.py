@@ -76,12 +76,14 @@ def test_installed_wheel_finds_kernels_from_another_folder(wheel, tmp_path):
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
     py = venv / "bin" / "python"
+    _run([str(py), "-m", "pip", "install", "--no-deps", "--force-reinstall", "--quiet", str(wheel)])
     # The new venv's "system" packages are the base interpreter's, not this venv's:
-    # point it at this interpreter's site-packages for NumPy (appended after its own).
+    # point it at this interpreter's site-packages for NumPy. Written after the
+    # install (pip must not see an outer cupy_piecewise as "already satisfied");
+    # .pth entries come after the venv's own site-packages on sys.path.
     purelib = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
     ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()}
     (Path(purelib) / "_outer_site.pth").write_text("\n".join(sorted(ours)) + "\n")
-    _run([str(py), "-m", "pip", "install", "--no-deps", "--quiet", str(wheel)])
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
