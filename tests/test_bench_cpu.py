@@ -1,0 +1,186 @@
+"""CPU checks of bench/bench.py: the --dry-run end to end (tiny sizes, CPU tensors,
+perf_counter timing) and the FLOP/byte conventions of SPEC.md.
+
+Needs torch (CPU build). tqdm and matplotlib are optional: without tqdm the bench prints a
+plain progress line; without matplotlib the PNG check is skipped with a printed reason.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench", "bench.py")
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("cupy_piecewise_bench", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load_bench()
+
+
+# ----------------------------------------------------------------------------- FLOPs
+def test_forward_flops_match_spec(bench):
+    B, H, M, N, D = 3, 5, 7, 11, 16
+    assert bench.attn_flops(B, H, M, N, D, False, "fwd") == 4 * B * H * M * N * D
+
+
+def test_causal_halves_only_when_square(bench):
+    assert bench.attn_flops(2, 4, 128, 128, 64, True, "fwd") == 4 * 2 * 4 * 128 * 128 * 64 / 2
+    # M != N: no halving by the SPEC.md convention
+    assert bench.attn_flops(2, 4, 16, 128, 64, True, "fwd") == 4 * 2 * 4 * 16 * 128 * 64
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_and_total_factors(bench, causal):
+    f = bench.attn_flops(1, 2, 256, 256, 128, causal, "fwd")
+    assert bench.attn_flops(1, 2, 256, 256, 128, causal, "bwd") == pytest.approx(2.5 * f)
+    assert bench.attn_flops(1, 2, 256, 256, 128, causal, "fwd_bwd") == pytest.approx(3.5 * f)
+
+
+def test_default_sweep_flops_and_tflops(bench):
+    # default sizes: B = 16384 / L, H = 2048 / D -> forward FLOPs = 4 * 16384 * 2048 * L
+    L, D = 8192, 128
+    f = bench.attn_flops(16384 // L, 2048 // D, L, L, D, False, "fwd")
+    assert f == 4 * 16384 * 2048 * L
+    assert bench.tflops_from_ms(f, 1.0) == pytest.approx(f / 1e-3 / 1e12)
+    assert bench.tflops_from_ms(f, None) is None
+
+
+def test_decode_bytes(bench):
+    # one of k1/k2 plus v per key, two queries and o per query row, 2 bytes each
+    b = bench.decode_bytes(1, 32, 32, 16, 4096, 128, 2)
+    assert b == 2 * (32 * 4096 * 128 * 2 + 32 * 16 * 128 * 3)
+    assert bench.decode_bytes(1, 32, 32, 16, 4096, 128, 2, n_queries=1) == 2 * (32 * 4096 * 128 * 2 + 32 * 16 * 128 * 2)
+
+
+def test_input_rotation_count(bench):
+    l2 = 60 * 2**20
+    assert bench.n_sets_for(4 * l2, l2) == 1
+    assert bench.n_sets_for(4 * l2 - 1, l2) >= 2
+    assert bench.n_sets_for(1, l2) == 8
+
+
+def test_ratios(bench):
+    base = dict(dtype="bfloat16", B=1, H=2, M=64, N=64, D=16, causal=False, phase="fwd", status="ok")
+    rows = [dict(base, provider="sdpa_flash", ms=2.0), dict(base, provider="sdpa_cudnn", ms=1.0),
+            dict(base, provider="piecewise", ms=4.0), dict(base, provider="torch_plain", ms=None, status="skipped")]
+    bench.annotate_ratios(rows)
+    assert rows[2]["ratio_vs_sdpa_flash"] == pytest.approx(0.5)
+    assert rows[2]["ratio_vs_sdpa_cudnn"] == pytest.approx(0.25)
+    assert rows[0]["ratio_vs_sdpa_flash"] == pytest.approx(1.0)
+    assert rows[3]["ratio_vs_sdpa_flash"] is None
+
+
+def test_plain_piecewise_matches_sdpa_when_w_beyond_distances(bench):
+    g = torch.Generator().manual_seed(0)
+    q1, k1, q2, k2, v = (torch.randn(1, 2, 24, 16, generator=g, dtype=torch.float64) for _ in range(5))
+    for causal in (False, True):
+        o = bench.plain_piecewise(q1, k1, q2, k2, v, 24, causal)
+        ref = torch.nn.functional.scaled_dot_product_attention(q1, k1, v, is_causal=causal)
+        assert torch.allclose(o, ref, atol=1e-10)
+        # w <= -N: every pair takes q2, k2 (non-causal)
+    o = bench.plain_piecewise(q1, k1, q2, k2, v, -24, False)
+    ref = torch.nn.functional.scaled_dot_product_attention(q2, k2, v)
+    assert torch.allclose(o, ref, atol=1e-10)
+
+
+def test_cli_parsing(bench):
+    a = bench.parse_args(["--quick"])
+    assert a.lengths == [2048, 8192] and a.dtypes == ["bfloat16"] and a.dims == [64, 128]
+    assert a.causal == [False, True] and a.budget_s == 520.0
+    a = bench.parse_args([])
+    assert a.lengths == [1024, 2048, 4096, 8192, 16384] and a.dtypes == ["bfloat16", "float16"]
+    a = bench.parse_args(["--dtypes", "bf16,fp16", "--causal", "true", "--phases", "fwd,fwd+bwd",
+                          "--providers", "piecewise,sdpa_flash", "--skip", "memory"])
+    assert a.dtypes == ["bfloat16", "float16"] and a.causal == [True] and a.phases == ["fwd", "fwd_bwd"]
+    assert "memory" not in a.sections
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--providers", "nope"])
+
+
+# ----------------------------------------------------------------------------- end to end
+MAIN_KEYS = {"provider", "phase", "dtype", "B", "H", "M", "N", "D", "causal", "w", "ms", "tflops", "status",
+             "ratio_vs_sdpa_flash", "ratio_vs_sdpa_cudnn", "flops"}
+
+
+def test_dry_run_end_to_end(tmp_path):
+    out = tmp_path / "res"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, BENCH, "--dry-run", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Summary" in proc.stdout
+
+    res = json.loads((out / "results.json").read_text())
+    h = res["header"]
+    for k in ("date_utc", "gpu", "torch", "cupy", "triton", "command", "timer", "flop_convention"):
+        assert k in h, k
+    assert h["dry_run"] is True
+
+    assert res["main"], "no main-sweep measurements"
+    for r in res["main"]:
+        assert MAIN_KEYS <= set(r), MAIN_KEYS - set(r)
+        assert r["status"] in ("ok", "error", "skipped", "not installed")
+        if r["status"] == "ok":
+            assert r["ms"] > 0 and r["tflops"] > 0
+            assert math.isclose(r["tflops"], r["flops"] / (r["ms"] * 1e-3) / 1e12, rel_tol=1e-9)
+        else:
+            assert r["error"]
+    providers = {r["provider"] for r in res["main"]}
+    assert {"piecewise", "sdpa_flash", "sdpa_cudnn", "torch_plain", "flag_attn"} <= providers
+    assert {r["phase"] for r in res["main"]} == {"fwd", "bwd", "fwd_bwd"}
+    # the references work on CPU tensors, so they must have produced numbers
+    for p in ("sdpa_flash", "torch_plain"):
+        assert any(r["status"] == "ok" for r in res["main"] if r["provider"] == p), p
+    flash_ok = [r for r in res["main"] if r["provider"] == "sdpa_flash" and r["status"] == "ok"]
+    assert all(r["ratio_vs_sdpa_flash"] == pytest.approx(1.0) for r in flash_ok)
+
+    pw = [r for r in res["main"] if r["provider"] == "piecewise"]
+    if importlib.util.find_spec("cupy_piecewise") is not None or os.path.isdir(os.path.join(ROOT, "cupy_piecewise")):
+        # the library's torch CPU path runs in the dry run
+        assert any(r["status"] == "ok" for r in pw), [r.get("error") for r in pw][:3]
+        checks = [c for c in res["spot_checks"] if c["status"] == "ok"]
+        assert checks
+        for c in checks:
+            assert c["max_abs_diff_vs_sdpa"] < 0.1 and c["max_abs_diff_vs_plain_fp32"] < 0.1, c
+
+    assert res["w_sweep"] and res["w_sweep_summary"]
+    for s in res["w_sweep_summary"]:
+        assert {"causal", "phase", "mean_ms", "max_dev_pct"} <= set(s)
+    assert res["decode"] and res["copy_bandwidth"]["status"] == "ok"
+    for r in res["decode"]:
+        assert {"M", "N", "H", "bytes", "gbps", "pct_of_copy_bw", "ms", "status"} <= set(r)
+    assert res["memory"]
+    assert {r["provider"] for r in res["memory"]} >= {"piecewise", "torch_plain"}
+
+    md = (out / "results.md").read_text()
+    for title in ("## Summary", "## Main sweep", "## Spot checks", "## w sweep", "## Decode", "## Peak memory"):
+        assert title in md, title
+    assert "| L | B x H | phase |" in md
+
+    try:
+        import matplotlib  # noqa: F401
+    except Exception as e:
+        print(f"PNG check skipped: matplotlib not importable ({type(e).__name__}: {e})")
+        return
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    configs = {(r["dtype"], r["D"], r["causal"]) for r in res["main"]}
+    assert len(pngs) == len(configs), pngs
+    for p in pngs:
+        assert (out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
