@@ -1,0 +1,76 @@
+"""``python -m cupy_piecewise build``: compile every selectable kernel variant, no GPU needed.
+
+For each architecture asked for, every (phase, head dim, dtype, causal) entry the capability
+table can select is compiled through NVRTC with ptxas's verbose report, and a table of
+registers, stack and spill bytes per variant is printed. Exit status 1 on a compile error or
+on any spill (a spilling variant is a tuning bug: fix the table or the kernel).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from . import capability
+from .compile import Variant, compile_offline
+
+
+def variants_for(cc) -> list[Variant]:
+    """Every kernel variant the table can select on ``cc``, plus the delta pre-pass."""
+    out = set()
+    for phase, head_dim, dtype, causal, tiles in capability.selectable_configs(cc):
+        out.add(Variant(phase, dtype, head_dim, tiles, causal))
+        out.add(Variant("bwd_delta", dtype, head_dim, None, False))
+    return sorted(out, key=lambda v: (v.filename, v.name_expression))
+
+
+def _parse_arch(text: str) -> tuple[int, int]:
+    t = text.strip().lower().removeprefix("sm_")
+    if not t.isdigit() or len(t) < 2:
+        raise argparse.ArgumentTypeError(f"--arch: cannot read {text!r}; expected e.g. sm_90")
+    return int(t[:-1]), int(t[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cupy_piecewise build", description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", default=",".join(f"sm_{a}{b}" for a, b in capability.LISTED_ARCHS),
+                    help="comma-separated architectures (default: every listed one)")
+    args = ap.parse_args(argv)
+    archs = [_parse_arch(a) for a in args.arch.split(",") if a.strip()]
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress is a nicety; the table below is the result
+        def tqdm(it, **kw):
+            return it
+
+    jobs = []
+    for cc in archs:
+        by_file: dict[str, list[Variant]] = {}
+        for v in variants_for(cc):
+            by_file.setdefault(v.filename, []).append(v)
+        jobs += [(cc, vs) for vs in by_file.values()]
+
+    failures = 0
+    rows = []
+    t0 = time.time()
+    for cc, vs in tqdm(jobs, desc="compiling", unit="module", file=sys.stderr):
+        try:
+            rows += compile_offline(cc, vs)
+        except RuntimeError as e:
+            failures += 1
+            print(e, file=sys.stderr)
+    print(f"{'arch':6} {'regs':>4} {'stack':>5} {'spill st/ld':>11}  variant")
+    for r in rows:
+        bad = not r.ok or (r.spill_stores or 0) or (r.spill_loads or 0)
+        failures += bool(bad)
+        print(f"{r.arch:6} {r.registers or 0:4d} {r.stack_bytes or 0:5d} "
+              f"{r.spill_stores or 0:5d}/{r.spill_loads or 0:<5d}  {r.variant.name_expression}"
+              f"{'   <-- FAIL' if bad else ''}")
+    print(f"{len(rows)} variants compiled for {', '.join(f'sm_{a}{b}' for a, b in archs)} "
+          f"in {time.time() - t0:.0f} s; {failures} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

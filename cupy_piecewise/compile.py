@@ -1,0 +1,177 @@
+"""Kernel sources, instantiation names and the compile cache: the one place kernels are built.
+
+Kernels are CUDA C++ templates in ``kernels_cu/`` compiled at run time by NVRTC through
+``cupy.RawModule``. NVRTC has no include path of ours and CuPy's disk cache hashes only the
+source string and options, so :func:`source` splices every ``#include "..."`` of ours into
+the text: editing a header changes the hash and forces a rebuild.
+
+The same sources compile without a GPU (:func:`compile_offline`), which the build check
+(``python -m cupy_piecewise build``) uses to compile every variant the capability table can
+select for every listed architecture and to read ptxas's register and spill report.
+"""
+from __future__ import annotations
+
+import functools
+import re
+import threading
+from dataclasses import dataclass
+
+from .capability import TileConfig
+from .kernel_sources import kernel_dir
+
+#: kernel file per phase; the delta pre-pass lives with the backward kernels.
+SOURCE_FILE = {"fwd": "forward.cu", "bwd_dq": "backward.cu", "bwd_dkv": "backward.cu",
+               "bwd_delta": "backward.cu"}
+_TEMPLATE = {"fwd": "pw_forward", "bwd_dq": "pw_backward_dq", "bwd_dkv": "pw_backward_dkv",
+             "bwd_delta": "pw_backward_delta"}
+_ELEM = {"float16": "half_t", "bfloat16": "bf16_t"}
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+
+BASE_OPTIONS = ("-std=c++17",)
+
+
+@functools.lru_cache(maxsize=None)
+def source(filename: str) -> str:
+    """Text of ``kernels_cu/<filename>`` with our own ``#include "..."`` lines spliced in."""
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        if name in seen:  # every header is #pragma once
+            return ""
+        seen.add(name)
+        text = (kernel_dir() / name).read_text()
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(filename)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One template instantiation: everything that is a compile-time constant."""
+
+    phase: str  # 'fwd' | 'bwd_dq' | 'bwd_dkv' | 'bwd_delta'
+    dtype: str  # 'float16' | 'bfloat16'
+    head_dim: int
+    tiles: TileConfig | None  # None for the delta pre-pass
+    causal: bool = False
+
+    @property
+    def filename(self) -> str:
+        return SOURCE_FILE[self.phase]
+
+    @property
+    def name_expression(self) -> str:
+        elem = _ELEM[self.dtype]
+        if self.phase == "bwd_delta":
+            return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}>"
+        t = self.tiles
+        causal = "true" if self.causal else "false"
+        return (f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}, {t.block_m}, {t.block_n}, "
+                f"{t.num_warps}, {causal}>")
+
+    @property
+    def threads(self) -> int:
+        return 256 if self.phase == "bwd_delta" else 32 * self.tiles.num_warps
+
+
+def arch_options(cc: tuple[int, int]) -> tuple[str, ...]:
+    return BASE_OPTIONS + (f"-arch=sm_{cc[0]}{cc[1]}",)
+
+
+_lock = threading.Lock()
+_functions: dict[tuple[int, Variant], object] = {}
+_modules: dict[tuple[int, Variant], object] = {}
+
+
+def get_function(device_id: int, variant: Variant):
+    """The loaded ``cupy.cuda.Function`` for ``variant`` on ``device_id`` (compiled once).
+
+    One RawModule per (device, variant): a call compiles only what it launches. CuPy's own
+    disk cache (keyed on the spliced source and options) makes later processes fast.
+    """
+    key = (device_id, variant)
+    fn = _functions.get(key)
+    if fn is not None:
+        return fn
+    import cupy
+
+    with _lock:
+        fn = _functions.get(key)
+        if fn is None:
+            with cupy.cuda.Device(device_id):
+                mod = cupy.RawModule(code=source(variant.filename), options=BASE_OPTIONS,
+                                     name_expressions=[variant.name_expression])
+                fn = mod.get_function(variant.name_expression)
+            _modules[key] = mod  # keep the module (and its CUmodule) alive
+            _functions[key] = fn
+    return fn
+
+
+@dataclass
+class BuildReport:
+    variant: Variant
+    arch: str
+    registers: int | None
+    spill_stores: int | None
+    spill_loads: int | None
+    stack_bytes: int | None
+    ok: bool
+    log: str
+
+
+_PTXAS_FN = re.compile(r"ptxas info\s*: Compiling entry function '([^']+)'")
+_PTXAS_USED = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def compile_offline(cc: tuple[int, int], variants: list[Variant]) -> list[BuildReport]:
+    """Compile ``variants`` (all from one source file) for ``cc`` with NVRTC, no GPU needed.
+
+    Returns one report per variant with ptxas's registers, stack and spill bytes.
+    Raises RuntimeError with the compiler log on a compile error.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    files = {v.filename for v in variants}
+    if len(files) != 1:
+        raise ValueError(f"variants must share one source file, got {sorted(files)}")
+    (filename,) = files
+    arch = f"sm_{cc[0]}{cc[1]}"
+    prog = nvrtc.createProgram(source(filename), filename, [], [])
+    try:
+        for v in variants:
+            nvrtc.addNameExpression(prog, v.name_expression)
+        opts = list(arch_options(cc)) + ["-Xptxas=-v"]
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC failed for {filename} on {arch}:\n"
+                               f"{nvrtc.getProgramLog(prog)}") from e
+        log = nvrtc.getProgramLog(prog)
+        lowered = {v: nvrtc.getLoweredName(prog, v.name_expression) for v in variants}
+    finally:
+        nvrtc.destroyProgram(prog)
+
+    # ptxas prints a block per entry function: split the log on those headers.
+    blocks: dict[str, str] = {}
+    cur = None
+    for line in log.splitlines():
+        m = _PTXAS_FN.search(line)
+        if m:
+            cur = m.group(1)
+            blocks[cur] = ""
+        elif cur is not None:
+            blocks[cur] += line + "\n"
+    reports = []
+    for v in variants:
+        text = blocks.get(lowered[v], "")
+        used = _PTXAS_USED.search(text)
+        spill = _PTXAS_SPILL.search(text)
+        reports.append(BuildReport(
+            variant=v, arch=arch,
+            registers=int(used.group(1)) if used else None,
+            stack_bytes=int(spill.group(1)) if spill else None,
+            spill_stores=int(spill.group(2)) if spill else None,
+            spill_loads=int(spill.group(3)) if spill else None,
+            ok=bool(used), log=text))
+    return reports

@@ -1,0 +1,200 @@
+"""Launching the CUDA kernels on raw device pointers.
+
+This layer knows nothing of CuPy arrays or torch tensors: callers (``cupy_backend``,
+``torch_ops``) pass :class:`ArrayRef` (pointer + element strides) for inputs and for
+outputs they allocated, and the stream to launch on. Working from pointers keeps the
+per-call host cost to a few microseconds and makes the zero-copy promise literal: the
+kernels read the callers' own memory.
+
+Kernel arguments travel as one packed struct (``Params`` in ``kernels_cu/params.cuh``)
+through ``cuLaunchKernel``; :data:`PARAM_FIELDS` mirrors its layout.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import struct
+import threading
+from typing import NamedTuple
+
+from . import capability
+from .compile import Variant, get_function
+
+__all__ = ["ArrayRef", "kernel_ready", "forward", "backward", "plan"]
+
+#: Tensor views in the order of ``Params`` (each: pointer, batch/head/row strides).
+TENSORS = ("q1", "k1", "q2", "k2", "v", "o", "dout", "dq1", "dk1", "dq2", "dk2", "dv")
+#: The scalar tail of ``Params``; the last 8 bytes hold two float32 (scale_log2, sm_scale).
+PARAM_FIELDS = tuple(f"{t}.{f}" for t in TENSORS for f in ("ptr", "sb", "sh", "sr")) + (
+    "lse", "delta", "H", "group", "M", "N", "w", "scale_log2|sm_scale")
+_NSLOTS = len(PARAM_FIELDS)
+_Slots = ctypes.c_int64 * _NSLOTS
+_LOG2E = 1.4426950408889634
+_MAX_GRID_YZ = 65535
+_ATTR_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+class ArrayRef(NamedTuple):
+    """A device array as the kernels see it: data pointer and strides in elements."""
+
+    ptr: int
+    strides: tuple
+
+
+def kernel_ready(shape, strides, ptr: int, itemsize: int) -> bool:
+    """True when the kernels can read this array in place.
+
+    They need unit stride along the last axis, 16-byte aligned rows (every other stride a
+    non-negative multiple of 8 elements of a 2-byte type) and a 16-byte aligned pointer.
+    Axes of length 1 may have any stride. Anything else is copied once by the caller.
+    """
+    if ptr % 16:
+        return False
+    for n, s in zip(shape[:-1], strides[:-1]):
+        if n > 1 and (s < 0 or (s * itemsize) % 16):
+            return False
+    return shape[-1] <= 1 or strides[-1] == 1
+
+
+_cc_cache: dict[int, tuple[int, int]] = {}
+_kernels: dict[tuple[int, Variant], tuple[int, int]] = {}
+_lock = threading.Lock()
+
+
+def _compute_capability(device: int) -> tuple[int, int]:
+    cc = _cc_cache.get(device)
+    if cc is None:
+        import cupy
+
+        s = cupy.cuda.Device(device).compute_capability
+        cc = _cc_cache[device] = (int(s[:-1]), int(s[-1]))
+    return cc
+
+
+def plan(problem, phase: str) -> Variant:
+    """The kernel variant (tile sizes from the capability table) for ``problem``'s device."""
+    cc = _compute_capability(problem.device)
+    tiles = None if phase == "bwd_delta" else capability.lookup(
+        cc, phase, problem.D, problem.dtype, problem.causal)
+    return Variant(phase, problem.dtype, problem.D, tiles, problem.causal)
+
+
+def _kernel(device: int, variant: Variant) -> tuple[int, int]:
+    """(CUfunction handle, dynamic shared bytes) for ``variant``, loaded on ``device``."""
+    key = (device, variant)
+    hit = _kernels.get(key)
+    if hit is not None:
+        return hit
+    from cupy_backends.cuda.api import driver
+
+    fn = get_function(device, variant)
+    smem = 0 if variant.tiles is None else capability.shared_bytes(
+        variant.phase, variant.head_dim, variant.tiles)
+    if smem > 48 * 1024:  # above 48 KB a kernel must opt in
+        driver.funcSetAttribute(fn.ptr, _ATTR_MAX_DYNAMIC_SHARED, smem)
+    with _lock:
+        _kernels[key] = (fn.ptr, smem)
+    return fn.ptr, smem
+
+
+def _pack(problem, refs: dict) -> ctypes.Array:
+    slots = []
+    for name in TENSORS:
+        r = refs.get(name)
+        if r is None:
+            slots += (0, 0, 0, 0)
+        else:
+            s = r.strides
+            slots += (r.ptr, s[0], s[1], s[2])
+    n_dist = problem.M + problem.N + 1  # every distance lies strictly inside +-n_dist
+    w = max(-n_dist, min(n_dist, int(problem.w)))
+    scales = struct.unpack("<q", struct.pack("<ff", problem.sm_scale * _LOG2E, problem.sm_scale))[0]
+    slots += (refs.get("lse", 0), refs.get("delta", 0), problem.H, problem.H // problem.Hkv,
+              problem.M, problem.N, w, scales)
+    return _Slots(*slots)
+
+
+def _launch(problem, variant: Variant, grid, params: ctypes.Array, stream: int) -> None:
+    from cupy_backends.cuda.api import driver
+
+    fn, smem = _kernel(problem.device, variant)
+    args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+    driver.launchKernel(fn, grid[0], grid[1], grid[2], variant.threads, 1, 1, smem, stream,
+                        ctypes.addressof(args), 0)
+
+
+def _check_grid(problem) -> None:
+    if problem.H > _MAX_GRID_YZ or problem.B > _MAX_GRID_YZ:
+        raise ValueError(f"q1: batch ({problem.B}) and heads ({problem.H}) must each be at most "
+                         f"{_MAX_GRID_YZ} for the CUDA kernels")
+
+
+class _DeviceGuard:
+    """Makes ``device`` current for the launch only when it is not already (cheap path)."""
+
+    def __init__(self, device: int):
+        self.device = device
+        self.prev = None
+
+    def __enter__(self):
+        from cupy_backends.cuda.api import runtime
+
+        cur = runtime.getDevice()
+        if cur != self.device:
+            self.prev = cur
+            runtime.setDevice(self.device)
+
+    def __exit__(self, *exc):
+        if self.prev is not None:
+            from cupy_backends.cuda.api import runtime
+
+            runtime.setDevice(self.prev)
+
+
+def forward(problem, q1, k1, q2, k2, v, o, lse, *, stream: int) -> None:
+    """Launch the forward kernel: writes every element of ``o`` and ``lse``.
+
+    Args:
+        problem: a validated :class:`cupy_piecewise.validate.Problem` (float16/bfloat16,
+            supported head dim, ``device`` set).
+        q1, q2: :class:`ArrayRef` of (B, H, M, D); k1, k2, v: (B, Hkv, N, D); all
+            :func:`kernel_ready`.
+        o: :class:`ArrayRef` of the (B, H, M, D) output, input dtype, kernel_ready.
+        lse: device pointer (int) of a contiguous float32 (B, H, M) output.
+        stream: ``cudaStream_t`` as an int (0 for the legacy default stream).
+    """
+    if problem.M == 0:
+        return
+    _check_grid(problem)
+    variant = plan(problem, "fwd")
+    params = _pack(problem, dict(q1=q1, k1=k1, q2=q2, k2=k2, v=v, o=o, lse=lse))
+    grid = (math.ceil(problem.M / variant.tiles.block_m), problem.H, problem.B)
+    with _DeviceGuard(problem.device):
+        _launch(problem, variant, grid, params, stream)
+
+
+def backward(problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, delta, *,
+             stream: int) -> None:
+    """Launch the backward kernels: writes every element of the five gradients.
+
+    Args: as :func:`forward`, plus ``do`` (ArrayRef, (B, H, M, D)), the gradient outputs
+    ``dq1``, ``dq2`` ((B, H, M, D)) and ``dk1``, ``dk2``, ``dv`` ((B, Hkv, N, D)) as
+    ArrayRef in the input dtype, ``lse`` and ``delta`` as pointers of contiguous float32
+    (B, H, M) arrays (``delta`` is scratch). dk/dv of a grouped-query problem are summed
+    over the query heads of each group in the kernel.
+    """
+    _check_grid(problem)
+    params = _pack(problem, dict(q1=q1, k1=k1, q2=q2, k2=k2, v=v, o=o, dout=do, dq1=dq1,
+                                 dk1=dk1, dq2=dq2, dk2=dk2, dv=dv, lse=lse, delta=delta))
+    with _DeviceGuard(problem.device):
+        if problem.M > 0:
+            _launch(problem, plan(problem, "bwd_delta"),
+                    (math.ceil(problem.H * problem.M / 8), problem.B, 1), params, stream)
+            dq = plan(problem, "bwd_dq")
+            _launch(problem, dq, (math.ceil(problem.M / dq.tiles.block_m), problem.H, problem.B),
+                    params, stream)
+        if problem.N > 0:  # with M == 0 this still writes dk = dv = 0
+            dkv = plan(problem, "bwd_dkv")
+            _launch(problem, dkv,
+                    (math.ceil(problem.N / dkv.tiles.block_n), problem.Hkv, problem.B),
+                    params, stream)

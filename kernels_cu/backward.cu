@@ -1,0 +1,227 @@
+// Backward pass: a delta pre-pass, then two kernels that each own one side of the score
+// matrix and recompute scores from the saved log-sum-exp:
+//   pw_backward_dq:  one block per (query tile, head, batch)  -> dq1, dq2
+//   pw_backward_dkv: one block per (key tile, kv head, batch)  -> dk1, dk2, dv, summing the
+//                    query heads of its grouped-query group on chip.
+// Neither needs atomics, so results are deterministic.
+//
+// A row of dq (a row of dk) receives pair-2 terms from the keys (queries) on one side of the
+// d = w line and pair-1 terms from the other side, overlapping only in the few tiles that
+// straddle it. Rather than hold two D-wide accumulators, each kernel makes two passes: one
+// over the tiles that touch pair 1, one over those that touch pair 2, recomputing only the
+// straddling tiles twice.
+#include "params.cuh"
+
+// delta[b, h, i] = sum_d dO[i, d] * O[i, d], one warp per row, 16-byte loads.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) pw_backward_delta(const Params p) {
+  const i64 rows = p.M * p.H * (i64)gridDim.y;  // gridDim.y = batch
+  const i64 row = (i64)blockIdx.x * 8 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.M * p.H) return;
+  (void)rows;
+  const i64 b = blockIdx.y, h = row / p.M, i = row % p.M;
+  const u16* o = p.o.at(b, h) + i * p.o.sr;
+  const u16* d = p.dout.at(b, h) + i * p.dout.sr;
+  float acc = 0.f;
+  for (int c = lane; c < D / 8; c += 32) {
+    const uint4 ov = *reinterpret_cast<const uint4*>(o + 8 * c);
+    const uint4 dv = *reinterpret_cast<const uint4*>(d + 8 * c);
+    const u32 ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      acc += Elem<T>::to_float((u16)(ow[k] & 0xffff)) * Elem<T>::to_float((u16)(dw[k] & 0xffff));
+      acc += Elem<T>::to_float((u16)(ow[k] >> 16)) * Elem<T>::to_float((u16)(dw[k] >> 16));
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) p.delta[(b * p.H + h) * p.M + i] = acc;
+}
+
+template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL>
+__global__ void __launch_bounds__(WARPS * 32) pw_backward_dq(const Params p) {
+  static_assert(BM == 16 * WARPS, "each warp owns 16 query rows");
+  constexpr int THREADS = WARPS * 32;
+  constexpr int TILE_Q = BM * Pitch<D>::elems, TILE_K = BN * Pitch<D>::elems;
+  extern __shared__ __align__(16) unsigned char smem[];
+  u16* sQ1 = reinterpret_cast<u16*>(smem);
+  u16* sQ2 = sQ1 + TILE_Q;
+  u16* sDO = sQ2 + TILE_Q;
+  u16* sKV = sDO + TILE_Q;  // per stage: K1, K2, V
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const i64 mt = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+  const i64 h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const i64 M = p.M, N = p.N, P = N - M, m0 = mt * BM;
+  const i64 row0 = m0 + warp * 16;
+
+  const u16* k1 = p.k1.at(b, hk);
+  const u16* k2 = p.k2.at(b, hk);
+  const u16* vv = p.v.at(b, hk);
+
+  load_rows<BM, D, THREADS>(smem_addr(sQ1), p.q1.at(b, h), p.q1.sr, m0, M);
+  load_rows<BM, D, THREADS>(smem_addr(sQ2), p.q2.at(b, h), p.q2.sr, m0, M);
+  load_rows<BM, D, THREADS>(smem_addr(sDO), p.dout.at(b, h), p.dout.sr, m0, M);
+
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const i64 r = row0 + lane / 4 + 8 * hh;
+    const i64 idx = (b * p.H + h) * M + r;
+    lse2[hh] = r < M ? lse_to_log2(p.lse[idx]) : PW_POS_INF;
+    delta[hh] = r < M ? p.delta[idx] : 0.f;
+  }
+
+  const i64 n_end = CAUSAL ? clamp64(m0 + BM + P, 0, N) : N;
+  const int ntiles = (int)((n_end + BN - 1) / BN);
+  // Key tiles touching pair 1 (some d < w) form a suffix, those touching pair 2 a prefix.
+  const int first1 = (int)clamp64(floor_div(m0 + P - p.w - BN + 1, BN) + 1, 0, ntiles);
+  const int end2 = (int)clamp64(floor_div(m0 + BM - 1 + P - p.w, BN) + 1, 0, ntiles);
+
+  auto issue = [&](int t, int stage) {
+    const i64 n0 = (i64)t * BN;
+    const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
+    u16* st = sKV + stage * 3 * TILE_K;
+    if (mode & 1) load_rows<BN, D, THREADS>(smem_addr(st), k1, p.k1.sr, n0, N);
+    if (mode & 2) load_rows<BN, D, THREADS>(smem_addr(st + TILE_K), k2, p.k2.sr, n0, N);
+    load_rows<BN, D, THREADS>(smem_addr(st + 2 * TILE_K), vv, p.v.sr, n0, N);
+  };
+  const u32 aQ1 = smem_addr(sQ1 + warp * 16 * Pitch<D>::elems);
+  const u32 aQ2 = smem_addr(sQ2 + warp * 16 * Pitch<D>::elems);
+  const u32 aDO = smem_addr(sDO + warp * 16 * Pitch<D>::elems);
+
+#pragma unroll 1
+  for (int pair = 1; pair <= 2; ++pair) {
+    float acc[D / 8][4];
+    zero_frag<D / 8>(acc);
+    pipelined_tiles(pair == 1 ? first1 : 0, pair == 1 ? ntiles : end2, issue,
+                    [&](int t, int stage) {
+      const i64 n0 = (i64)t * BN;
+      const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
+      const bool masked = tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), n0 + BN, N);
+      const u16* st = sKV + stage * 3 * TILE_K;
+      const Geom g = make_geom<false>(row0, n0, P, p.w, N);
+
+      float s[BN / 8][4];
+      score_tile<T, D, BN, CAUSAL, false>(s, aQ1, aQ2, smem_addr(st), smem_addr(st + TILE_K),
+                                          mode, masked, g, p.scale_log2, lane);
+      float dp[BN / 8][4];
+      zero_frag<BN / 8>(dp);
+      mma_abt<T, D, BN>(dp, aDO, smem_addr(st + 2 * TILE_K), lane);
+#pragma unroll
+      for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pr = fast_exp2(s[nb][e] - lse2[e / 2]);
+          s[nb][e] = pr * (dp[nb][e] - delta[e / 2]);  // dS
+        }
+      if (mode == 3) keep_pair<BN, false>(s, pair, g, lane);
+      mma_xb<T, D, BN>(acc, s, smem_addr(st + (pair - 1) * TILE_K), lane);
+    });
+    const float scale[2] = {p.sm_scale, p.sm_scale};
+    const Tensor& out = pair == 1 ? p.dq1 : p.dq2;
+    store_rows<T, D>(out.mut(b, h), out.sr, row0, M, acc, scale, lane);
+  }
+}
+
+template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL>
+__global__ void __launch_bounds__(WARPS * 32) pw_backward_dkv(const Params p) {
+  static_assert(BN == 16 * WARPS, "each warp owns 16 key rows");
+  constexpr int THREADS = WARPS * 32;
+  constexpr int TILE_K = BN * Pitch<D>::elems, TILE_Q = BM * Pitch<D>::elems;
+  extern __shared__ __align__(16) unsigned char smem[];
+  u16* sK1 = reinterpret_cast<u16*>(smem);
+  u16* sK2 = sK1 + TILE_K;
+  u16* sV = sK2 + TILE_K;
+  u16* sQ = sV + TILE_K;                                   // per stage: Q1, Q2, dO
+  float* sStat = reinterpret_cast<float*>(sQ + 2 * 3 * TILE_Q);  // per stage: lse, delta
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const i64 nt = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const i64 M = p.M, N = p.N, P = N - M, n0 = nt * BN;
+  const i64 row0 = n0 + warp * 16;  // rows are keys here
+
+  load_rows<BN, D, THREADS>(smem_addr(sK1), p.k1.at(b, hk), p.k1.sr, n0, N);
+  load_rows<BN, D, THREADS>(smem_addr(sK2), p.k2.at(b, hk), p.k2.sr, n0, N);
+  load_rows<BN, D, THREADS>(smem_addr(sV), p.v.at(b, hk), p.v.sr, n0, N);
+
+  // Query tiles that can see this key tile at all, then the sub-ranges touching each pair:
+  // pair 1 (some d < w) is a prefix of them, pair 2 (some d >= w) a suffix.
+  const int t_hi = (int)((M + BM - 1) / BM);
+  const int t_lo = CAUSAL ? (int)clamp64(floor_div(n0 - P, BM), 0, t_hi) : 0;
+  const int end1 = (int)clamp64(ceil_div(p.w - P + n0 + BN - 1, BM), t_lo, t_hi);
+  const int first2 = (int)clamp64(ceil_div(p.w - P + n0 - BM + 1, BM), t_lo, t_hi);
+  const int group = (int)p.group;
+
+  const u32 aK1 = smem_addr(sK1 + warp * 16 * Pitch<D>::elems);
+  const u32 aK2 = smem_addr(sK2 + warp * 16 * Pitch<D>::elems);
+  const u32 aV = smem_addr(sV + warp * 16 * Pitch<D>::elems);
+
+  float dv[D / 8][4];
+  zero_frag<D / 8>(dv);
+
+#pragma unroll 1
+  for (int pair = 1; pair <= 2; ++pair) {
+    const int lo = pair == 1 ? t_lo : first2, hi = pair == 1 ? end1 : t_hi;
+    const int per_head = hi - lo;
+    // Iterations walk (query head of the group, query tile) pairs in one pipelined stream.
+    auto tile_of = [&](int it, i64& h, i64& m0) {
+      h = hk * group + it / per_head;
+      m0 = (i64)(lo + it % per_head) * BM;
+    };
+    auto issue = [&](int it, int stage) {
+      i64 h, m0;
+      tile_of(it, h, m0);
+      const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
+      u16* st = sQ + stage * 3 * TILE_Q;
+      if (mode & 1) load_rows<BM, D, THREADS>(smem_addr(st), p.q1.at(b, h), p.q1.sr, m0, M);
+      if (mode & 2)
+        load_rows<BM, D, THREADS>(smem_addr(st + TILE_Q), p.q2.at(b, h), p.q2.sr, m0, M);
+      load_rows<BM, D, THREADS>(smem_addr(st + 2 * TILE_Q), p.dout.at(b, h), p.dout.sr, m0, M);
+      const i64 base = (b * p.H + h) * M;
+      float* ss = sStat + stage * 2 * BM;
+      load_f32<BM, THREADS>(smem_addr(ss), p.lse + base, m0, M);
+      load_f32<BM, THREADS>(smem_addr(ss + BM), p.delta + base, m0, M);
+    };
+
+    float dk[D / 8][4];
+    zero_frag<D / 8>(dk);
+    pipelined_tiles(0, per_head > 0 ? per_head * group : 0, issue, [&](int it, int stage) {
+      i64 h, m0;
+      tile_of(it, h, m0);
+      const int t = (int)(m0 / BM);
+      const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
+      const bool masked = tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), m0 + BM, M);
+      const u16* st = sQ + stage * 3 * TILE_Q;
+      const float* ss = sStat + stage * 2 * BM;
+      const Geom g = make_geom<true>(row0, m0, P, p.w, M);
+
+      float s[BM / 8][4];
+      score_tile<T, D, BM, CAUSAL, true>(s, aK1, aK2, smem_addr(st), smem_addr(st + TILE_Q),
+                                         mode, masked, g, p.scale_log2, lane);
+#pragma unroll
+      for (int nb = 0; nb < BM / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          s[nb][e] = fast_exp2(s[nb][e] - lse_to_log2(ss[nb * 8 + 2 * (lane % 4) + (e % 2)]));
+      // dV takes every tile once: pass 2 skips the straddling tiles pass 1 already counted.
+      if (pair == 1 || t >= end1) mma_xb<T, D, BM>(dv, s, smem_addr(st + 2 * TILE_Q), lane);
+      float dp[BM / 8][4];
+      zero_frag<BM / 8>(dp);
+      mma_abt<T, D, BM>(dp, aV, smem_addr(st + 2 * TILE_Q), lane);
+#pragma unroll
+      for (int nb = 0; nb < BM / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          s[nb][e] *= dp[nb][e] - ss[BM + nb * 8 + 2 * (lane % 4) + (e % 2)];  // dS
+      if (mode == 3) keep_pair<BM, true>(s, pair, g, lane);
+      mma_xb<T, D, BM>(dk, s, smem_addr(st + (pair - 1) * TILE_Q), lane);
+    });
+    const float scale[2] = {p.sm_scale, p.sm_scale};
+    const Tensor& out = pair == 1 ? p.dk1 : p.dk2;
+    store_rows<T, D>(out.mut(b, hk), out.sr, row0, N, dk, scale, lane);
+  }
+  const float one[2] = {1.f, 1.f};
+  store_rows<T, D>(p.dv.mut(b, hk), p.dv.sr, row0, N, dv, one, lane);
+}

@@ -1,0 +1,350 @@
+// Shared building blocks for the piecewise-attention kernels.
+//
+// The kernels are compiled at run time by NVRTC, which has no default include path, so this
+// header depends on nothing: element types are raw 16-bit patterns and every conversion and
+// tensor-core operation is inline PTX. The Python loader splices this file into each kernel
+// source, so its text is part of what the compile cache hashes.
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+#define PW_DEVICE __device__ __forceinline__
+
+// ---------------------------------------------------------------- element types
+struct half_t {};  // IEEE binary16
+struct bf16_t {};  // bfloat16
+
+template <typename T> struct Elem;
+
+template <> struct Elem<half_t> {
+  // cvt.*x2 puts its first source in the upper half: pass (hi, lo).
+  static PW_DEVICE u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  static PW_DEVICE float to_float(u16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+  }
+  static PW_DEVICE void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <> struct Elem<bf16_t> {
+  static PW_DEVICE u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  // bfloat16 is the top half of a float32: widening is a shift (cvt.f32.bf16 needs sm_90).
+  static PW_DEVICE float to_float(u16 x) { return __uint_as_float(((u32)x) << 16); }
+  static PW_DEVICE void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// ---------------------------------------------------------------- small math
+#define PW_LOG2E 1.4426950408889634f
+#define PW_LN2 0.6931471805599453f
+#define PW_NEG_INF (-__int_as_float(0x7f800000))
+#define PW_POS_INF (__int_as_float(0x7f800000))
+
+PW_DEVICE float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Floor and ceiling division for possibly negative numerators (positive divisor).
+PW_DEVICE i64 floor_div(i64 a, i64 b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+PW_DEVICE i64 ceil_div(i64 a, i64 b) { return -floor_div(-a, b); }
+PW_DEVICE i64 clamp64(i64 x, i64 lo, i64 hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+// ---------------------------------------------------------------- shared memory access
+PW_DEVICE u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+PW_DEVICE void ldsm_x4(u32 r[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+PW_DEVICE void ldsm_x4_trans(u32 r[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// ---------------------------------------------------------------- asynchronous copies
+// A zero source size fills the destination with zeros: rows past the end of a tensor read as 0.
+PW_DEVICE void cp_async16(u32 dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+PW_DEVICE void cp_async4(u32 dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0));
+}
+PW_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> PW_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// Tiles live in shared memory as ROWS x D elements with rows padded by 16 bytes: with a row
+// pitch of D+8 elements the eight 16-byte rows an ldmatrix phase reads fall in distinct banks
+// for every supported head dim, and 16-byte cp.async stores stay aligned.
+template <int D> struct Pitch {
+  static constexpr int elems = D + 8;
+  static constexpr int bytes = (D + 8) * 2;
+};
+
+// Copies rows [row0, row0+ROWS) of an (L, D) matrix (row stride `rs` elements, unit column
+// stride) into a shared tile; rows at or beyond `nvalid` become zeros.
+template <int ROWS, int D, int THREADS>
+PW_DEVICE void load_rows(u32 dst, const u16* src, i64 rs, i64 row0, i64 nvalid) {
+  constexpr int CPR = D / 8;  // 16-byte chunks per row
+  constexpr int TOTAL = ROWS * CPR;
+#pragma unroll
+  for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {
+    const int c = it * THREADS + (int)threadIdx.x;
+    if (TOTAL % THREADS == 0 || c < TOTAL) {
+      const int r = c / CPR, ch = c % CPR;
+      const i64 gr = row0 + r;
+      const bool ok = gr < nvalid;
+      const u16* g = ok ? src + gr * rs + ch * 8 : src;
+      cp_async16(dst + r * Pitch<D>::bytes + ch * 16, g, ok);
+    }
+  }
+}
+
+// Copies COUNT consecutive floats starting at index i0 (entries at or past nvalid become 0).
+template <int COUNT, int THREADS>
+PW_DEVICE void load_f32(u32 dst, const float* src, i64 i0, i64 nvalid) {
+#pragma unroll
+  for (int it = 0; it < (COUNT + THREADS - 1) / THREADS; ++it) {
+    const int c = it * THREADS + (int)threadIdx.x;
+    if (COUNT % THREADS == 0 || c < COUNT) {
+      const bool ok = i0 + c < nvalid;
+      cp_async4(dst + 4 * c, ok ? src + i0 + c : src, ok);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- warp-level products
+// Fragment layout (m16n8k16 accumulator): a thread holds rows lane/4 and lane/4+8 of each 8-column
+// block, columns 2*(lane%4) and 2*(lane%4)+1, as c[0],c[1] (upper row) and c[2],c[3] (lower row).
+
+// acc[16 x 16*NP block np] += A(16 x D) * B(rows np*16.., D)^T for one 16-column block.
+template <typename T, int D>
+PW_DEVICE void mma_abt_block(float acc[2][4], u32 sA, u32 sB, int np, int lane) {
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k) {
+    u32 a[4], b[4];
+    ldsm_x4(a, sA + (lane % 16) * Pitch<D>::bytes + (k * 16 + (lane / 16) * 8) * 2);
+    ldsm_x4(b, sB + (np * 16 + (lane % 8) + (lane / 16) * 8) * Pitch<D>::bytes +
+                   (k * 16 + ((lane / 8) % 2) * 8) * 2);
+    Elem<T>::mma(acc[0], a, b[0], b[1]);
+    Elem<T>::mma(acc[1], a, b[2], b[3]);
+  }
+}
+
+// acc(16 x BN) += A(16 x D) * B(BN x D)^T, both operands row-major tiles in shared memory
+// (A: the warp's 16 rows). Scores, dP and their transposes all take this form.
+template <typename T, int D, int BN>
+PW_DEVICE void mma_abt(float acc[BN / 8][4], u32 sA, u32 sB, int lane) {
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k) {
+    u32 a[4];
+    ldsm_x4(a, sA + (lane % 16) * Pitch<D>::bytes + (k * 16 + (lane / 16) * 8) * 2);
+#pragma unroll
+    for (int np = 0; np < BN / 16; ++np) {
+      u32 b[4];
+      ldsm_x4(b, sB + (np * 16 + (lane % 8) + (lane / 16) * 8) * Pitch<D>::bytes +
+                     (k * 16 + ((lane / 8) % 2) * 8) * 2);
+      Elem<T>::mma(acc[2 * np], a, b[0], b[1]);
+      Elem<T>::mma(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// acc(16 x D) += X(16 x BN, float accumulator fragments rounded to T) * B(BN x D), B row-major
+// in shared memory and read transposed by ldmatrix. P·V, dS·K, Pᵀ·dO and dSᵀ·Q take this form:
+// the accumulator layout of two adjacent 8-column blocks is exactly an m16n8k16 A fragment.
+template <typename T, int D, int BN>
+PW_DEVICE void mma_xb(float acc[D / 8][4], const float x[BN / 8][4], u32 sB, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    u32 a[4];
+    a[0] = Elem<T>::pack(x[2 * kk][0], x[2 * kk][1]);
+    a[1] = Elem<T>::pack(x[2 * kk][2], x[2 * kk][3]);
+    a[2] = Elem<T>::pack(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+    a[3] = Elem<T>::pack(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      u32 b[4];
+      ldsm_x4_trans(b, sB + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * Pitch<D>::bytes +
+                           (dp * 16 + (lane / 16) * 8) * 2);
+      Elem<T>::mma(acc[2 * dp], a, b[0], b[1]);
+      Elem<T>::mma(acc[2 * dp + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+template <int NB> PW_DEVICE void zero_frag(float f[NB][4]) {
+#pragma unroll
+  for (int i = 0; i < NB; ++i) f[i][0] = f[i][1] = f[i][2] = f[i][3] = 0.f;
+}
+
+// ---------------------------------------------------------------- piecewise geometry
+// Signed distance of query i to key j is d = i + P - j. A tile pairs a range of rows with a
+// range of columns; `Trans` says the rows are keys (the dK/dV kernel) instead of queries.
+//   bit 0 of a tile mode: some pair has d < w  (q1·k1 needed)
+//   bit 1:                some pair has d >= w (q2·k2 needed)
+// Only tiles that straddle d = w compute both products.
+PW_DEVICE int tile_mode(i64 q0, int qn, i64 k0, int kn, i64 P, i64 w) {
+  const i64 dmin = q0 + P - (k0 + kn - 1);
+  const i64 dmax = q0 + qn - 1 + P - k0;
+  return (dmin < w ? 1 : 0) | (dmax >= w ? 2 : 0);
+}
+
+// True when some element of a tile is masked: a column past the end of its tensor or, with
+// causal, a key after its query (dmin, the tile's smallest distance, is negative).
+template <bool CAUSAL> PW_DEVICE bool tile_needs_mask(i64 dmin, i64 col_end, i64 ncols) {
+  return col_end > ncols || (CAUSAL && dmin < 0);
+}
+PW_DEVICE i64 tile_dmin(i64 q0, i64 k0, int kn, i64 P) { return q0 + P - (k0 + kn - 1); }
+
+// Per-warp tile geometry in 32-bit form. Lengths are below 2^30 and w arrives clamped to
+// [-(M+N+1), M+N+1], so clamping the base distance to +-2^30 changes no comparison.
+struct Geom {
+  int base;       // distance of the warp's (row 0, column 0) element
+  int w;          // distance threshold
+  int cols_left;  // valid columns from the tile's first column on
+};
+
+template <bool Trans>
+PW_DEVICE Geom make_geom(i64 row0, i64 col0, i64 P, i64 w, i64 ncols) {
+  Geom g;
+  const i64 base = Trans ? col0 + P - row0 : row0 + P - col0;
+  g.base = (int)clamp64(base, -(1ll << 30), 1ll << 30);
+  g.w = (int)w;
+  g.cols_left = (int)clamp64(ncols - col0, -1, 1 << 30);
+  return g;
+}
+
+// Distance of the element at fragment position (row offset r in 0..15, column c in the tile).
+template <bool Trans> PW_DEVICE int elem_dist(const Geom& g, int r, int c) {
+  return Trans ? g.base + c - r : g.base + r - c;
+}
+
+// Scores of one warp's 16 rows against a BN-column tile, in the log2 domain (scaled by
+// sm_scale*log2 e). mode selects the products; masked elements become -inf.
+template <typename T, int D, int BN, bool CAUSAL, bool Trans>
+PW_DEVICE void score_tile(float s[BN / 8][4], u32 sA1, u32 sA2, u32 sB1, u32 sB2, int mode,
+                          bool masked, const Geom& g, float scale_log2, int lane) {
+  zero_frag<BN / 8>(s);
+  if (mode == 3) {
+    mma_abt<T, D, BN>(s, sA1, sB1, lane);
+#pragma unroll
+    for (int np = 0; np < BN / 16; ++np) {
+      float t[2][4];
+      zero_frag<2>(t);
+      mma_abt_block<T, D>(t, sA2, sB2, np, lane);
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = lane / 4 + (e / 2) * 8, c = (2 * np + h) * 8 + 2 * (lane % 4) + (e % 2);
+          if (elem_dist<Trans>(g, r, c) >= g.w) s[2 * np + h][e] = t[h][e];
+        }
+    }
+  } else if (mode == 1) {
+    mma_abt<T, D, BN>(s, sA1, sB1, lane);
+  } else {
+    mma_abt<T, D, BN>(s, sA2, sB2, lane);
+  }
+#pragma unroll
+  for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[nb][e] * scale_log2;
+      if (masked) {
+        const int r = lane / 4 + (e / 2) * 8, c = nb * 8 + 2 * (lane % 4) + (e % 2);
+        if (c >= g.cols_left || (CAUSAL && elem_dist<Trans>(g, r, c) < 0)) x = PW_NEG_INF;
+      }
+      s[nb][e] = x;
+    }
+}
+
+// Zeroes the entries of a (dS) fragment that belong to the other projection pair: the
+// pass for pair 1 keeps d < w, the pass for pair 2 keeps d >= w.
+template <int BN, bool Trans>
+PW_DEVICE void keep_pair(float x[BN / 8][4], int pair, const Geom& g, int lane) {
+#pragma unroll
+  for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = lane / 4 + (e / 2) * 8, c = nb * 8 + 2 * (lane % 4) + (e % 2);
+      const bool second = elem_dist<Trans>(g, r, c) >= g.w;
+      if (second != (pair == 2)) x[nb][e] = 0.f;
+    }
+}
+
+// Writes a warp's 16 x D float fragment to a row-major (L, D) output of type T, times `scale`,
+// skipping rows at or past nvalid.
+template <typename T, int D>
+PW_DEVICE void store_rows(u16* dst, i64 rs, i64 row0, i64 nvalid, const float acc[D / 8][4],
+                          const float scale[2], int lane) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const i64 r = row0 + lane / 4 + 8 * h;
+    if (r < nvalid) {
+      u16* p = dst + r * rs + 2 * (lane % 4);
+#pragma unroll
+      for (int nb = 0; nb < D / 8; ++nb)
+        *reinterpret_cast<u32*>(p + nb * 8) =
+            Elem<T>::pack(acc[nb][2 * h] * scale[h], acc[nb][2 * h + 1] * scale[h]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- double-buffered tile loop
+// Runs body(t, stage) for t in [t0, t1) while the loads of tile t+1 (issued by
+// issue(t, stage)) are in flight. Loads issued before the call join the first group.
+// The trailing barrier frees a stage before the next iteration overwrites it.
+template <class Issue, class Body>
+PW_DEVICE void pipelined_tiles(int t0, int t1, Issue issue, Body body) {
+  if (t0 < t1) issue(t0, 0);
+  cp_async_commit();
+  for (int t = t0; t < t1; ++t) {
+    const int stage = (t - t0) & 1;
+    if (t + 1 < t1) {
+      issue(t + 1, stage ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    body(t, stage);
+    __syncthreads();
+  }
+  cp_async_wait<0>();  // an empty range still committed the caller's loads
+}
+
+// Turns log2-domain scores into probabilities given each row's (log2-domain) log-sum-exp.
+// lse2 = +inf marks a row with no admissible key: its probabilities are 0, not NaN.
+PW_DEVICE float lse_to_log2(float lse) { return lse == PW_NEG_INF ? PW_POS_INF : lse * PW_LOG2E; }

@@ -1,0 +1,103 @@
+// Forward pass: o = softmax(s) v and lse, FlashAttention-2 style. One block per
+// (query tile, head, batch); warp k owns query rows 16k..16k+15 of the tile; key tiles
+// stream through shared memory double-buffered with cp.async; scores never leave registers.
+#include "params.cuh"
+
+template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL>
+__global__ void __launch_bounds__(WARPS * 32) pw_forward(const Params p) {
+  static_assert(BM == 16 * WARPS, "each warp owns 16 query rows");
+  constexpr int THREADS = WARPS * 32;
+  constexpr int TILE_Q = BM * Pitch<D>::elems, TILE_K = BN * Pitch<D>::elems;
+  extern __shared__ __align__(16) unsigned char smem[];
+  u16* sQ1 = reinterpret_cast<u16*>(smem);
+  u16* sQ2 = sQ1 + TILE_Q;
+  u16* sKV = sQ2 + TILE_Q;  // per stage: K1, K2, V
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  // Heavier causal tiles (later queries) launch first, evening out the tail of the grid.
+  const i64 mt = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+  const i64 h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const i64 M = p.M, N = p.N, P = N - M, m0 = mt * BM;
+
+  const u16* q1 = p.q1.at(b, h);
+  const u16* q2 = p.q2.at(b, h);
+  const u16* k1 = p.k1.at(b, hk);
+  const u16* k2 = p.k2.at(b, hk);
+  const u16* vv = p.v.at(b, hk);
+
+  // Keys past the last query's diagonal are masked for every row of the tile.
+  const i64 n_end = CAUSAL ? clamp64(m0 + BM + P, 0, N) : N;
+  const int ntiles = (int)((n_end + BN - 1) / BN);
+
+  load_rows<BM, D, THREADS>(smem_addr(sQ1), q1, p.q1.sr, m0, M);
+  load_rows<BM, D, THREADS>(smem_addr(sQ2), q2, p.q2.sr, m0, M);
+
+  auto issue = [&](int t, int stage) {
+    const i64 n0 = (i64)t * BN;
+    const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
+    u16* st = sKV + stage * 3 * TILE_K;
+    if (mode & 1) load_rows<BN, D, THREADS>(smem_addr(st), k1, p.k1.sr, n0, N);
+    if (mode & 2) load_rows<BN, D, THREADS>(smem_addr(st + TILE_K), k2, p.k2.sr, n0, N);
+    load_rows<BN, D, THREADS>(smem_addr(st + 2 * TILE_K), vv, p.v.sr, n0, N);
+  };
+
+  float acc[D / 8][4];
+  zero_frag<D / 8>(acc);
+  float row_max[2] = {PW_NEG_INF, PW_NEG_INF}, row_sum[2] = {0.f, 0.f};
+  const u32 aQ1 = smem_addr(sQ1 + warp * 16 * Pitch<D>::elems);
+  const u32 aQ2 = smem_addr(sQ2 + warp * 16 * Pitch<D>::elems);
+  const i64 row0 = m0 + warp * 16;
+
+  pipelined_tiles(0, ntiles, issue, [&](int t, int stage) {
+    const i64 n0 = (i64)t * BN;
+    const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
+    const bool masked = tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), n0 + BN, N);
+    const u16* st = sKV + stage * 3 * TILE_K;
+    const Geom g = make_geom<false>(row0, n0, P, p.w, N);
+
+    float s[BN / 8][4];
+    score_tile<T, D, BN, CAUSAL, false>(s, aQ1, aQ2, smem_addr(st), smem_addr(st + TILE_K), mode,
+                                        masked, g, p.scale_log2, lane);
+
+    // Online softmax: a row's running max is shared by the four lanes that hold it.
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float mx = row_max[hh];
+#pragma unroll
+      for (int nb = 0; nb < BN / 8; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * hh], s[nb][2 * hh + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // A row that has seen only masked keys keeps max -inf; subtracting 0 keeps exp2 at 0.
+      const float base = mx == PW_NEG_INF ? 0.f : mx;
+      const float alpha = fast_exp2(row_max[hh] - base);
+      row_max[hh] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nb = 0; nb < BN / 8; ++nb) {
+        s[nb][2 * hh] = fast_exp2(s[nb][2 * hh] - base);
+        s[nb][2 * hh + 1] = fast_exp2(s[nb][2 * hh + 1] - base);
+        sum += s[nb][2 * hh] + s[nb][2 * hh + 1];
+      }
+      row_sum[hh] = row_sum[hh] * alpha + sum;
+#pragma unroll
+      for (int nb = 0; nb < D / 8; ++nb) {
+        acc[nb][2 * hh] *= alpha;
+        acc[nb][2 * hh + 1] *= alpha;
+      }
+    }
+    mma_xb<T, D, BN>(acc, s, smem_addr(st + 2 * TILE_K), lane);
+  });
+
+  float inv[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float l = row_sum[hh];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[hh] = l > 0.f ? 1.f / l : 0.f;  // a row with no admissible key gives o = 0
+    const i64 r = row0 + lane / 4 + 8 * hh;
+    if (lane % 4 == 0 && r < M)
+      p.lse[(b * p.H + h) * M + r] = l > 0.f ? (row_max[hh] + __log2f(l)) * PW_LN2 : PW_NEG_INF;
+  }
+  store_rows<T, D>(p.o.mut(b, h), p.o.sr, row0, M, acc, inv, lane);
+}

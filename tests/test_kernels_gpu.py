@@ -1,0 +1,223 @@
+"""CUDA kernels against the float64 reference, by SPEC.md's tolerance rule.
+
+Every output buffer is filled with NaN before the kernels run, so an element a kernel
+forgets to write fails the comparison; inputs are checked unchanged afterwards. bfloat16
+has no CuPy dtype, so bfloat16 cases hand the kernels uint16 arrays holding bfloat16 bit
+patterns through the CuPy back end directly (the public API takes bfloat16 through torch).
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from cupy_piecewise import reference, tolerance
+from cupy_piecewise.validate import Problem
+
+pytestmark = pytest.mark.gpu
+
+NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
+
+
+def _round(x, dtype):
+    return x.astype(np.float16).astype(np.float32) if dtype == "float16" else reference.round_to_bf16(x)
+
+
+def _to_device(x, dtype, transposed):
+    import cupy
+
+    host = x.astype(np.float16) if dtype == "float16" else \
+        (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    if transposed:  # (B, L, H, D) memory read as (B, H, L, D)
+        return cupy.asarray(np.ascontiguousarray(host.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
+    return cupy.asarray(host)
+
+
+def _to_host(a, dtype):
+    import cupy
+
+    h = cupy.asnumpy(a)
+    if dtype == "bfloat16":
+        h = (h.astype(np.uint32) << 16).view(np.float32)
+    return h.astype(np.float64)
+
+
+def _poisoned(shape, dtype):
+    import cupy
+
+    if dtype == "float32":
+        return cupy.full(shape, np.nan, dtype=cupy.float32)
+    return cupy.full(shape, NAN_BITS[dtype], dtype=cupy.uint16).view(
+        cupy.float16 if dtype == "float16" else cupy.uint16)
+
+
+def _case_list():
+    dims = (16, 32, 64, 128)
+    dtypes = ("float16", "bfloat16")
+    lengths = ((1, 1), (17, 17), (128, 128), (100, 300), (300, 100), (1000, 1000), (2048, 2048),
+               (1, 4096), (4096, 1))
+    ws = (-5, 0, 1, 63, 64, "N/2", "N+5")
+    cases = []
+    for i in range(36):
+        M, N = lengths[i % len(lengths)]
+        w = ws[i % len(ws)]
+        w = N // 2 if w == "N/2" else (N + 5 if w == "N+5" else w)
+        cases.append(dict(D=dims[i % 4], dtype=dtypes[(i // 4) % 2], causal=(i // 8) % 2 == 1,
+                          M=M, N=N, w=w, group=(1, 4)[(i // 2) % 2], transposed=i % 3 == 0))
+    return cases
+
+
+CASES = _case_list()
+
+
+def _ids(c):
+    return (f"{c['dtype']}-D{c['D']}-{'causal' if c['causal'] else 'full'}-M{c['M']}-N{c['N']}"
+            f"-w{c['w']}-g{c['group']}{'-T' if c['transposed'] else ''}")
+
+
+def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1):
+    import cupy
+
+    from cupy_piecewise import cupy_backend
+
+    H = Hkv * group
+    big = max(M, N) >= 2048
+    B = 1 if big else 2
+    rng = np.random.default_rng()
+    shapes = [(B, H, M, D), (B, Hkv, N, D), (B, H, M, D), (B, Hkv, N, D), (B, Hkv, N, D)]
+    # Several standard deviations, never zeros; the two projections deliberately differ.
+    host = [_round(rng.standard_normal(s).astype(np.float32) * 1.5, dtype) for s in shapes]
+    do_h = _round(rng.standard_normal((B, H, M, D)).astype(np.float32), dtype)
+    sm_scale = 1.0 / np.sqrt(D)
+
+    o_ref, lse_ref = reference.forward(*host, w, causal, sm_scale)
+    o_low, lse_low = reference.lowp_forward(*host, w, causal, sm_scale, dtype=dtype)
+
+    dev = [_to_device(x, dtype, transposed) for x in host]
+    before = [a.copy() for a in dev]
+    problem = Problem("cupy", B, H, Hkv, M, N, D, dtype, int(w), causal, float(sm_scale), 0)
+    o = _poisoned((B, H, M, D), dtype)
+    lse = _poisoned((B, H, M), "float32")
+    cupy_backend.forward(problem, *dev, out=(o, lse))
+    cupy.cuda.get_current_stream().synchronize()
+    o_k, lse_k = _to_host(o, dtype), cupy.asnumpy(lse).astype(np.float64)
+    tolerance.assert_close("o", o_k, o_ref, o_low, dtype)
+    tolerance.assert_close("lse", lse_k, lse_ref, lse_low, dtype)
+
+    # Backward from the kernel's own o and lse, as autograd would run it.
+    o_used = _round(o_k.astype(np.float32), dtype)
+    grads_ref = reference.backward(*host, o_used, lse_k, do_h, w, causal, sm_scale)
+    grads_low = reference.lowp_backward(*host, o_used, lse_k, do_h, w, causal, sm_scale, dtype=dtype)
+    do_d = _to_device(do_h, dtype, transposed)
+    outs = [_poisoned((B, H, M, D), dtype), _poisoned((B, Hkv, N, D), dtype),
+            _poisoned((B, H, M, D), dtype), _poisoned((B, Hkv, N, D), dtype),
+            _poisoned((B, Hkv, N, D), dtype)]
+    cupy_backend.backward(problem, *dev, o, lse, do_d, out=tuple(outs))
+    cupy.cuda.get_current_stream().synchronize()
+    for name, got, ref, low in zip(("dq1", "dk1", "dq2", "dk2", "dv"), outs, grads_ref, grads_low):
+        tolerance.assert_close(name, _to_host(got, dtype), ref, low, dtype)
+    for a, b in zip(dev, before):
+        assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), "an input was written"
+
+
+def test_case_list_covers_every_axis():
+    seen = {k: {c[k] for c in CASES} for k in CASES[0]}
+    assert seen["D"] == {16, 32, 64, 128}
+    assert seen["dtype"] == {"float16", "bfloat16"} and seen["causal"] == {False, True}
+    assert seen["group"] == {1, 4} and seen["transposed"] == {False, True}
+    combos = {(c["D"], c["dtype"], c["causal"]) for c in CASES}
+    assert len(combos) == 16
+    assert {(c["M"], c["N"]) for c in CASES} >= {(1, 1), (17, 17), (2048, 2048), (1, 4096), (4096, 1)}
+    assert {-5, 0, 1, 63, 64} <= seen["w"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_kernels_match_reference(case):
+    run_case(**case)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("w", [-1000, 127, 128, 129, 500, 5000])
+def test_w_on_and_off_tile_edges(dtype, causal, w):
+    run_case(D=64, dtype=dtype, causal=causal, M=700, N=900, w=w, group=2, transposed=False)
+
+
+def test_public_api_cupy_float16_matches_reference():
+    import cupy
+
+    import cupy_piecewise
+
+    rng = np.random.default_rng()
+    B, H, M, N, D, w = 2, 4, 333, 555, 64, 100
+    host = [_round(rng.standard_normal(s).astype(np.float32), "float16")
+            for s in [(B, H, M, D), (B, 2, N, D), (B, H, M, D), (B, 2, N, D), (B, 2, N, D)]]
+    dev = [cupy.asarray(x.astype(np.float16)) for x in host]
+    o, lse = cupy_piecewise.attention(*dev, w, causal=True, return_lse=True)
+    assert o.dtype == cupy.float16 and lse.dtype == cupy.float32
+    o_ref, lse_ref = reference.forward(*host, w, True)
+    o_low, lse_low = reference.lowp_forward(*host, w, True, dtype="float16")
+    tolerance.assert_close("o", cupy.asnumpy(o).astype(np.float64), o_ref, o_low, "float16")
+    do = rng.standard_normal((B, H, M, D)).astype(np.float16)
+    grads = cupy_piecewise.attention_backward(cupy.asarray(do), *dev, o, lse, w, causal=True)
+    o_used = cupy.asnumpy(o).astype(np.float64)
+    lse_used = cupy.asnumpy(lse).astype(np.float64)
+    ref = reference.backward(*host, o_used, lse_used, do, w, True)
+    low = reference.lowp_backward(*host, o_used, lse_used, do, w, True, dtype="float16")
+    for name, g, r, lo in zip(("dq1", "dk1", "dq2", "dk2", "dv"), grads, ref, low):
+        tolerance.assert_close(name, cupy.asnumpy(g).astype(np.float64), r, lo, "float16")
+
+
+def test_non_default_stream_and_new_w_does_not_recompile():
+    import cupy
+
+    import cupy_piecewise
+    from cupy_piecewise import compile as kcompile
+
+    rng = np.random.default_rng()
+    args = [cupy.asarray(rng.standard_normal((1, 2, 256, 64)).astype(np.float16)) for _ in range(5)]
+    base = cupy_piecewise.attention(*args, 37)
+    n_compiled = len(kcompile._functions)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        again = cupy_piecewise.attention(*args, 37)
+        other_w = cupy_piecewise.attention(*args, 91)
+    stream.synchronize()
+    assert bool((again == base).all())
+    assert not bool((other_w == base).all())
+    assert len(kcompile._functions) == n_compiled, "a new w must not compile anything"
+
+
+def test_empty_and_degenerate_lengths():
+    import cupy
+
+    import cupy_piecewise
+
+    rng = np.random.default_rng()
+    for M, N in ((0, 5), (5, 0), (0, 0)):
+        q = cupy.asarray(rng.standard_normal((1, 2, M, 32)).astype(np.float16))
+        k = cupy.asarray(rng.standard_normal((1, 2, N, 32)).astype(np.float16))
+        o, lse = cupy_piecewise.attention(q, k, q, k, k, 3, return_lse=True)
+        assert o.shape == (1, 2, M, 32)
+        if M:
+            assert bool((o == 0).all()) and bool(cupy.isneginf(lse).all())
+        grads = cupy_piecewise.attention_backward(cupy.ones_like(q), q, k, q, k, k, o, lse, 3)
+        for g in grads:
+            assert not bool(cupy.isnan(g).any())
+            assert bool((g == 0).all())
+
+
+def test_arrays_on_two_devices_raise():
+    import cupy
+
+    import cupy_piecewise
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs a second GPU")
+    with cupy.cuda.Device(0):
+        a = cupy.ones((1, 1, 16, 16), dtype=cupy.float16)
+    with cupy.cuda.Device(1):
+        b = cupy.ones((1, 1, 16, 16), dtype=cupy.float16)
+    with pytest.raises(ValueError, match="k1"):
+        cupy_piecewise.attention(a, b, a, a, a, 0)
