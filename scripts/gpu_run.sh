@@ -12,7 +12,7 @@ status=0
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv;
   python3 -c "import cupy, torch, numpy; print('cupy', cupy.__version__, 'torch', torch.__version__, 'numpy', numpy.__version__)"; } 2>&1 | tee "$out/env.txt"
 if has tests; then
-  timeout 900 python3 -m pytest -q -ra -m gpu -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$out/pytest_gpu.log" | tail -40
+  timeout 900 python3 -m pytest -q -ra -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} ${PYTEST_ARGS:-} 2>&1 | tee "$out/pytest_gpu.log" | tail -40
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has sanitize; then
