@@ -84,7 +84,7 @@ _modules: dict[tuple[int, Variant], object] = {}
 
 
 def get_function(device_id: int, variant: Variant):
-    """The loaded ``cupy.cuda.Function`` for ``variant`` on ``device_id`` (compiled once).
+    """The ``cupy.RawKernel`` for ``variant``, loaded on ``device_id`` (compiled once).
 
     One RawModule per (device, variant): a call compiles only what it launches. CuPy's own
     disk cache (keyed on the spliced source and options) makes later processes fast.

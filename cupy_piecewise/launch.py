@@ -31,7 +31,6 @@ _NSLOTS = len(PARAM_FIELDS)
 _Slots = ctypes.c_int64 * _NSLOTS
 _LOG2E = 1.4426950408889634
 _MAX_GRID_YZ = 65535
-_ATTR_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 class ArrayRef(NamedTuple):
@@ -85,16 +84,15 @@ def _kernel(device: int, variant: Variant) -> tuple[int, int]:
     hit = _kernels.get(key)
     if hit is not None:
         return hit
-    from cupy_backends.cuda.api import driver
-
-    fn = get_function(device, variant)
+    kernel = get_function(device, variant)  # a cupy.RawKernel
     smem = 0 if variant.tiles is None else capability.shared_bytes(
         variant.phase, variant.head_dim, variant.tiles)
     if smem > 48 * 1024:  # above 48 KB a kernel must opt in
-        driver.funcSetAttribute(fn.ptr, _ATTR_MAX_DYNAMIC_SHARED, smem)
+        kernel.max_dynamic_shared_size_bytes = smem
+    ptr = kernel.kernel.ptr  # the loaded CUfunction
     with _lock:
-        _kernels[key] = (fn.ptr, smem)
-    return fn.ptr, smem
+        _kernels[key] = (ptr, smem)
+    return ptr, smem
 
 
 def _pack(problem, refs: dict) -> ctypes.Array:
