@@ -226,8 +226,11 @@ class Timer:
         if est > self.slow_s:
             return self._event_loop(fn, 0, 3), {"reps": 3, "first_call_s": first, "slow": True}
         if env.do_bench is not None:
-            ms = env.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
-            return float(ms), {"first_call_s": first, "timer": "do_bench"}
+            try:
+                ms = env.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
+                return float(ms), {"first_call_s": first, "timer": "do_bench"}
+            except TypeError:  # an incompatible do_bench signature: fall back to our own loop
+                env.do_bench = None
         n_warm = max(1, int(self.warmup_ms * 1e-3 / est))
         n_rep = min(max(5, int(self.rep_ms * 1e-3 / est)), 1000)
         return self._event_loop(fn, n_warm, n_rep), {"reps": n_rep, "first_call_s": first}
@@ -1163,24 +1166,41 @@ def render_markdown(res):
     ]) + "\n"
 
 
+def render_checks_line(res):
+    cs = res.get("spot_checks") or []
+    ok = [c for c in cs if c.get("status") == "ok"]
+    if not cs:
+        return "spot checks: none"
+    line = f"spot checks: {len(ok)}/{len(cs)} ran"
+    for key, label in (("max_abs_diff_vs_sdpa", "max|ours - sdpa| (w=N)"),
+                       ("max_abs_diff_vs_plain_fp32", "max|ours - fp32 plain| (w=L/4)")):
+        vals = [c for c in ok if c.get(key) is not None]
+        if vals:
+            worst = max(vals, key=lambda c: c[key])
+            line += (f"; {label} = {worst[key]:.3g} at {worst['dtype']} D={worst['D']} "
+                     f"causal={worst['causal']} L={worst['L']}")
+    bad = [c for c in cs if c.get("status") != "ok"]
+    if bad:
+        line += f"; not run: {bad[0].get('error', '')[:160]}"
+    return line
+
+
 def render_stdout(res, out_dir):
+    """Most important last: the caller reads the tail of stdout."""
     h = res["header"]
     return "\n\n".join([
-        f"=== cupy-piecewise bench: {h['date_utc']} | {h['gpu']} | torch {h['torch']} cupy {h['cupy']} "
-        f"triton {h['triton']} | {h.get('elapsed_s')} s ===",
-        f"command: {h['command']}",
-        "Summary (TFLOP/s; ratio = SDPA time / ours):",
-        render_summary(res),
-        "Spot checks:",
-        render_checks(res),
+        "Errors and skips:",
+        render_errors(res)[:2500],
         "w sweep:",
         render_wsweep(res),
         "Decode:",
         render_decode(res),
         "Peak memory:",
         render_memory(res),
-        "Errors and skips:",
-        render_errors(res)[:3000],
+        f"=== cupy-piecewise bench: {h['date_utc']} | {h['gpu']} | torch {h['torch']} cupy {h['cupy']} "
+        f"triton {h['triton']} | {h.get('elapsed_s')} s ===\ncommand: {h['command']}\n" + render_checks_line(res),
+        "Summary (TFLOP/s; ratio = SDPA time / ours, > 1: ours faster):",
+        render_summary(res),
         f"Full tables: {os.path.join(out_dir, 'results.md')}; data: {os.path.join(out_dir, 'results.json')}; "
         f"plots: {len(res.get('plots') or [])} PNG",
     ])

@@ -50,6 +50,8 @@ def plot_main(res, out_dir):
                 phases.append(r["phase"])
             if r["provider"] not in provs:
                 provs.append(r["provider"])
+        order = list(STYLE)
+        provs.sort(key=lambda p: order.index(p) if p in order else len(order))
         fig, axes = plt.subplots(1, len(phases), figsize=(5.2 * len(phases), 4.2), squeeze=False)
         for ax, ph in zip(axes[0], phases):
             for p in provs:
