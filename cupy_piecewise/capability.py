@@ -27,7 +27,7 @@ supported (the kernels use ``cp.async`` and bf16 ``mma.sync``): ValueError.
 Override, for tuning: the ``override=`` argument of :func:`lookup`
 (``{phase: TileConfig}``) or the environment variable ``CUPY_PIECEWISE_TILES``,
 e.g. ``"fwd=128x64x8,bwd_dq=64x64x4"`` (``block_m x block_n x num_warps``, an
-optional fourth field for stages: ``128x64x8x3``). The argument wins over the
+optional fourth field for stages, ``128x64x8x2``; see :data:`STAGES`). The argument wins over the
 variable, the variable over the table. Overrides obey the same constraints;
 a bad one raises ValueError naming ``CUPY_PIECEWISE_TILES``.
 """

@@ -66,17 +66,25 @@ def test_shared_bytes_formula():
         shared_bytes("bwd", 64, cfg)
 
 
-def test_starting_entries():
+def test_forward_starting_entries():
+    # Anchors from the design brief; backward entries are tuned from ptxas reports
+    # and checked only through the constraints above.
     assert lookup((9, 0), "fwd", 128, "bfloat16", False) == TileConfig(128, 64, 8)
     assert lookup((9, 0), "fwd", 64, "float16", True) == TileConfig(128, 128, 8)
-    assert lookup((9, 0), "bwd_dq", 128, "float16", False) == TileConfig(64, 64, 4)
-    assert lookup((9, 0), "bwd_dkv", 128, "float16", False) == TileConfig(64, 64, 4)
-    assert lookup((9, 0), "bwd_dkv", 64, "float16", False) == TileConfig(128, 64, 4)
     assert lookup((8, 0), "fwd", 128, "float16", False) == TileConfig(64, 64, 4)
     for cc in ((8, 6), (8, 9)):
         assert lookup(cc, "fwd", 128, "bfloat16", True) == TileConfig(64, 32, 4)
-        assert lookup(cc, "bwd_dq", 128, "float16", False) == TileConfig(32, 32, 2)
-        assert lookup(cc, "bwd_dkv", 128, "float16", False) == TileConfig(32, 32, 2)
+
+
+@pytest.mark.parametrize("cc", LISTED_ARCHS)
+def test_lookup_returns_table_entry(cc):
+    for phase in PHASES:
+        for d in HEAD_DIMS:
+            entry = TABLE[cc][phase][d]
+            for dtype in DTYPES:
+                for causal in (False, True):
+                    got = lookup(cc, phase, d, dtype, causal)
+                    assert got == entry if isinstance(entry, TileConfig) else got in entry.values()
 
 
 @pytest.mark.parametrize("cc", LISTED_ARCHS)
@@ -159,11 +167,12 @@ def test_dtype_causal_refinement(monkeypatch):
 
 
 def test_env_override(monkeypatch):
-    monkeypatch.setenv(cap.ENV_VAR, "fwd=64x64x4, bwd_dq=32x64x2x3")
+    stages = cap.STAGES[-1]
+    monkeypatch.setenv(cap.ENV_VAR, f"fwd=64x64x4, bwd_dq=32x64x2x{stages}")
     assert lookup((9, 0), "fwd", 128, "float16", False) == TileConfig(64, 64, 4)
-    assert lookup((9, 0), "bwd_dq", 64, "float16", False) == TileConfig(32, 64, 2, 3)
+    assert lookup((9, 0), "bwd_dq", 64, "float16", False) == TileConfig(32, 64, 2, stages)
     # phases the variable does not name keep the table
-    assert lookup((9, 0), "bwd_dkv", 128, "float16", False) == TileConfig(64, 64, 4)
+    assert lookup((9, 0), "bwd_dkv", 128, "float16", False) == TABLE[(9, 0)]["bwd_dkv"][128]
 
 
 def test_argument_override_wins_over_env(monkeypatch):
