@@ -120,6 +120,11 @@ def _current_stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
+#: Allocator of the CUDA outputs (and of the backward's delta workspace). Tests swap in
+#: a NaN-filling version to show that the kernels write every element.
+_empty = torch.empty
+
+
 def _kernel_array(t: Tensor, launch) -> Tensor:
     """``t`` itself if the kernels can read it in place, else a contiguous copy.
 
@@ -139,14 +144,14 @@ def _kernel_array(t: Tensor, launch) -> Tensor:
 
 
 def _ref(t: Tensor, launch):
-    return launch.ArrayRef(t.data_ptr(), tuple(t.stride()))
+    return launch.ArrayRef(t.data_ptr(), t.stride())
 
 
 def _fwd_cuda(problem, q1, k1, q2, k2, v):
     B, H, M, D = problem.B, problem.H, problem.M, problem.D
     dev = q1.device
-    o = torch.empty((B, H, M, D), dtype=q1.dtype, device=dev)
-    lse = torch.empty((B, H, M), dtype=torch.float32, device=dev)
+    o = _empty((B, H, M, D), dtype=q1.dtype, device=dev)
+    lse = _empty((B, H, M), dtype=torch.float32, device=dev)
     if o.numel() == 0:
         return o, lse
     if problem.N == 0:  # no keys: every row is empty
@@ -154,12 +159,14 @@ def _fwd_cuda(problem, q1, k1, q2, k2, v):
         lse.fill_(-math.inf)
         return o, lse
     launch = _launch or _launch_module()
+    # (the list keeps any copies alive until the launch is enqueued)
     ins = [_kernel_array(t, launch) for t in (q1, k1, q2, k2, v)]
+    # lse (contiguous float32) travels as a bare pointer, as launch.forward expects.
     launch.forward(
         problem,
         *[_ref(t, launch) for t in ins],
         _ref(o, launch),
-        _ref(lse, launch),
+        lse.data_ptr(),
         stream=_current_stream(problem.device),
     )
     return o, lse
@@ -168,11 +175,11 @@ def _fwd_cuda(problem, q1, k1, q2, k2, v):
 def _bwd_cuda(problem, do, q1, k1, q2, k2, v, o, lse):
     B, H, Hkv, M, N, D = problem.B, problem.H, problem.Hkv, problem.M, problem.N, problem.D
     dev, dt = q1.device, q1.dtype
-    dq1 = torch.empty((B, H, M, D), dtype=dt, device=dev)
-    dq2 = torch.empty((B, H, M, D), dtype=dt, device=dev)
-    dk1 = torch.empty((B, Hkv, N, D), dtype=dt, device=dev)
-    dk2 = torch.empty((B, Hkv, N, D), dtype=dt, device=dev)
-    dv = torch.empty((B, Hkv, N, D), dtype=dt, device=dev)
+    dq1 = _empty((B, H, M, D), dtype=dt, device=dev)
+    dq2 = _empty((B, H, M, D), dtype=dt, device=dev)
+    dk1 = _empty((B, Hkv, N, D), dtype=dt, device=dev)
+    dk2 = _empty((B, Hkv, N, D), dtype=dt, device=dev)
+    dv = _empty((B, Hkv, N, D), dtype=dt, device=dev)
     if B * Hkv == 0:
         return dq1, dk1, dq2, dk2, dv
     if M == 0 or N == 0:  # nothing attends: all gradients are zero
@@ -180,16 +187,21 @@ def _bwd_cuda(problem, do, q1, k1, q2, k2, v, o, lse):
             g.zero_()
         return dq1, dk1, dq2, dk2, dv
     launch = _launch or _launch_module()
-    delta = torch.empty((B, H, M), dtype=torch.float32, device=dev)
-    ins = [_kernel_array(t, launch) for t in (q1, k1, q2, k2, v, o)]
-    lse_in = lse if lse.is_contiguous() and lse.dtype == torch.float32 else lse.float().contiguous()
-    ins.append(lse_in)
-    ins.append(_kernel_array(do, launch))
+    delta = _empty((B, H, M), dtype=torch.float32, device=dev)
+    # Copies made by _kernel_array must stay referenced until the launch is enqueued:
+    # a block freed earlier could be handed to the next copy and overwritten first.
+    ins = [_kernel_array(t, launch) for t in (q1, k1, q2, k2, v, o, do)]
+    # lse and delta (contiguous float32) travel as bare pointers, as launch.backward expects.
+    if not (lse.dtype == torch.float32 and lse.is_contiguous()):
+        lse = lse.to(torch.float32, memory_format=torch.contiguous_format)
+    refs = [_ref(t, launch) for t in ins]
     launch.backward(
         problem,
-        *[_ref(t, launch) for t in ins],
+        *refs[:6],
+        lse.data_ptr(),
+        refs[6],
         *[_ref(g, launch) for g in (dq1, dk1, dq2, dk2, dv)],
-        _ref(delta, launch),
+        delta.data_ptr(),
         stream=_current_stream(problem.device),
     )
     return dq1, dk1, dq2, dk2, dv

@@ -1,0 +1,398 @@
+"""torch CUDA tensors through the CUDA kernels: accuracy by SPEC.md's tolerance rule,
+zero copy, streams, autograd, torch.compile, CUDA graphs, opcheck, autocast, a
+second device. Marked ``gpu``: skipped with a reason where there is no GPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cupy_piecewise  # noqa: E402
+from cupy_piecewise import reference, tolerance, torch_ops  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda is not available (no GPU or a CPU-only torch)"),
+]
+
+NAMES = ("dq1", "dk1", "dq2", "dk2", "dv")
+
+
+@pytest.fixture
+def nan_outputs(monkeypatch):
+    """Outputs (and the delta workspace) start as NaN, so unwritten elements show."""
+
+    def empty(shape, dtype, device):
+        return torch.full(shape, math.nan, dtype=dtype, device=device)
+
+    monkeypatch.setattr(torch_ops, "_empty", empty)
+
+
+def make(B, H, Hkv, M, N, D, dtype, layout="contiguous", seed=0, scale=1.0, device="cuda"):
+    """Fresh random inputs (normal, never zero) in the given memory layout.
+
+    layout: 'contiguous' (B, H, L, D); 'transposed' ((B, L, H, D) memory viewed as
+    (B, H, L, D)); 'last_stride_2' (every other element of the last dim, copied once).
+    """
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    out = []
+    for shape in ((B, H, M, D), (B, Hkv, N, D), (B, H, M, D), (B, Hkv, N, D), (B, Hkv, N, D)):
+        t = (torch.randn(shape, generator=g) * scale).to(dtype)
+        t = t.to(device)
+        if layout == "transposed":
+            t = t.transpose(1, 2).contiguous().transpose(1, 2)
+        elif layout == "last_stride_2":
+            t = torch.stack([t, -t], dim=-1).flatten(-2)[..., ::2]
+        out.append(t)
+    return out
+
+
+def np64(t):
+    return t.detach().to(torch.float64).cpu().numpy()
+
+
+def dtype_name(dtype):
+    return str(dtype).split(".")[1]
+
+
+# (B, H, Hkv, M, N, w, layout)
+ACCURACY_CASES = [
+    (2, 4, 4, 197, 197, 50, "contiguous"),  # M == N, lengths off tile multiples
+    (1, 8, 2, 130, 257, 64, "transposed"),  # GQA 4, M < N, w on a tile edge
+    (1, 4, 1, 300, 77, 10, "contiguous"),  # GQA 4, M > N: empty rows when causal
+    (2, 2, 2, 1, 333, -5, "transposed"),  # one query row, negative w
+    (1, 2, 2, 129, 129, 1000, "contiguous"),  # w beyond every distance
+    (1, 4, 2, 64, 192, 0, "last_stride_2"),  # tile multiples, w = 0, copied inputs
+]
+
+
+@pytest.mark.parametrize("case", ACCURACY_CASES, ids=[str(c) for c in ACCURACY_CASES])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_accuracy_forward_backward(nan_outputs, case, causal, D, dtype):
+    B, H, Hkv, M, N, w, layout = case
+    name = dtype_name(dtype)
+    ins = make(B, H, Hkv, M, N, D, dtype, layout, seed=M * 7 + N + D, scale=1.5)
+    before = [t.clone() for t in ins]
+    leaves = [t.detach().requires_grad_() for t in ins]
+    o, lse = torch_ops.attention(*leaves, w, causal=causal, return_lse=True)
+    assert o.dtype == dtype and o.shape == (B, H, M, D) and o.device == ins[0].device
+    assert lse.dtype == torch.float32 and lse.shape == (B, H, M)
+    do = make(B, H, H, M, 1, D, dtype, "transposed", seed=99)[0]
+    o.backward(do)
+    torch.cuda.synchronize()
+
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    for leaf in leaves:
+        assert leaf.grad is not None and not torch.isnan(leaf.grad).any()
+    for t, b in zip(ins, before):
+        assert torch.equal(t, b), "inputs were modified"
+
+    args = [np64(t) for t in ins]
+    ro, rlse = reference.forward(*args, w, causal)
+    lo, llse = reference.lowp_forward(*args, w, causal, dtype=name)
+    tolerance.assert_close("o", np64(o), ro, lo, name)
+    tolerance.assert_close("lse", np64(lse), rlse, llse, name)
+    rg = reference.backward(*args, ro, rlse, np64(do), w, causal)
+    lg = reference.lowp_backward(*args, lo, llse, np64(do), w, causal, dtype=name)
+    for n, leaf, r, lw in zip(NAMES, leaves, rg, lg):
+        assert leaf.grad.dtype == dtype and leaf.grad.shape == leaf.shape
+        tolerance.assert_close(n, np64(leaf.grad), r, lw, name)
+
+
+@pytest.mark.parametrize("D", [16, 32])
+def test_small_head_dims(nan_outputs, D):
+    dtype, w = torch.bfloat16, 20
+    ins = make(2, 4, 2, 100, 90, D, dtype, seed=D)
+    leaves = [t.detach().requires_grad_() for t in ins]
+    o, lse = torch_ops.attention(*leaves, w, causal=True, return_lse=True)
+    do = torch.randn_like(o)
+    o.backward(do)
+    args = [np64(t) for t in ins]
+    ro, rlse = reference.forward(*args, w, True)
+    lo, llse = reference.lowp_forward(*args, w, True, dtype="bfloat16")
+    tolerance.assert_close("o", np64(o), ro, lo, "bfloat16")
+    tolerance.assert_close("lse", np64(lse), rlse, llse, "bfloat16")
+    rg = reference.backward(*args, ro, rlse, np64(do), w, True)
+    lg = reference.lowp_backward(*args, lo, llse, np64(do), w, True, dtype="bfloat16")
+    for n, leaf, r, lw in zip(NAMES, leaves, rg, lg):
+        tolerance.assert_close(n, np64(leaf.grad), r, lw, "bfloat16")
+
+
+def test_attention_backward_matches_autograd(nan_outputs):
+    ins = make(1, 4, 2, 150, 170, 64, torch.float16, "transposed", seed=5)
+    leaves = [t.detach().requires_grad_() for t in ins]
+    o, lse = cupy_piecewise.attention(*leaves, 30, causal=True, return_lse=True)
+    do = torch.randn_like(o)
+    o.backward(do)
+    grads = cupy_piecewise.attention_backward(do, *ins, o.detach(), lse, 30, causal=True)
+    for n, leaf, g in zip(NAMES, leaves, grads):
+        assert g.is_contiguous()
+        torch.testing.assert_close(g, leaf.grad, rtol=0, atol=0, msg=n)
+
+
+def test_empty_sizes():
+    for M, N in ((0, 50), (50, 0)):
+        ins = [t.requires_grad_() for t in make(1, 2, 2, M, N, 64, torch.bfloat16)]
+        o, lse = torch_ops.attention(*ins, 3, causal=True, return_lse=True)
+        assert o.shape == (1, 2, M, 64) and lse.shape == (1, 2, M)
+        assert torch.count_nonzero(o) == 0 and torch.isneginf(lse).all()
+        o.sum().backward()
+        for t in ins:
+            assert t.grad.shape == t.shape and torch.count_nonzero(t.grad) == 0
+
+
+def _record(monkeypatch, name):
+    """Wrap launch.<name> to record its arguments; returns the list of calls."""
+    from cupy_piecewise import launch
+
+    calls = []
+    real = getattr(launch, name)
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(launch, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_zero_copy(monkeypatch, layout):
+    fwd_calls = _record(monkeypatch, "forward")
+    bwd_calls = _record(monkeypatch, "backward")
+    ins = make(2, 4, 2, 100, 120, 64, torch.bfloat16, layout)
+    leaves = [t.detach().requires_grad_() for t in ins]
+    o, lse = torch_ops.attention(*leaves, 17, causal=True, return_lse=True)
+    do = make(2, 4, 4, 100, 1, 64, torch.bfloat16, "transposed")[0]
+    o.backward(do)
+    (args, kwargs), = fwd_calls
+    refs = args[1:8]
+    assert [r.ptr for r in refs[:5]] == [t.data_ptr() for t in ins]
+    assert [tuple(r.strides) for r in refs[:5]] == [t.stride() for t in ins]
+    assert refs[5].ptr == o.data_ptr() and refs[6] == lse.data_ptr()
+    assert kwargs["stream"] == torch.cuda.current_stream().cuda_stream
+    (args, kwargs), = bwd_calls
+    assert [r.ptr for r in args[1:6]] == [t.data_ptr() for t in ins]
+    assert args[6].ptr == o.data_ptr() and args[7] == lse.data_ptr()
+    assert args[8].ptr == do.data_ptr() and tuple(args[8].strides) == do.stride()
+    for r, t in zip(args[9:14], leaves):  # gradients: fresh contiguous outputs
+        assert tuple(r.strides) == torch.empty(t.shape).stride()
+
+
+def test_non_unit_last_stride_is_copied(monkeypatch):
+    calls = _record(monkeypatch, "forward")
+    ins = make(1, 2, 2, 64, 64, 64, torch.bfloat16, "last_stride_2")
+    o = torch_ops.attention(*ins, 8)
+    (args, _), = calls
+    for r, t in zip(args[1:6], ins):
+        assert r.ptr != t.data_ptr() and r.strides[-1] == 1
+    torch.testing.assert_close(o, torch_ops.attention(*[t.contiguous() for t in ins], 8), rtol=0, atol=0)
+
+
+def test_non_default_stream(monkeypatch):
+    ins = make(2, 4, 2, 200, 220, 128, torch.bfloat16, seed=3)
+    do = make(2, 4, 4, 200, 1, 128, torch.bfloat16, seed=4)[0]
+
+    def run():
+        leaves = [t.detach().requires_grad_() for t in ins]
+        o, lse = torch_ops.attention(*leaves, 40, causal=True, return_lse=True)
+        o.backward(do)
+        return o, lse, [t.grad for t in leaves]
+
+    o0, lse0, g0 = run()
+    calls = _record(monkeypatch, "forward")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        o1, lse1, g1 = run()
+    torch.cuda.current_stream().wait_stream(side)
+    (_, kwargs), = calls
+    assert kwargs["stream"] == side.cuda_stream != torch.cuda.current_stream().cuda_stream
+    torch.cuda.synchronize()
+    assert torch.equal(o0, o1) and torch.equal(lse0, lse1)
+    for n, a, b in zip(NAMES, g0, g1):
+        torch.testing.assert_close(b, a, msg=n)
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, public_api=False):
+        super().__init__()
+        self.fn = cupy_piecewise.attention if public_api else torch_ops.attention
+
+    def forward(self, q1, k1, q2, k2, v, w):
+        o = self.fn(q1, k1, q2, k2, v, w, causal=True)
+        return o * 2.0
+
+
+@pytest.mark.parametrize("public_api", [False, True])
+def test_torch_compile_fullgraph_matches_eager(public_api):
+    torch._dynamo.reset()
+    layer = Layer(public_api)
+    compiled = torch.compile(layer, fullgraph=True)
+    for w, M in ((33, 128), (60, 128), (20, 200)):
+        ins = make(2, 4, 2, M, 150, 64, torch.bfloat16, "transposed", seed=w)
+        a = [t.detach().requires_grad_() for t in ins]
+        b = [t.detach().requires_grad_() for t in ins]
+        y = compiled(*a, w)
+        y_ref = layer(*b, w)
+        torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+        gy = torch.randn_like(y)
+        y.backward(gy)
+        y_ref.backward(gy)
+        for n, x, xr in zip(NAMES, a, b):
+            torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=0, msg=n)
+
+
+def test_cuda_graph_capture_and_replay_forward():
+    B, H, Hkv, M, N, D, w = 2, 4, 2, 150, 170, 64, 25
+    static = make(B, H, Hkv, M, N, D, torch.bfloat16, seed=0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: kernels compiled and loaded, caches filled
+        for _ in range(2):
+            torch_ops.attention(*static, w, causal=True, return_lse=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_static, lse_static = torch_ops.attention(*static, w, causal=True, return_lse=True)
+    for seed in (1, 2, 3):
+        fresh = make(B, H, Hkv, M, N, D, torch.bfloat16, seed=seed)
+        for s, f in zip(static, fresh):
+            s.copy_(f)
+        graph.replay()
+        o, lse = torch_ops.attention(*fresh, w, causal=True, return_lse=True)
+        torch.cuda.synchronize()
+        assert torch.equal(o_static, o) and torch.equal(lse_static, lse)
+
+
+def test_cuda_graph_capture_forward_and_backward():
+    B, H, Hkv, M, N, D, w = 1, 4, 2, 130, 130, 128, 40
+    static = [t.requires_grad_() for t in make(B, H, Hkv, M, N, D, torch.float16, seed=0)]
+    static_do = torch.randn(B, H, M, D, device="cuda", dtype=torch.float16)
+
+    def step():
+        o = torch_ops.attention(*static, w, causal=True)
+        return (o,) + torch.autograd.grad(o, static, static_do)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for seed in (5, 6):
+        fresh = make(B, H, Hkv, M, N, D, torch.float16, seed=seed)
+        fresh_do = torch.randn_like(static_do)
+        with torch.no_grad():
+            for s, f in zip(static, fresh):
+                s.copy_(f)
+            static_do.copy_(fresh_do)
+        graph.replay()
+        leaves = [t.detach().requires_grad_() for t in fresh]
+        o = torch_ops.attention(*leaves, w, causal=True)
+        want = (o,) + torch.autograd.grad(o, leaves, fresh_do)
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], want[0])
+        for n, got, ref in zip(NAMES, outs[1:], want[1:]):
+            torch.testing.assert_close(got, ref, msg=n)  # exact unless a kernel is nondeterministic
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_opcheck_cuda(dtype):
+    for w, causal, Hkv in ((10, True, 2), (-3, False, 4), (500, True, 1)):
+        ins = [t.requires_grad_() for t in make(1, 4, Hkv, 70, 90, 64, dtype, seed=w)]
+        torch.library.opcheck(torch.ops.cupy_piecewise.fwd.default, (*ins, w, causal, 0.125))
+        plain = [t.detach() for t in ins]
+        o, lse = torch.ops.cupy_piecewise.fwd(*plain, w, causal, 0.125)
+        do = torch.randn_like(o)
+        torch.library.opcheck(torch.ops.cupy_piecewise.bwd.default, (do, *plain, o, lse, w, causal, 0.125))
+
+
+def test_only_some_inputs_require_grad():
+    ins = make(1, 4, 2, 90, 100, 64, torch.bfloat16, seed=8)
+    all_leaves = [t.detach().requires_grad_() for t in ins]
+    o_all = torch_ops.attention(*all_leaves, 12, causal=True)
+    do = torch.randn_like(o_all)
+    o_all.backward(do)
+    some = [t.detach() for t in ins]
+    some[1].requires_grad_()
+    some[4].requires_grad_()
+    o = torch_ops.attention(*some, 12, causal=True)
+    o.backward(do)
+    for i, t in enumerate(some):
+        if i in (1, 4):
+            torch.testing.assert_close(t.grad, all_leaves[i].grad, rtol=0, atol=0)
+        else:
+            assert t.grad is None
+
+
+def test_autocast_cuda():
+    ins32 = make(1, 2, 2, 80, 80, 64, torch.float32, seed=2)
+    leaves = [t.detach().requires_grad_() for t in ins32]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        o = torch_ops.attention(*leaves, 9, causal=True)
+    assert o.dtype == torch.bfloat16
+    want = torch_ops.attention(*[t.to(torch.bfloat16) for t in ins32], 9, causal=True)
+    torch.testing.assert_close(o, want, rtol=0, atol=0)
+    o.float().sum().backward()
+    for t in leaves:
+        assert t.grad.dtype == torch.float32 and torch.isfinite(t.grad).all()
+    with torch.autocast("cuda", dtype=torch.float16):
+        assert cupy_piecewise.attention(*ins32, 9).dtype == torch.float16
+
+
+def test_unsupported_inputs_raise_before_launch(monkeypatch):
+    from cupy_piecewise import launch
+
+    def boom(*a, **k):
+        raise AssertionError("a kernel was launched")
+
+    monkeypatch.setattr(launch, "forward", boom)
+    ins32 = make(1, 2, 2, 16, 16, 64, torch.float32)
+    with pytest.raises(TypeError, match="float32"):
+        torch_ops.attention(*ins32, 3)
+    ins80 = make(1, 2, 2, 16, 16, 80, torch.bfloat16)
+    with pytest.raises(ValueError, match="head_dim"):
+        torch_ops.attention(*ins80, 3)
+    mixed = make(1, 2, 2, 16, 16, 64, torch.bfloat16)
+    mixed[3] = mixed[3].cpu()
+    with pytest.raises(ValueError, match="k2"):
+        torch_ops.attention(*mixed, 3)
+
+
+def test_second_device():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA devices, torch sees {torch.cuda.device_count()}")
+    ins0 = make(2, 4, 2, 120, 140, 64, torch.bfloat16, seed=11, device="cuda:0")
+    ins1 = [t.to("cuda:1") for t in ins0]
+    do0 = torch.randn(2, 4, 120, 64, device="cuda:0", dtype=torch.bfloat16)
+    do1 = do0.to("cuda:1")
+    results = []
+    for ins, do in ((ins0, do0), (ins1, do1)):
+        leaves = [t.detach().requires_grad_() for t in ins]
+        o, lse = torch_ops.attention(*leaves, 30, causal=True, return_lse=True)
+        o.backward(do)
+        results.append((o, lse, [t.grad for t in leaves]))
+    assert torch.cuda.current_device() == 0, "the call changed the current device"
+    (o0, lse0, g0), (o1, lse1, g1) = results
+    assert o1.device == lse1.device == torch.device("cuda:1")
+    assert all(g.device == torch.device("cuda:1") for g in g1)
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    assert torch.equal(o0, o1.to("cuda:0")) and torch.equal(lse0, lse1.to("cuda:0"))
+    for n, a, b in zip(NAMES, g0, g1):
+        torch.testing.assert_close(b.to("cuda:0"), a, msg=n)
+    # device 1's current stream is used while device 0 is current
+    side = torch.cuda.Stream(device=1)
+    with torch.cuda.stream(side):
+        o_side = torch_ops.attention(*ins1, 30, causal=True)
+    torch.cuda.synchronize(1)
+    assert torch.equal(o_side, o1.detach())
