@@ -29,7 +29,14 @@ matrices stay below a fixed memory budget.
 ``lse`` is float32, except for float64 CPU inputs where it is float64 (the CPU path
 keeps full precision so that ``torch.autograd.gradcheck`` holds). ``lse`` is an
 auxiliary output: it is marked non-differentiable (a gradient flowing into it is
-not propagated).
+not propagated). Double backward is not supported (``bwd`` has no autograd formula).
+
+Per-call cost: argument checks (:func:`cupy_piecewise.validate.check_inputs`) are
+memoised per signature (shapes, dtypes, devices, scalar values and types), and an
+eager call that records no gradient and runs under no torch mode or transform calls
+the operator's implementation directly instead of going through the dispatcher
+(:data:`DIRECT_EAGER_CALLS`); under ``torch.compile``, autograd, ``vmap``, fake
+tensors or dispatch modes the registered operator is used.
 """
 
 from __future__ import annotations
