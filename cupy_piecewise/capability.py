@@ -13,8 +13,9 @@ an entry may be refined by dtype and/or causal. Phases:
 Every entry satisfies, for its architecture (checked by the tests):
 
 - ``block_m``, ``block_n`` in {16, 32, 64, 128};
-- ``block_m == 16 * num_warps`` (fwd, bwd_dq) or ``block_n == 16 * num_warps``
-  (bwd_dkv): each warp owns 16 rows of the tile, the mma m16 height;
+- ``block_m`` (fwd, bwd_dq) or ``block_n`` (bwd_dkv) is 16 or 32 times
+  ``num_warps``: each warp owns one or two m16 row blocks of the tile (two blocks
+  let each shared-memory fragment of the other operand feed twice the mma);
 - :func:`shared_bytes` ``<=`` :data:`SHARED_LIMIT` of the architecture.
 
 Fallback for a GPU whose compute capability is not listed: take the entry of
@@ -183,8 +184,10 @@ def check_config(
         problems.append(f"stages={cfg.stages} is not one of {STAGES}")
     rows_field = "block_n" if phase == "bwd_dkv" else "block_m"
     rows = getattr(cfg, rows_field)
-    if rows != 16 * cfg.num_warps:
-        problems.append(f"{phase} needs {rows_field} == 16 * num_warps, got {rows_field}={rows}, num_warps={cfg.num_warps}")
+    if rows not in (16 * cfg.num_warps, 32 * cfg.num_warps):
+        problems.append(
+            f"{phase} needs {rows_field} == 16 * num_warps or 32 * num_warps (each warp owns 16 or "
+            f"32 rows), got {rows_field}={rows}, num_warps={cfg.num_warps}")
     if not problems:
         need = shared_bytes(phase, head_dim, cfg, elem_bytes)
         limit = _limit_for(cc, max_shared)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import struct
 import threading
 from typing import NamedTuple
@@ -70,12 +71,25 @@ def _compute_capability(device: int) -> tuple[int, int]:
     return cc
 
 
+_plans: dict[tuple, Variant] = {}
+
+
 def plan(problem, phase: str) -> Variant:
-    """The kernel variant (tile sizes from the capability table) for ``problem``'s device."""
+    """The kernel variant (tile sizes from the capability table) for ``problem``'s device.
+
+    Cached per (device, phase, head dim, dtype, causal) and the value of
+    ``CUPY_PIECEWISE_TILES``, so a tuning override set between calls still takes effect.
+    """
+    key = (problem.device, phase, problem.D, problem.dtype, problem.causal,
+           os.environ.get(capability.ENV_VAR))
+    hit = _plans.get(key)
+    if hit is not None:
+        return hit
     cc = _compute_capability(problem.device)
     tiles = None if phase == "bwd_delta" else capability.lookup(
         cc, phase, problem.D, problem.dtype, problem.causal)
-    return Variant(phase, problem.dtype, problem.D, tiles, problem.causal)
+    variant = _plans[key] = Variant(phase, problem.dtype, problem.D, tiles, problem.causal)
+    return variant
 
 
 def _kernel(device: int, variant: Variant) -> tuple[int, int]:

@@ -41,7 +41,8 @@ __global__ void __launch_bounds__(256) pw_backward_delta(const Params p) {
 
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL>
 __global__ void __launch_bounds__(WARPS * 32) pw_backward_dq(const Params p) {
-  static_assert(BM == 16 * WARPS, "each warp owns 16 query rows");
+  constexpr int MW = BM / (16 * WARPS);  // 16-row blocks per warp
+  static_assert(BM == 16 * MW * WARPS && (MW == 1 || MW == 2), "warps own 16 or 32 query rows");
   constexpr int THREADS = WARPS * 32;
   constexpr int TILE_Q = BM * Pitch<D>::elems, TILE_K = BN * Pitch<D>::elems;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -54,7 +55,7 @@ __global__ void __launch_bounds__(WARPS * 32) pw_backward_dq(const Params p) {
   const i64 mt = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
   const i64 h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
   const i64 M = p.M, N = p.N, P = N - M, m0 = mt * BM;
-  const i64 row0 = m0 + warp * 16;
+  const i64 row0 = m0 + warp * 16 * MW;
 
   const u16* k1 = p.k1.at(b, hk);
   const u16* k2 = p.k2.at(b, hk);
@@ -64,14 +65,16 @@ __global__ void __launch_bounds__(WARPS * 32) pw_backward_dq(const Params p) {
   load_rows<BM, D, THREADS>(smem_addr(sQ2), p.q2.at(b, h), p.q2.sr, m0, M);
   load_rows<BM, D, THREADS>(smem_addr(sDO), p.dout.at(b, h), p.dout.sr, m0, M);
 
-  float lse2[2], delta[2];
+  float lse2[MW][2], delta[MW][2];
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const i64 r = row0 + lane / 4 + 8 * hh;
-    const i64 idx = (b * p.H + h) * M + r;
-    lse2[hh] = r < M ? lse_to_log2(p.lse[idx]) : PW_POS_INF;
-    delta[hh] = r < M ? p.delta[idx] : 0.f;
-  }
+  for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const i64 r = row0 + mi * 16 + lane / 4 + 8 * hh;
+      const i64 idx = (b * p.H + h) * M + r;
+      lse2[mi][hh] = r < M ? lse_to_log2(p.lse[idx]) : PW_POS_INF;
+      delta[mi][hh] = r < M ? p.delta[idx] : 0.f;
+    }
 
   const i64 n_end = CAUSAL ? clamp64(m0 + BM + P, 0, N) : N;
   const int ntiles = (int)((n_end + BN - 1) / BN);
@@ -87,14 +90,14 @@ __global__ void __launch_bounds__(WARPS * 32) pw_backward_dq(const Params p) {
     if (mode & 2) load_rows<BN, D, THREADS>(smem_addr(st + TILE_K), k2, p.k2.sr, n0, N);
     load_rows<BN, D, THREADS>(smem_addr(st + 2 * TILE_K), vv, p.v.sr, n0, N);
   };
-  const u32 aQ1 = smem_addr(sQ1 + warp * 16 * Pitch<D>::elems);
-  const u32 aQ2 = smem_addr(sQ2 + warp * 16 * Pitch<D>::elems);
-  const u32 aDO = smem_addr(sDO + warp * 16 * Pitch<D>::elems);
+  const int warp_off = warp * 16 * MW * Pitch<D>::elems;
+  const u32 aQ1 = smem_addr(sQ1 + warp_off), aQ2 = smem_addr(sQ2 + warp_off);
+  const u32 aDO = smem_addr(sDO + warp_off);
 
 #pragma unroll 1
   for (int pair = 1; pair <= 2; ++pair) {
-    float acc[D / 8][4];
-    zero_frag<D / 8>(acc);
+    float acc[MW][D / 8][4];
+    zero_n<MW * D / 2>(&acc[0][0][0]);
     pipelined_tiles(pair == 1 ? first1 : 0, pair == 1 ? ntiles : end2, issue,
                     [&](int t, int stage) {
       const i64 n0 = (i64)t * BN;
@@ -103,44 +106,49 @@ __global__ void __launch_bounds__(WARPS * 32) pw_backward_dq(const Params p) {
       const u16* st = sKV + stage * 3 * TILE_K;
       const Geom g = make_geom<false>(row0, n0, P, p.w, N);
 
-      float s[BN / 8][4];
-      score_tile<T, D, BN, CAUSAL, false>(s, aQ1, aQ2, smem_addr(st), smem_addr(st + TILE_K),
-                                          mode, masked, g, p.scale_log2, lane);
-      float dp[BN / 8][4];
-      zero_frag<BN / 8>(dp);
-      mma_abt<T, D, BN>(dp, aDO, smem_addr(st + 2 * TILE_K), lane);
+      float s[MW][BN / 8][4];
+      score_tile<T, D, BN, MW, CAUSAL, false>(s, aQ1, aQ2, smem_addr(st), smem_addr(st + TILE_K),
+                                              mode, masked, g, p.scale_log2, lane);
+      float dp[MW][BN / 8][4];
+      zero_n<MW * BN / 2>(&dp[0][0][0]);
+      mma_abt<T, D, BN, MW>(dp, aDO, smem_addr(st + 2 * TILE_K), lane);
 #pragma unroll
-      for (int nb = 0; nb < BN / 8; ++nb)
+      for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float pr = fast_exp2(s[nb][e] - lse2[e / 2]);
-          s[nb][e] = pr * (dp[nb][e] - delta[e / 2]);  // dS
-        }
-      if (mode == 3) keep_pair<BN, false>(s, pair, g, lane);
-      mma_xb<T, D, BN>(acc, s, smem_addr(st + (pair - 1) * TILE_K), lane);
+        for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float pr = fast_exp2(s[mi][nb][e] - lse2[mi][e / 2]);
+            s[mi][nb][e] = pr * (dp[mi][nb][e] - delta[mi][e / 2]);  // dS
+          }
+      if (mode == 3) keep_pair<BN, MW, false>(s, pair, g, lane);
+      mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + (pair - 1) * TILE_K), lane);
     });
-    const float scale[2] = {p.sm_scale, p.sm_scale};
+    float scale[MW][2];
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) scale[mi][0] = scale[mi][1] = p.sm_scale;
     const Tensor& out = pair == 1 ? p.dq1 : p.dq2;
-    store_rows<T, D>(out.mut(b, h), out.sr, row0, M, acc, scale, lane);
+    store_rows<T, D, MW>(out.mut(b, h), out.sr, row0, M, acc, scale, lane);
   }
 }
 
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL>
 __global__ void __launch_bounds__(WARPS * 32) pw_backward_dkv(const Params p) {
-  static_assert(BN == 16 * WARPS, "each warp owns 16 key rows");
+  constexpr int MW = BN / (16 * WARPS);  // 16-row (key) blocks per warp
+  static_assert(BN == 16 * MW * WARPS && (MW == 1 || MW == 2), "warps own 16 or 32 key rows");
   constexpr int THREADS = WARPS * 32;
   constexpr int TILE_K = BN * Pitch<D>::elems, TILE_Q = BM * Pitch<D>::elems;
   extern __shared__ __align__(16) unsigned char smem[];
   u16* sK1 = reinterpret_cast<u16*>(smem);
   u16* sK2 = sK1 + TILE_K;
   u16* sV = sK2 + TILE_K;
-  u16* sQ = sV + TILE_K;                                   // per stage: Q1, Q2, dO
+  u16* sQ = sV + TILE_K;                                         // per stage: Q1, Q2, dO
   float* sStat = reinterpret_cast<float*>(sQ + 2 * 3 * TILE_Q);  // per stage: lse, delta
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const i64 nt = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const i64 M = p.M, N = p.N, P = N - M, n0 = nt * BN;
-  const i64 row0 = n0 + warp * 16;  // rows are keys here
+  const i64 row0 = n0 + warp * 16 * MW;  // rows are keys here
 
   load_rows<BN, D, THREADS>(smem_addr(sK1), p.k1.at(b, hk), p.k1.sr, n0, N);
   load_rows<BN, D, THREADS>(smem_addr(sK2), p.k2.at(b, hk), p.k2.sr, n0, N);
@@ -154,12 +162,12 @@ __global__ void __launch_bounds__(WARPS * 32) pw_backward_dkv(const Params p) {
   const int first2 = (int)clamp64(ceil_div(p.w - P + n0 - BM + 1, BM), t_lo, t_hi);
   const int group = (int)p.group;
 
-  const u32 aK1 = smem_addr(sK1 + warp * 16 * Pitch<D>::elems);
-  const u32 aK2 = smem_addr(sK2 + warp * 16 * Pitch<D>::elems);
-  const u32 aV = smem_addr(sV + warp * 16 * Pitch<D>::elems);
+  const int warp_off = warp * 16 * MW * Pitch<D>::elems;
+  const u32 aK1 = smem_addr(sK1 + warp_off), aK2 = smem_addr(sK2 + warp_off);
+  const u32 aV = smem_addr(sV + warp_off);
 
-  float dv[D / 8][4];
-  zero_frag<D / 8>(dv);
+  float dv[MW][D / 8][4];
+  zero_n<MW * D / 2>(&dv[0][0][0]);
 
 #pragma unroll 1
   for (int pair = 1; pair <= 2; ++pair) {
@@ -185,8 +193,8 @@ __global__ void __launch_bounds__(WARPS * 32) pw_backward_dkv(const Params p) {
       load_f32<BM, THREADS>(smem_addr(ss + BM), p.delta + base, m0, M);
     };
 
-    float dk[D / 8][4];
-    zero_frag<D / 8>(dk);
+    float dk[MW][D / 8][4];
+    zero_n<MW * D / 2>(&dk[0][0][0]);
     pipelined_tiles(0, per_head > 0 ? per_head * group : 0, issue, [&](int it, int stage) {
       i64 h, m0;
       tile_of(it, h, m0);
@@ -197,31 +205,39 @@ __global__ void __launch_bounds__(WARPS * 32) pw_backward_dkv(const Params p) {
       const float* ss = sStat + stage * 2 * BM;
       const Geom g = make_geom<true>(row0, m0, P, p.w, M);
 
-      float s[BM / 8][4];
-      score_tile<T, D, BM, CAUSAL, true>(s, aK1, aK2, smem_addr(st), smem_addr(st + TILE_Q),
-                                         mode, masked, g, p.scale_log2, lane);
+      float s[MW][BM / 8][4];
+      score_tile<T, D, BM, MW, CAUSAL, true>(s, aK1, aK2, smem_addr(st), smem_addr(st + TILE_Q),
+                                             mode, masked, g, p.scale_log2, lane);
 #pragma unroll
-      for (int nb = 0; nb < BM / 8; ++nb)
+      for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          s[nb][e] = fast_exp2(s[nb][e] - lse_to_log2(ss[nb * 8 + 2 * (lane % 4) + (e % 2)]));
+        for (int nb = 0; nb < BM / 8; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            s[mi][nb][e] = fast_exp2(s[mi][nb][e] - lse_to_log2(ss[frag_col(nb, e, lane)]));
       // dV takes every tile once: pass 2 skips the straddling tiles pass 1 already counted.
-      if (pair == 1 || t >= end1) mma_xb<T, D, BM>(dv, s, smem_addr(st + 2 * TILE_Q), lane);
-      float dp[BM / 8][4];
-      zero_frag<BM / 8>(dp);
-      mma_abt<T, D, BM>(dp, aV, smem_addr(st + 2 * TILE_Q), lane);
+      if (pair == 1 || t >= end1) mma_xb<T, D, BM, MW>(dv, s, smem_addr(st + 2 * TILE_Q), lane);
+      float dp[MW][BM / 8][4];
+      zero_n<MW * BM / 2>(&dp[0][0][0]);
+      mma_abt<T, D, BM, MW>(dp, aV, smem_addr(st + 2 * TILE_Q), lane);
 #pragma unroll
-      for (int nb = 0; nb < BM / 8; ++nb)
+      for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          s[nb][e] *= dp[nb][e] - ss[BM + nb * 8 + 2 * (lane % 4) + (e % 2)];  // dS
-      if (mode == 3) keep_pair<BM, true>(s, pair, g, lane);
-      mma_xb<T, D, BM>(dk, s, smem_addr(st + (pair - 1) * TILE_Q), lane);
+        for (int nb = 0; nb < BM / 8; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            s[mi][nb][e] *= dp[mi][nb][e] - ss[BM + frag_col(nb, e, lane)];  // dS
+      if (mode == 3) keep_pair<BM, MW, true>(s, pair, g, lane);
+      mma_xb<T, D, BM, MW>(dk, s, smem_addr(st + (pair - 1) * TILE_Q), lane);
     });
-    const float scale[2] = {p.sm_scale, p.sm_scale};
+    float scale[MW][2];
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) scale[mi][0] = scale[mi][1] = p.sm_scale;
     const Tensor& out = pair == 1 ? p.dk1 : p.dk2;
-    store_rows<T, D>(out.mut(b, hk), out.sr, row0, N, dk, scale, lane);
+    store_rows<T, D, MW>(out.mut(b, hk), out.sr, row0, N, dk, scale, lane);
   }
-  const float one[2] = {1.f, 1.f};
-  store_rows<T, D>(p.dv.mut(b, hk), p.dv.sr, row0, N, dv, one, lane);
+  float one[MW][2];
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi) one[mi][0] = one[mi][1] = 1.f;
+  store_rows<T, D, MW>(p.dv.mut(b, hk), p.dv.sr, row0, N, dv, one, lane);
 }

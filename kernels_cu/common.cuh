@@ -112,21 +112,27 @@ template <int D> struct Pitch {
 };
 
 // Copies rows [row0, row0+ROWS) of an (L, D) matrix (row stride `rs` elements, unit column
-// stride) into a shared tile; rows at or beyond `nvalid` become zeros.
+// stride) into a shared tile; rows at or beyond `nvalid` become zeros. Each thread keeps one
+// 16-byte column and walks rows with a running pointer: precomputed per-row addresses would
+// otherwise be hoisted out of the tile loop and pin dozens of registers.
 template <int ROWS, int D, int THREADS>
 PW_DEVICE void load_rows(u32 dst, const u16* src, i64 rs, i64 row0, i64 nvalid) {
   constexpr int CPR = D / 8;  // 16-byte chunks per row
-  constexpr int TOTAL = ROWS * CPR;
+  static_assert(THREADS % CPR == 0, "a thread's column must stay fixed");
+  constexpr int RSTEP = THREADS / CPR;
+  const int r = (int)threadIdx.x / CPR, ch = (int)threadIdx.x % CPR;
+  i64 gr = row0 + r;
+  const u16* g = src + gr * rs + ch * 8;
+  u32 d = dst + r * Pitch<D>::bytes + ch * 16;
 #pragma unroll
-  for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {
-    const int c = it * THREADS + (int)threadIdx.x;
-    if (TOTAL % THREADS == 0 || c < TOTAL) {
-      const int r = c / CPR, ch = c % CPR;
-      const i64 gr = row0 + r;
+  for (int it = 0; it < (ROWS + RSTEP - 1) / RSTEP; ++it) {
+    if (ROWS % RSTEP == 0 || r + it * RSTEP < ROWS) {
       const bool ok = gr < nvalid;
-      const u16* g = ok ? src + gr * rs + ch * 8 : src;
-      cp_async16(dst + r * Pitch<D>::bytes + ch * 16, g, ok);
+      cp_async16(d, ok ? g : src, ok);
     }
+    gr += RSTEP;
+    g += RSTEP * rs;
+    d += RSTEP * Pitch<D>::bytes;
   }
 }
 
@@ -146,67 +152,99 @@ PW_DEVICE void load_f32(u32 dst, const float* src, i64 i0, i64 nvalid) {
 // ---------------------------------------------------------------- warp-level products
 // Fragment layout (m16n8k16 accumulator): a thread holds rows lane/4 and lane/4+8 of each 8-column
 // block, columns 2*(lane%4) and 2*(lane%4)+1, as c[0],c[1] (upper row) and c[2],c[3] (lower row).
+//
+// A warp owns MW blocks of 16 rows (MW = 1 or 2). Every B fragment read from shared memory
+// feeds MW row blocks: with MW = 2 each ldmatrix serves four mma instead of two, which halves
+// the shared-memory traffic per tensor-core operation (the limit at MW = 1).
 
-// acc[16 x 16*NP block np] += A(16 x D) * B(rows np*16.., D)^T for one 16-column block.
-template <typename T, int D>
-PW_DEVICE void mma_abt_block(float acc[2][4], u32 sA, u32 sB, int np, int lane) {
+template <int N> PW_DEVICE void zero_n(float* f) {
 #pragma unroll
-  for (int k = 0; k < D / 16; ++k) {
-    u32 a[4], b[4];
-    ldsm_x4(a, sA + (lane % 16) * Pitch<D>::bytes + (k * 16 + (lane / 16) * 8) * 2);
-    ldsm_x4(b, sB + (np * 16 + (lane % 8) + (lane / 16) * 8) * Pitch<D>::bytes +
-                   (k * 16 + ((lane / 8) % 2) * 8) * 2);
-    Elem<T>::mma(acc[0], a, b[0], b[1]);
-    Elem<T>::mma(acc[1], a, b[2], b[3]);
-  }
+  for (int i = 0; i < N; ++i) f[i] = 0.f;
 }
 
-// acc(16 x BN) += A(16 x D) * B(BN x D)^T, both operands row-major tiles in shared memory
-// (A: the warp's 16 rows). Scores, dP and their transposes all take this form.
-template <typename T, int D, int BN>
-PW_DEVICE void mma_abt(float acc[BN / 8][4], u32 sA, u32 sB, int lane) {
+template <int D, int MW>
+PW_DEVICE void load_a(u32 a[MW][4], u32 sA, int k, int lane) {
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi)
+    ldsm_x4(a[mi], sA + (mi * 16 + lane % 16) * Pitch<D>::bytes + (k * 16 + (lane / 16) * 8) * 2);
+}
+
+// B fragments of the 16 rows np*16.. of a row-major (rows x D) tile, k-slice k: the two
+// 8-row halves in b[0..1] and b[2..3].
+template <int D> PW_DEVICE void load_b(u32 b[4], u32 sB, int np, int k, int lane) {
+  ldsm_x4(b, sB + (np * 16 + (lane % 8) + (lane / 16) * 8) * Pitch<D>::bytes +
+                 (k * 16 + ((lane / 8) % 2) * 8) * 2);
+}
+
+// acc(16MW x 16, column block np of the tile) += A(16MW x D) * B(16 rows np*16.., D)^T.
+template <typename T, int D, int MW>
+PW_DEVICE void mma_abt_block(float acc[MW][2][4], u32 sA, u32 sB, int np, int lane) {
 #pragma unroll
   for (int k = 0; k < D / 16; ++k) {
-    u32 a[4];
-    ldsm_x4(a, sA + (lane % 16) * Pitch<D>::bytes + (k * 16 + (lane / 16) * 8) * 2);
+    u32 a[MW][4], b[4];
+    load_a<D, MW>(a, sA, k, lane);
+    load_b<D>(b, sB, np, k, lane);
 #pragma unroll
-    for (int np = 0; np < BN / 16; ++np) {
-      u32 b[4];
-      ldsm_x4(b, sB + (np * 16 + (lane % 8) + (lane / 16) * 8) * Pitch<D>::bytes +
-                     (k * 16 + ((lane / 8) % 2) * 8) * 2);
-      Elem<T>::mma(acc[2 * np], a, b[0], b[1]);
-      Elem<T>::mma(acc[2 * np + 1], a, b[2], b[3]);
+    for (int mi = 0; mi < MW; ++mi) {
+      Elem<T>::mma(acc[mi][0], a[mi], b[0], b[1]);
+      Elem<T>::mma(acc[mi][1], a[mi], b[2], b[3]);
     }
   }
 }
 
-// acc(16 x D) += X(16 x BN, float accumulator fragments rounded to T) * B(BN x D), B row-major
-// in shared memory and read transposed by ldmatrix. P·V, dS·K, Pᵀ·dO and dSᵀ·Q take this form:
-// the accumulator layout of two adjacent 8-column blocks is exactly an m16n8k16 A fragment.
-template <typename T, int D, int BN>
-PW_DEVICE void mma_xb(float acc[D / 8][4], const float x[BN / 8][4], u32 sB, int lane) {
+// acc(16MW x BN) += A(16MW x D) * B(BN x D)^T, both operands row-major tiles in shared
+// memory (A: the warp's rows). Scores, dP and their transposes all take this form.
+template <typename T, int D, int BN, int MW>
+PW_DEVICE void mma_abt(float acc[MW][BN / 8][4], u32 sA, u32 sB, int lane) {
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k) {
+    u32 a[MW][4];
+    load_a<D, MW>(a, sA, k, lane);
+#pragma unroll
+    for (int np = 0; np < BN / 16; ++np) {
+      u32 b[4];
+      load_b<D>(b, sB, np, k, lane);
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi) {
+        Elem<T>::mma(acc[mi][2 * np], a[mi], b[0], b[1]);
+        Elem<T>::mma(acc[mi][2 * np + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// acc(16MW x D) += X(16MW x BN, float accumulator fragments rounded to T) * B(BN x D), B
+// row-major in shared memory and read transposed by ldmatrix. P·V, dS·K, Pᵀ·dO and dSᵀ·Q take
+// this form: the accumulator layout of two adjacent 8-column blocks is an m16n8k16 A fragment.
+template <typename T, int D, int BN, int MW>
+PW_DEVICE void mma_xb(float acc[MW][D / 8][4], const float x[MW][BN / 8][4], u32 sB, int lane) {
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk) {
-    u32 a[4];
-    a[0] = Elem<T>::pack(x[2 * kk][0], x[2 * kk][1]);
-    a[1] = Elem<T>::pack(x[2 * kk][2], x[2 * kk][3]);
-    a[2] = Elem<T>::pack(x[2 * kk + 1][0], x[2 * kk + 1][1]);
-    a[3] = Elem<T>::pack(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+    u32 a[MW][4];
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) {
+      a[mi][0] = Elem<T>::pack(x[mi][2 * kk][0], x[mi][2 * kk][1]);
+      a[mi][1] = Elem<T>::pack(x[mi][2 * kk][2], x[mi][2 * kk][3]);
+      a[mi][2] = Elem<T>::pack(x[mi][2 * kk + 1][0], x[mi][2 * kk + 1][1]);
+      a[mi][3] = Elem<T>::pack(x[mi][2 * kk + 1][2], x[mi][2 * kk + 1][3]);
+    }
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
       u32 b[4];
       ldsm_x4_trans(b, sB + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * Pitch<D>::bytes +
                            (dp * 16 + (lane / 16) * 8) * 2);
-      Elem<T>::mma(acc[2 * dp], a, b[0], b[1]);
-      Elem<T>::mma(acc[2 * dp + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi) {
+        Elem<T>::mma(acc[mi][2 * dp], a[mi], b[0], b[1]);
+        Elem<T>::mma(acc[mi][2 * dp + 1], a[mi], b[2], b[3]);
+      }
     }
   }
 }
 
-template <int NB> PW_DEVICE void zero_frag(float f[NB][4]) {
-#pragma unroll
-  for (int i = 0; i < NB; ++i) f[i][0] = f[i][1] = f[i][2] = f[i][3] = 0.f;
-}
+// Row (0..16MW-1) and column (0..BN-1) of fragment element e of block (mi, nb).
+PW_DEVICE int frag_row(int mi, int e, int lane) { return mi * 16 + lane / 4 + (e / 2) * 8; }
+PW_DEVICE int frag_col(int nb, int e, int lane) { return nb * 8 + 2 * (lane % 4) + (e % 2); }
 
 // ---------------------------------------------------------------- piecewise geometry
 // Signed distance of query i to key j is d = i + P - j. A tile pairs a range of rows with a
@@ -245,80 +283,89 @@ PW_DEVICE Geom make_geom(i64 row0, i64 col0, i64 P, i64 w, i64 ncols) {
   return g;
 }
 
-// Distance of the element at fragment position (row offset r in 0..15, column c in the tile).
+// Distance of the element at row offset r (from the warp's first row) and tile column c.
 template <bool Trans> PW_DEVICE int elem_dist(const Geom& g, int r, int c) {
   return Trans ? g.base + c - r : g.base + r - c;
 }
 
-// Scores of one warp's 16 rows against a BN-column tile, in the log2 domain (scaled by
+// Scores of one warp's 16MW rows against a BN-column tile, in the log2 domain (scaled by
 // sm_scale*log2 e). mode selects the products; masked elements become -inf.
-template <typename T, int D, int BN, bool CAUSAL, bool Trans>
-PW_DEVICE void score_tile(float s[BN / 8][4], u32 sA1, u32 sA2, u32 sB1, u32 sB2, int mode,
+template <typename T, int D, int BN, int MW, bool CAUSAL, bool Trans>
+PW_DEVICE void score_tile(float s[MW][BN / 8][4], u32 sA1, u32 sA2, u32 sB1, u32 sB2, int mode,
                           bool masked, const Geom& g, float scale_log2, int lane) {
-  zero_frag<BN / 8>(s);
+  zero_n<MW * BN / 2>(&s[0][0][0]);
   if (mode == 3) {
-    mma_abt<T, D, BN>(s, sA1, sB1, lane);
+    // Straddling tile: the second product goes 16 columns at a time through a small
+    // temporary, so the mixed path costs 16 extra registers, not a second score tile.
+    mma_abt<T, D, BN, MW>(s, sA1, sB1, lane);
 #pragma unroll
     for (int np = 0; np < BN / 16; ++np) {
-      float t[2][4];
-      zero_frag<2>(t);
-      mma_abt_block<T, D>(t, sA2, sB2, np, lane);
+      float t[MW][2][4];
+      zero_n<MW * 8>(&t[0][0][0]);
+      mma_abt_block<T, D, MW>(t, sA2, sB2, np, lane);
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+      for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = lane / 4 + (e / 2) * 8, c = (2 * np + h) * 8 + 2 * (lane % 4) + (e % 2);
-          if (elem_dist<Trans>(g, r, c) >= g.w) s[2 * np + h][e] = t[h][e];
-        }
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (elem_dist<Trans>(g, frag_row(mi, e, lane), frag_col(2 * np + h, e, lane)) >= g.w)
+              s[mi][2 * np + h][e] = t[mi][h][e];
     }
   } else if (mode == 1) {
-    mma_abt<T, D, BN>(s, sA1, sB1, lane);
+    mma_abt<T, D, BN, MW>(s, sA1, sB1, lane);
   } else {
-    mma_abt<T, D, BN>(s, sA2, sB2, lane);
+    mma_abt<T, D, BN, MW>(s, sA2, sB2, lane);
   }
 #pragma unroll
-  for (int nb = 0; nb < BN / 8; ++nb)
+  for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float x = s[nb][e] * scale_log2;
-      if (masked) {
-        const int r = lane / 4 + (e / 2) * 8, c = nb * 8 + 2 * (lane % 4) + (e % 2);
-        if (c >= g.cols_left || (CAUSAL && elem_dist<Trans>(g, r, c) < 0)) x = PW_NEG_INF;
+    for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[mi][nb][e] * scale_log2;
+        if (masked) {
+          const int r = frag_row(mi, e, lane), c = frag_col(nb, e, lane);
+          if (c >= g.cols_left || (CAUSAL && elem_dist<Trans>(g, r, c) < 0)) x = PW_NEG_INF;
+        }
+        s[mi][nb][e] = x;
       }
-      s[nb][e] = x;
-    }
 }
 
 // Zeroes the entries of a (dS) fragment that belong to the other projection pair: the
 // pass for pair 1 keeps d < w, the pass for pair 2 keeps d >= w.
-template <int BN, bool Trans>
-PW_DEVICE void keep_pair(float x[BN / 8][4], int pair, const Geom& g, int lane) {
+template <int BN, int MW, bool Trans>
+PW_DEVICE void keep_pair(float x[MW][BN / 8][4], int pair, const Geom& g, int lane) {
 #pragma unroll
-  for (int nb = 0; nb < BN / 8; ++nb)
+  for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = lane / 4 + (e / 2) * 8, c = nb * 8 + 2 * (lane % 4) + (e % 2);
-      const bool second = elem_dist<Trans>(g, r, c) >= g.w;
-      if (second != (pair == 2)) x[nb][e] = 0.f;
-    }
+    for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool second =
+            elem_dist<Trans>(g, frag_row(mi, e, lane), frag_col(nb, e, lane)) >= g.w;
+        if (second != (pair == 2)) x[mi][nb][e] = 0.f;
+      }
 }
 
-// Writes a warp's 16 x D float fragment to a row-major (L, D) output of type T, times `scale`,
-// skipping rows at or past nvalid.
-template <typename T, int D>
-PW_DEVICE void store_rows(u16* dst, i64 rs, i64 row0, i64 nvalid, const float acc[D / 8][4],
-                          const float scale[2], int lane) {
+// Writes a warp's 16MW x D float fragment to a row-major (L, D) output of type T, row block
+// mi's half h scaled by scale[mi][h], skipping rows at or past nvalid.
+template <typename T, int D, int MW>
+PW_DEVICE void store_rows(u16* dst, i64 rs, i64 row0, i64 nvalid, const float acc[MW][D / 8][4],
+                          const float scale[MW][2], int lane) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const i64 r = row0 + lane / 4 + 8 * h;
-    if (r < nvalid) {
-      u16* p = dst + r * rs + 2 * (lane % 4);
+  for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
-      for (int nb = 0; nb < D / 8; ++nb)
-        *reinterpret_cast<u32*>(p + nb * 8) =
-            Elem<T>::pack(acc[nb][2 * h] * scale[h], acc[nb][2 * h + 1] * scale[h]);
+    for (int h = 0; h < 2; ++h) {
+      const i64 r = row0 + mi * 16 + lane / 4 + 8 * h;
+      if (r < nvalid) {
+        u16* p = dst + r * rs + 2 * (lane % 4);
+#pragma unroll
+        for (int nb = 0; nb < D / 8; ++nb)
+          *reinterpret_cast<u32*>(p + nb * 8) = Elem<T>::pack(acc[mi][nb][2 * h] * scale[mi][h],
+                                                              acc[mi][nb][2 * h + 1] * scale[mi][h]);
+      }
     }
-  }
 }
 
 // ---------------------------------------------------------------- double-buffered tile loop

@@ -1,11 +1,12 @@
 // Forward pass: o = softmax(s) v and lse, FlashAttention-2 style. One block per
-// (query tile, head, batch); warp k owns query rows 16k..16k+15 of the tile; key tiles
-// stream through shared memory double-buffered with cp.async; scores never leave registers.
+// (query tile, head, batch); each warp owns 16*MW query rows of the tile; key tiles stream
+// through shared memory double-buffered with cp.async; scores never leave registers.
 #include "params.cuh"
 
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL>
 __global__ void __launch_bounds__(WARPS * 32) pw_forward(const Params p) {
-  static_assert(BM == 16 * WARPS, "each warp owns 16 query rows");
+  constexpr int MW = BM / (16 * WARPS);  // 16-row blocks per warp
+  static_assert(BM == 16 * MW * WARPS && (MW == 1 || MW == 2), "warps own 16 or 32 query rows");
   constexpr int THREADS = WARPS * 32;
   constexpr int TILE_Q = BM * Pitch<D>::elems, TILE_K = BN * Pitch<D>::elems;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -19,8 +20,6 @@ __global__ void __launch_bounds__(WARPS * 32) pw_forward(const Params p) {
   const i64 h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
   const i64 M = p.M, N = p.N, P = N - M, m0 = mt * BM;
 
-  const u16* q1 = p.q1.at(b, h);
-  const u16* q2 = p.q2.at(b, h);
   const u16* k1 = p.k1.at(b, hk);
   const u16* k2 = p.k2.at(b, hk);
   const u16* vv = p.v.at(b, hk);
@@ -29,8 +28,8 @@ __global__ void __launch_bounds__(WARPS * 32) pw_forward(const Params p) {
   const i64 n_end = CAUSAL ? clamp64(m0 + BM + P, 0, N) : N;
   const int ntiles = (int)((n_end + BN - 1) / BN);
 
-  load_rows<BM, D, THREADS>(smem_addr(sQ1), q1, p.q1.sr, m0, M);
-  load_rows<BM, D, THREADS>(smem_addr(sQ2), q2, p.q2.sr, m0, M);
+  load_rows<BM, D, THREADS>(smem_addr(sQ1), p.q1.at(b, h), p.q1.sr, m0, M);
+  load_rows<BM, D, THREADS>(smem_addr(sQ2), p.q2.at(b, h), p.q2.sr, m0, M);
 
   auto issue = [&](int t, int stage) {
     const i64 n0 = (i64)t * BN;
@@ -41,12 +40,15 @@ __global__ void __launch_bounds__(WARPS * 32) pw_forward(const Params p) {
     load_rows<BN, D, THREADS>(smem_addr(st + 2 * TILE_K), vv, p.v.sr, n0, N);
   };
 
-  float acc[D / 8][4];
-  zero_frag<D / 8>(acc);
-  float row_max[2] = {PW_NEG_INF, PW_NEG_INF}, row_sum[2] = {0.f, 0.f};
-  const u32 aQ1 = smem_addr(sQ1 + warp * 16 * Pitch<D>::elems);
-  const u32 aQ2 = smem_addr(sQ2 + warp * 16 * Pitch<D>::elems);
-  const i64 row0 = m0 + warp * 16;
+  float acc[MW][D / 8][4];
+  zero_n<MW * D / 2>(&acc[0][0][0]);
+  float row_max[MW][2], row_sum[MW][2];
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi)
+    row_max[mi][0] = row_max[mi][1] = PW_NEG_INF, row_sum[mi][0] = row_sum[mi][1] = 0.f;
+  const i64 row0 = m0 + warp * 16 * MW;
+  const u32 aQ1 = smem_addr(sQ1 + warp * 16 * MW * Pitch<D>::elems);
+  const u32 aQ2 = smem_addr(sQ2 + warp * 16 * MW * Pitch<D>::elems);
 
   pipelined_tiles(0, ntiles, issue, [&](int t, int stage) {
     const i64 n0 = (i64)t * BN;
@@ -55,49 +57,55 @@ __global__ void __launch_bounds__(WARPS * 32) pw_forward(const Params p) {
     const u16* st = sKV + stage * 3 * TILE_K;
     const Geom g = make_geom<false>(row0, n0, P, p.w, N);
 
-    float s[BN / 8][4];
-    score_tile<T, D, BN, CAUSAL, false>(s, aQ1, aQ2, smem_addr(st), smem_addr(st + TILE_K), mode,
-                                        masked, g, p.scale_log2, lane);
+    float s[MW][BN / 8][4];
+    score_tile<T, D, BN, MW, CAUSAL, false>(s, aQ1, aQ2, smem_addr(st), smem_addr(st + TILE_K),
+                                            mode, masked, g, p.scale_log2, lane);
 
     // Online softmax: a row's running max is shared by the four lanes that hold it.
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      float mx = row_max[hh];
+    for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
-      for (int nb = 0; nb < BN / 8; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * hh], s[nb][2 * hh + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // A row that has seen only masked keys keeps max -inf; subtracting 0 keeps exp2 at 0.
-      const float base = mx == PW_NEG_INF ? 0.f : mx;
-      const float alpha = fast_exp2(row_max[hh] - base);
-      row_max[hh] = mx;
-      float sum = 0.f;
+      for (int hh = 0; hh < 2; ++hh) {
+        float mx = row_max[mi][hh];
 #pragma unroll
-      for (int nb = 0; nb < BN / 8; ++nb) {
-        s[nb][2 * hh] = fast_exp2(s[nb][2 * hh] - base);
-        s[nb][2 * hh + 1] = fast_exp2(s[nb][2 * hh + 1] - base);
-        sum += s[nb][2 * hh] + s[nb][2 * hh + 1];
+        for (int nb = 0; nb < BN / 8; ++nb)
+          mx = fmaxf(mx, fmaxf(s[mi][nb][2 * hh], s[mi][nb][2 * hh + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // A row that has seen only masked keys keeps max -inf; subtracting 0 keeps exp2 at 0.
+        const float base = mx == PW_NEG_INF ? 0.f : mx;
+        const float alpha = fast_exp2(row_max[mi][hh] - base);
+        row_max[mi][hh] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb) {
+          s[mi][nb][2 * hh] = fast_exp2(s[mi][nb][2 * hh] - base);
+          s[mi][nb][2 * hh + 1] = fast_exp2(s[mi][nb][2 * hh + 1] - base);
+          sum += s[mi][nb][2 * hh] + s[mi][nb][2 * hh + 1];
+        }
+        row_sum[mi][hh] = row_sum[mi][hh] * alpha + sum;
+#pragma unroll
+        for (int nb = 0; nb < D / 8; ++nb) {
+          acc[mi][nb][2 * hh] *= alpha;
+          acc[mi][nb][2 * hh + 1] *= alpha;
+        }
       }
-      row_sum[hh] = row_sum[hh] * alpha + sum;
-#pragma unroll
-      for (int nb = 0; nb < D / 8; ++nb) {
-        acc[nb][2 * hh] *= alpha;
-        acc[nb][2 * hh + 1] *= alpha;
-      }
-    }
-    mma_xb<T, D, BN>(acc, s, smem_addr(st + 2 * TILE_K), lane);
+    mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + 2 * TILE_K), lane);
   });
 
-  float inv[2];
+  float inv[MW][2];
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    float l = row_sum[hh];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[hh] = l > 0.f ? 1.f / l : 0.f;  // a row with no admissible key gives o = 0
-    const i64 r = row0 + lane / 4 + 8 * hh;
-    if (lane % 4 == 0 && r < M)
-      p.lse[(b * p.H + h) * M + r] = l > 0.f ? (row_max[hh] + __log2f(l)) * PW_LN2 : PW_NEG_INF;
-  }
-  store_rows<T, D>(p.o.mut(b, h), p.o.sr, row0, M, acc, inv, lane);
+  for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float l = row_sum[mi][hh];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      inv[mi][hh] = l > 0.f ? 1.f / l : 0.f;  // a row with no admissible key gives o = 0
+      const i64 r = row0 + mi * 16 + lane / 4 + 8 * hh;
+      if (lane % 4 == 0 && r < M)
+        p.lse[(b * p.H + h) * M + r] =
+            l > 0.f ? (row_max[mi][hh] + __log2f(l)) * PW_LN2 : PW_NEG_INF;
+    }
+  store_rows<T, D, MW>(p.o.mut(b, h), p.o.sr, row0, M, acc, inv, lane);
 }

@@ -221,3 +221,16 @@ def test_arrays_on_two_devices_raise():
         b = cupy.ones((1, 1, 16, 16), dtype=cupy.float16)
     with pytest.raises(ValueError, match="k1"):
         cupy_piecewise.attention(a, b, a, a, a, 0)
+
+
+@pytest.mark.parametrize("tiles,D", [
+    ("fwd=128x64x4,bwd_dq=128x64x4,bwd_dkv=64x128x4", 64),   # two 16-row blocks per warp
+    ("fwd=64x32x2,bwd_dq=64x32x2,bwd_dkv=32x64x2", 64),
+    ("fwd=128x32x4,bwd_dq=64x32x2,bwd_dkv=32x64x2", 128),
+    ("fwd=16x16x1,bwd_dq=16x16x1,bwd_dkv=16x16x1", 32),      # smallest tiles, many edges
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_other_tile_configs(tiles, D, causal, monkeypatch):
+    """Every tile shape the table may hold (tuning overrides too) computes the same function."""
+    monkeypatch.setenv("CUPY_PIECEWISE_TILES", tiles)
+    run_case(D=D, dtype="bfloat16", causal=causal, M=333, N=410, w=70, group=2, transposed=False)
