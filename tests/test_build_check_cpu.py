@@ -1,0 +1,70 @@
+"""The NVRTC build check without a GPU: one forward and one backward variant compile for
+sm_90 with registers reported and no spills, and ``build_check.variants_for`` covers every
+variant the tile table can select.
+
+Needs NVRTC (the ``nvidia-cuda-nvrtc`` wheel in the ``test`` extra, loaded through CuPy);
+where it cannot be loaded the compile test is skipped with the reason.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+from cupy_piecewise import build_check, capability
+from cupy_piecewise.compile import Variant, compile_offline
+
+SM90 = (9, 0)
+
+
+def _nvrtc_reason() -> str | None:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as exc:  # ImportError, or the library itself missing
+        return f"NVRTC cannot be loaded ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _pick(phase, head_dim=64, dtype="float16", causal=False) -> Variant:
+    matches = [v for v in build_check.variants_for(SM90)
+               if (v.phase, v.head_dim, v.dtype, v.causal) == (phase, head_dim, dtype, causal)]
+    assert len(matches) == 1, matches
+    return matches[0]
+
+
+def test_one_forward_and_one_backward_variant_compile_for_sm90_without_spills():
+    reason = _nvrtc_reason()
+    if reason:
+        print(reason)
+        pytest.skip(reason)
+    t0 = time.perf_counter()
+    reports = (compile_offline(SM90, [_pick("fwd", causal=True)])
+               + compile_offline(SM90, [_pick("bwd_dq", dtype="bfloat16"),
+                                        _pick("bwd_dkv", dtype="bfloat16")]))
+    elapsed = time.perf_counter() - t0
+    assert [r.variant.phase for r in reports] == ["fwd", "bwd_dq", "bwd_dkv"]
+    for r in reports:
+        where = f"{r.variant.name_expression} on {r.arch}:\n{r.log}"
+        assert r.ok and r.arch == "sm_90", where
+        assert r.registers is not None and 0 < r.registers <= 255, where
+        assert r.spill_stores == 0 and r.spill_loads == 0, where
+    assert elapsed < 15, f"compiling three variants took {elapsed:.1f} s"
+
+
+def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatch):
+    monkeypatch.delenv(capability.ENV_VAR, raising=False)
+    variants = build_check.variants_for(SM90)
+    assert len(set(variants)) == len(variants)
+    got = {(v.phase, v.head_dim, v.dtype, v.causal): v.tiles for v in variants if v.phase != "bwd_delta"}
+    head_dims = capability.head_dims(SM90)
+    assert set(head_dims) >= {16, 32, 64, 128}
+    expected = set(itertools.product(capability.PHASES, head_dims, capability.TABLE_DTYPES, (False, True)))
+    assert set(got) == expected
+    for (phase, head_dim, dtype, causal), tiles in got.items():
+        assert tiles == capability.lookup(SM90, phase, head_dim, dtype, causal), (phase, head_dim, dtype, causal)
+    delta = {(v.head_dim, v.dtype) for v in variants if v.phase == "bwd_delta"}
+    assert delta == set(itertools.product(head_dims, capability.TABLE_DTYPES))
+    assert all(v.tiles is None for v in variants if v.phase == "bwd_delta")
