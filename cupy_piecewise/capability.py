@@ -93,19 +93,20 @@ SHARED_LIMIT = {
 def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> int:
     """Shared memory (bytes) one block of ``phase`` needs with tiles ``cfg``.
 
-    Rows are padded by 8 elements (bank-conflict-free ``ldmatrix``). fwd keeps
-    q1, q2 and ``stages`` copies of k1, k2, v; bwd_dq adds do (and 8 bytes per
-    row for lse and delta); bwd_dkv keeps the key tile (k1, k2, v) and
-    ``stages`` copies of the query-side tiles (q1, q2, do) plus lse/delta.
+    Rows are padded by 8 elements (bank-conflict-free ``ldmatrix``). A pipeline stage holds
+    the tiles of one projection pair only (a tile straddling d = w is visited once per pair).
+    fwd keeps q1, q2 and ``stages`` copies of (k, v); bwd_dq keeps q1, q2, do and ``stages``
+    copies of (k, v); bwd_dkv keeps the key tile (k1, k2, v) and ``stages`` copies of
+    (q, do) plus 8 bytes per query row for lse and delta.
     """
     stride = head_dim + 8  # padded rows, elements
     if phase == "fwd":
-        return elem_bytes * (2 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * stride
+        return elem_bytes * (2 * cfg.block_m + 2 * cfg.stages * cfg.block_n) * stride
     if phase == "bwd_dq":
-        return elem_bytes * (3 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * stride + 8 * cfg.block_m
+        return elem_bytes * (3 * cfg.block_m + 2 * cfg.stages * cfg.block_n) * stride
     if phase == "bwd_dkv":
         return (
-            elem_bytes * (3 * cfg.block_n + 3 * cfg.stages * cfg.block_m) * stride
+            elem_bytes * (3 * cfg.block_n + 2 * cfg.stages * cfg.block_m) * stride
             + 8 * cfg.stages * cfg.block_m
         )
     raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")

@@ -57,10 +57,10 @@ def test_entry_satisfies_constraints(cc, phase, head_dim, cfg):
 
 def test_shared_bytes_formula():
     cfg = TileConfig(128, 64, 8)  # sm_90 fwd D128
-    assert shared_bytes("fwd", 128, cfg) == 2 * (2 * 128 + 3 * 2 * 64) * 136
+    assert shared_bytes("fwd", 128, cfg) == 2 * (2 * 128 + 2 * 2 * 64) * 136
     cfg = TileConfig(64, 64, 4)
-    assert shared_bytes("bwd_dq", 128, cfg) == 2 * (3 * 64 + 3 * 2 * 64) * 136 + 8 * 64
-    assert shared_bytes("bwd_dkv", 128, cfg) == 2 * (3 * 64 + 3 * 2 * 64) * 136 + 8 * 2 * 64
+    assert shared_bytes("bwd_dq", 128, cfg) == 2 * (3 * 64 + 2 * 2 * 64) * 136
+    assert shared_bytes("bwd_dkv", 128, cfg) == 2 * (3 * 64 + 2 * 2 * 64) * 136 + 8 * 2 * 64
     assert shared_bytes("fwd", 64, cfg, elem_bytes=4) == 2 * shared_bytes("fwd", 64, cfg)
     with pytest.raises(ValueError, match="phase"):
         shared_bytes("bwd", 64, cfg)
