@@ -93,20 +93,19 @@ SHARED_LIMIT = {
 def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> int:
     """Shared memory (bytes) one block of ``phase`` needs with tiles ``cfg``.
 
-    Rows are padded by 8 elements (bank-conflict-free ``ldmatrix``). A pipeline stage holds
-    the tiles of one projection pair only (a tile straddling d = w is visited once per pair).
-    fwd keeps q1, q2 and ``stages`` copies of (k, v); bwd_dq keeps q1, q2, do and ``stages``
-    copies of (k, v); bwd_dkv keeps the key tile (k1, k2, v) and ``stages`` copies of
-    (q, do) plus 8 bytes per query row for lse and delta.
+    Rows are padded by 8 elements (bank-conflict-free ``ldmatrix``). fwd keeps
+    q1, q2 and ``stages`` copies of k1, k2, v; bwd_dq adds do (and 8 bytes per
+    row for lse and delta); bwd_dkv keeps the key tile (k1, k2, v) and
+    ``stages`` copies of the query-side tiles (q1, q2, do) plus lse/delta.
     """
     stride = head_dim + 8  # padded rows, elements
     if phase == "fwd":
-        return elem_bytes * (2 * cfg.block_m + 2 * cfg.stages * cfg.block_n) * stride
+        return elem_bytes * (2 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * stride
     if phase == "bwd_dq":
-        return elem_bytes * (3 * cfg.block_m + 2 * cfg.stages * cfg.block_n) * stride
+        return elem_bytes * (3 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * stride + 8 * cfg.block_m
     if phase == "bwd_dkv":
         return (
-            elem_bytes * (3 * cfg.block_n + 2 * cfg.stages * cfg.block_m) * stride
+            elem_bytes * (3 * cfg.block_n + 3 * cfg.stages * cfg.block_m) * stride
             + 8 * cfg.stages * cfg.block_m
         )
     raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
@@ -138,12 +137,18 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
         "bwd_dq": {128: _T(64, 16, 4), 64: _T(64, 32, 4), 32: _T(64, 32, 4), 16: _T(64, 64, 4)},
         "bwd_dkv": {128: _T(16, 64, 4), 64: _T(32, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
     },
-    # H100 / H200: 227 KiB shared per block. Chosen from ptxas reports (no spills at 255
-    # registers or fewer); to be retuned from bench/ measurements.
+    # H100 / H200: 227 KiB shared per block. Measured with bench/tiles.py on an H200
+    # (2026-11-30, bf16, L=8192; bench/results/tiles_h200.json) among variants ptxas
+    # compiles without spills. Warps own 32 rows (MW=2) where the registers allow.
     (9, 0): {
-        "fwd": {128: _T(128, 64, 8), 64: _T(128, 128, 8), 32: _T(128, 128, 8), 16: _T(128, 128, 8)},
-        "bwd_dq": {128: _T(128, 32, 8), 64: _T(64, 64, 4), 32: _T(64, 128, 4), 16: _T(64, 128, 4)},
-        "bwd_dkv": {128: _T(32, 128, 8), 64: _T(64, 64, 4), 32: _T(128, 64, 4), 16: _T(128, 64, 4)},
+        "fwd": {128: _T(128, 64, 8), 64: _T(128, 64, 4), 32: _T(128, 128, 8), 16: _T(128, 64, 4)},
+        "bwd_dq": {128: _T(128, 64, 8), 64: _T(128, 32, 4), 32: _T(128, 64, 4), 16: _T(128, 64, 4)},
+        "bwd_dkv": {
+            128: _T(32, 64, 4),
+            64: {(None, True): _T(32, 128, 4), (None, None): _T(64, 64, 4)},
+            32: _T(64, 64, 4),
+            16: _T(64, 128, 4),
+        },
     },
 }
 

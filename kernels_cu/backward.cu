@@ -8,10 +8,8 @@
 // A row of dq (a row of dk) receives pair-2 terms from the keys (queries) on one side of the
 // d = w line and pair-1 terms from the other side, overlapping only in the few tiles that
 // straddle it. Rather than hold two D-wide accumulators, each kernel makes two passes: one
-// over the tiles that touch pair 1, one over those that touch pair 2. A pass computes only its
-// own pair's scores, masked to its side of d = w in straddling tiles (elsewhere p = 0, so
-// dS = 0): straddling tiles are visited twice, every other tile once, and no tile ever needs
-// both products at once. dV sums p·dO over both passes, each pass adding its own side.
+// over the tiles that touch pair 1, one over those that touch pair 2, recomputing only the
+// straddling tiles twice.
 #include "params.cuh"
 
 // delta[b, h, i] = sum_d dO[i, d] * O[i, d], one warp per row, 16-byte loads.
@@ -51,7 +49,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
   u16* sQ1 = reinterpret_cast<u16*>(smem);
   u16* sQ2 = sQ1 + TILE_Q;
   u16* sDO = sQ2 + TILE_Q;
-  u16* sKV = sDO + TILE_Q;  // per stage: K (of the pass), V
+  u16* sKV = sDO + TILE_Q;  // per stage: K1, K2, V
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const i64 mt = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
@@ -84,20 +82,20 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
   const int first1 = (int)clamp64(floor_div(m0 + P - p.w - BN + 1, BN) + 1, 0, ntiles);
   const int end2 = (int)clamp64(floor_div(m0 + BM - 1 + P - p.w, BN) + 1, 0, ntiles);
 
-  int pair = 1;  // the pass in progress: its K is the only one loaded
   auto issue = [&](int t, int stage) {
     const i64 n0 = (i64)t * BN;
-    u16* st = sKV + stage * 2 * TILE_K;
-    load_rows<BN, D, THREADS>(smem_addr(st), pair == 1 ? k1 : k2, pair == 1 ? p.k1.sr : p.k2.sr,
-                              n0, N);
-    load_rows<BN, D, THREADS>(smem_addr(st + TILE_K), vv, p.v.sr, n0, N);
+    const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
+    u16* st = sKV + stage * 3 * TILE_K;
+    if (mode & 1) load_rows<BN, D, THREADS>(smem_addr(st), k1, p.k1.sr, n0, N);
+    if (mode & 2) load_rows<BN, D, THREADS>(smem_addr(st + TILE_K), k2, p.k2.sr, n0, N);
+    load_rows<BN, D, THREADS>(smem_addr(st + 2 * TILE_K), vv, p.v.sr, n0, N);
   };
   const int warp_off = warp * 16 * MW * Pitch<D>::elems;
   const u32 aQ1 = smem_addr(sQ1 + warp_off), aQ2 = smem_addr(sQ2 + warp_off);
   const u32 aDO = smem_addr(sDO + warp_off);
 
 #pragma unroll 1
-  for (pair = 1; pair <= 2; ++pair) {
+  for (int pair = 1; pair <= 2; ++pair) {
     float acc[MW][D / 8][4];
     zero_n<MW * D / 2>(&acc[0][0][0]);
     pipelined_tiles(pair == 1 ? first1 : 0, pair == 1 ? ntiles : end2, issue,
@@ -105,15 +103,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
       const i64 n0 = (i64)t * BN;
       const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
       const bool masked = tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), n0 + BN, N);
-      const u16* st = sKV + stage * 2 * TILE_K;
+      const u16* st = sKV + stage * 3 * TILE_K;
       const Geom g = make_geom<false>(row0, n0, P, p.w, N);
 
       float s[MW][BN / 8][4];
-      score_tile<T, D, BN, MW, CAUSAL, false>(s, pair == 1 ? aQ1 : aQ2, smem_addr(st),
-                                              mode == 3 ? pair : 0, masked, g, p.scale_log2, lane);
+      score_tile<T, D, BN, MW, CAUSAL, false>(s, aQ1, aQ2, smem_addr(st), smem_addr(st + TILE_K),
+                                              mode, masked, g, p.scale_log2, lane);
       float dp[MW][BN / 8][4];
       zero_n<MW * BN / 2>(&dp[0][0][0]);
-      mma_abt<T, D, BN, MW>(dp, aDO, smem_addr(st + TILE_K), lane);
+      mma_abt<T, D, BN, MW>(dp, aDO, smem_addr(st + 2 * TILE_K), lane);
 #pragma unroll
       for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
@@ -123,7 +121,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
             const float pr = fast_exp2(s[mi][nb][e] - lse2[mi][e / 2]);
             s[mi][nb][e] = pr * (dp[mi][nb][e] - delta[mi][e / 2]);  // dS
           }
-      mma_xb<T, D, BN, MW>(acc, s, smem_addr(st), lane);
+      if (mode == 3) keep_pair<BN, MW, false>(s, pair, g, lane);
+      mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + (pair - 1) * TILE_K), lane);
     });
     float scale[MW][2];
 #pragma unroll
@@ -143,8 +142,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
   u16* sK1 = reinterpret_cast<u16*>(smem);
   u16* sK2 = sK1 + TILE_K;
   u16* sV = sK2 + TILE_K;
-  u16* sQ = sV + TILE_K;                                         // per stage: Q (of the pass), dO
-  float* sStat = reinterpret_cast<float*>(sQ + 2 * 2 * TILE_Q);  // per stage: lse, delta
+  u16* sQ = sV + TILE_K;                                         // per stage: Q1, Q2, dO
+  float* sStat = reinterpret_cast<float*>(sQ + 2 * 3 * TILE_Q);  // per stage: lse, delta
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const i64 nt = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
@@ -182,10 +181,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
     auto issue = [&](int it, int stage) {
       i64 h, m0;
       tile_of(it, h, m0);
-      u16* st = sQ + stage * 2 * TILE_Q;
-      const Tensor& q = pair == 1 ? p.q1 : p.q2;
-      load_rows<BM, D, THREADS>(smem_addr(st), q.at(b, h), q.sr, m0, M);
-      load_rows<BM, D, THREADS>(smem_addr(st + TILE_Q), p.dout.at(b, h), p.dout.sr, m0, M);
+      const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
+      u16* st = sQ + stage * 3 * TILE_Q;
+      if (mode & 1) load_rows<BM, D, THREADS>(smem_addr(st), p.q1.at(b, h), p.q1.sr, m0, M);
+      if (mode & 2)
+        load_rows<BM, D, THREADS>(smem_addr(st + TILE_Q), p.q2.at(b, h), p.q2.sr, m0, M);
+      load_rows<BM, D, THREADS>(smem_addr(st + 2 * TILE_Q), p.dout.at(b, h), p.dout.sr, m0, M);
       const i64 base = (b * p.H + h) * M;
       float* ss = sStat + stage * 2 * BM;
       load_f32<BM, THREADS>(smem_addr(ss), p.lse + base, m0, M);
@@ -197,15 +198,16 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
     pipelined_tiles(0, per_head > 0 ? per_head * group : 0, issue, [&](int it, int stage) {
       i64 h, m0;
       tile_of(it, h, m0);
+      const int t = (int)(m0 / BM);
       const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
       const bool masked = tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), m0 + BM, M);
-      const u16* st = sQ + stage * 2 * TILE_Q;
+      const u16* st = sQ + stage * 3 * TILE_Q;
       const float* ss = sStat + stage * 2 * BM;
       const Geom g = make_geom<true>(row0, m0, P, p.w, M);
 
       float s[MW][BM / 8][4];
-      score_tile<T, D, BM, MW, CAUSAL, true>(s, pair == 1 ? aK1 : aK2, smem_addr(st),
-                                             mode == 3 ? pair : 0, masked, g, p.scale_log2, lane);
+      score_tile<T, D, BM, MW, CAUSAL, true>(s, aK1, aK2, smem_addr(st), smem_addr(st + TILE_Q),
+                                             mode, masked, g, p.scale_log2, lane);
 #pragma unroll
       for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
@@ -213,10 +215,11 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
             s[mi][nb][e] = fast_exp2(s[mi][nb][e] - lse_to_log2(ss[frag_col(nb, e, lane)]));
-      mma_xb<T, D, BM, MW>(dv, s, smem_addr(st + TILE_Q), lane);
+      // dV takes every tile once: pass 2 skips the straddling tiles pass 1 already counted.
+      if (pair == 1 || t >= end1) mma_xb<T, D, BM, MW>(dv, s, smem_addr(st + 2 * TILE_Q), lane);
       float dp[MW][BM / 8][4];
       zero_n<MW * BM / 2>(&dp[0][0][0]);
-      mma_abt<T, D, BM, MW>(dp, aV, smem_addr(st + TILE_Q), lane);
+      mma_abt<T, D, BM, MW>(dp, aV, smem_addr(st + 2 * TILE_Q), lane);
 #pragma unroll
       for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
@@ -224,7 +227,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
             s[mi][nb][e] *= dp[mi][nb][e] - ss[BM + frag_col(nb, e, lane)];  // dS
-      mma_xb<T, D, BM, MW>(dk, s, smem_addr(st), lane);
+      if (mode == 3) keep_pair<BM, MW, true>(s, pair, g, lane);
+      mma_xb<T, D, BM, MW>(dk, s, smem_addr(st + (pair - 1) * TILE_Q), lane);
     });
     float scale[MW][2];
 #pragma unroll

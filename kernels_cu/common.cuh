@@ -176,6 +176,22 @@ template <int D> PW_DEVICE void load_b(u32 b[4], u32 sB, int np, int k, int lane
                  (k * 16 + ((lane / 8) % 2) * 8) * 2);
 }
 
+// acc(16MW x 16, column block np of the tile) += A(16MW x D) * B(16 rows np*16.., D)^T.
+template <typename T, int D, int MW>
+PW_DEVICE void mma_abt_block(float acc[MW][2][4], u32 sA, u32 sB, int np, int lane) {
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k) {
+    u32 a[MW][4], b[4];
+    load_a<D, MW>(a, sA, k, lane);
+    load_b<D>(b, sB, np, k, lane);
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) {
+      Elem<T>::mma(acc[mi][0], a[mi], b[0], b[1]);
+      Elem<T>::mma(acc[mi][1], a[mi], b[2], b[3]);
+    }
+  }
+}
+
 // acc(16MW x BN) += A(16MW x D) * B(BN x D)^T, both operands row-major tiles in shared
 // memory (A: the warp's rows). Scores, dP and their transposes all take this form.
 template <typename T, int D, int BN, int MW>
@@ -235,9 +251,7 @@ PW_DEVICE int frag_col(int nb, int e, int lane) { return nb * 8 + 2 * (lane % 4)
 // range of columns; `Trans` says the rows are keys (the dK/dV kernel) instead of queries.
 //   bit 0 of a tile mode: some pair has d < w  (q1·k1 needed)
 //   bit 1:                some pair has d >= w (q2·k2 needed)
-// A tile that straddles d = w (mode 3) is processed as two masked tiles, one per pair: the
-// forward's online softmax and the backward's sums are indifferent to how a row's keys are
-// grouped, and no code path ever holds two score tiles at once.
+// Only tiles that straddle d = w compute both products.
 PW_DEVICE int tile_mode(i64 q0, int qn, i64 k0, int kn, i64 P, i64 w) {
   const i64 dmin = q0 + P - (k0 + kn - 1);
   const i64 dmax = q0 + qn - 1 + P - k0;
@@ -274,16 +288,35 @@ template <bool Trans> PW_DEVICE int elem_dist(const Geom& g, int r, int c) {
   return Trans ? g.base + c - r : g.base + r - c;
 }
 
-// Scores of one warp's 16MW rows against a BN-column tile for one projection pair, in the
-// log2 domain (scaled by sm_scale*log2 e). Masked elements become -inf: columns past the end,
-// keys after their query when causal, and, when `region` is the pair (1 or 2) of a straddling
-// tile, elements that belong to the other pair. region 0 keeps every pair-matching element.
+// Scores of one warp's 16MW rows against a BN-column tile, in the log2 domain (scaled by
+// sm_scale*log2 e). mode selects the products; masked elements become -inf.
 template <typename T, int D, int BN, int MW, bool CAUSAL, bool Trans>
-PW_DEVICE void score_tile(float s[MW][BN / 8][4], u32 sA, u32 sB, int region, bool masked,
-                          const Geom& g, float scale_log2, int lane) {
+PW_DEVICE void score_tile(float s[MW][BN / 8][4], u32 sA1, u32 sA2, u32 sB1, u32 sB2, int mode,
+                          bool masked, const Geom& g, float scale_log2, int lane) {
   zero_n<MW * BN / 2>(&s[0][0][0]);
-  mma_abt<T, D, BN, MW>(s, sA, sB, lane);
-  const bool any_mask = masked || region != 0;
+  if (mode == 3) {
+    // Straddling tile: the second product goes 16 columns at a time through a small
+    // temporary, so the mixed path costs 16 extra registers, not a second score tile.
+    mma_abt<T, D, BN, MW>(s, sA1, sB1, lane);
+#pragma unroll
+    for (int np = 0; np < BN / 16; ++np) {
+      float t[MW][2][4];
+      zero_n<MW * 8>(&t[0][0][0]);
+      mma_abt_block<T, D, MW>(t, sA2, sB2, np, lane);
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (elem_dist<Trans>(g, frag_row(mi, e, lane), frag_col(2 * np + h, e, lane)) >= g.w)
+              s[mi][2 * np + h][e] = t[mi][h][e];
+    }
+  } else if (mode == 1) {
+    mma_abt<T, D, BN, MW>(s, sA1, sB1, lane);
+  } else {
+    mma_abt<T, D, BN, MW>(s, sA2, sB2, lane);
+  }
 #pragma unroll
   for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
@@ -291,14 +324,27 @@ PW_DEVICE void score_tile(float s[MW][BN / 8][4], u32 sA, u32 sB, int region, bo
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = s[mi][nb][e] * scale_log2;
-        if (any_mask) {
-          const int c = frag_col(nb, e, lane);
-          const int d = elem_dist<Trans>(g, frag_row(mi, e, lane), c);
-          const bool out = c >= g.cols_left || (CAUSAL && d < 0) ||
-                           (region == 1 && d >= g.w) || (region == 2 && d < g.w);
-          if (out) x = PW_NEG_INF;
+        if (masked) {
+          const int r = frag_row(mi, e, lane), c = frag_col(nb, e, lane);
+          if (c >= g.cols_left || (CAUSAL && elem_dist<Trans>(g, r, c) < 0)) x = PW_NEG_INF;
         }
         s[mi][nb][e] = x;
+      }
+}
+
+// Zeroes the entries of a (dS) fragment that belong to the other projection pair: the
+// pass for pair 1 keeps d < w, the pass for pair 2 keeps d >= w.
+template <int BN, int MW, bool Trans>
+PW_DEVICE void keep_pair(float x[MW][BN / 8][4], int pair, const Geom& g, int lane) {
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+    for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool second =
+            elem_dist<Trans>(g, frag_row(mi, e, lane), frag_col(nb, e, lane)) >= g.w;
+        if (second != (pair == 2)) x[mi][nb][e] = 0.f;
       }
 }
 

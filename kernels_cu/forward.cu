@@ -12,7 +12,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   u16* sQ1 = reinterpret_cast<u16*>(smem);
   u16* sQ2 = sQ1 + TILE_Q;
-  u16* sKV = sQ2 + TILE_Q;  // per stage: K (of the pair being processed), V
+  u16* sKV = sQ2 + TILE_Q;  // per stage: K1, K2, V
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   // Heavier causal tiles (later queries) launch first, evening out the tail of the grid.
@@ -31,26 +31,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   load_rows<BM, D, THREADS>(smem_addr(sQ1), p.q1.at(b, h), p.q1.sr, m0, M);
   load_rows<BM, D, THREADS>(smem_addr(sQ2), p.q2.at(b, h), p.q2.sr, m0, M);
 
-  // Key tiles touching pair 2 (some d >= w) form a prefix, those touching pair 1 a suffix;
-  // they overlap in the few tiles that straddle d = w. The block walks the pair-2 tiles, then
-  // the pair-1 tiles, as one pipelined sequence (softmax does not care about key order), so a
-  // stage holds one K tile, and a straddling tile is visited once per pair with the other
-  // pair's elements masked.
-  const int end2 = (int)clamp64(floor_div(m0 + BM - 1 + P - p.w, BN) + 1, 0, ntiles);
-  const int first1 = (int)clamp64(floor_div(m0 + P - p.w - BN + 1, BN) + 1, 0, ntiles);
-  const int nvisit = end2 + (ntiles - first1);
-  auto visit = [&](int v, int& t, int& pair) {
-    pair = v < end2 ? 2 : 1;
-    t = v < end2 ? v : first1 + (v - end2);
-  };
-  auto issue = [&](int v, int stage) {
-    int t, pair;
-    visit(v, t, pair);
+  auto issue = [&](int t, int stage) {
     const i64 n0 = (i64)t * BN;
-    u16* st = sKV + stage * 2 * TILE_K;
-    load_rows<BN, D, THREADS>(smem_addr(st), pair == 1 ? k1 : k2, pair == 1 ? p.k1.sr : p.k2.sr,
-                              n0, N);
-    load_rows<BN, D, THREADS>(smem_addr(st + TILE_K), vv, p.v.sr, n0, N);
+    const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
+    u16* st = sKV + stage * 3 * TILE_K;
+    if (mode & 1) load_rows<BN, D, THREADS>(smem_addr(st), k1, p.k1.sr, n0, N);
+    if (mode & 2) load_rows<BN, D, THREADS>(smem_addr(st + TILE_K), k2, p.k2.sr, n0, N);
+    load_rows<BN, D, THREADS>(smem_addr(st + 2 * TILE_K), vv, p.v.sr, n0, N);
   };
 
   float acc[MW][D / 8][4];
@@ -63,50 +50,47 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   const u32 aQ1 = smem_addr(sQ1 + warp * 16 * MW * Pitch<D>::elems);
   const u32 aQ2 = smem_addr(sQ2 + warp * 16 * MW * Pitch<D>::elems);
 
-  pipelined_tiles(0, nvisit, issue, [&](int v, int stage) {
-    int t, pair;
-    visit(v, t, pair);
+  pipelined_tiles(0, ntiles, issue, [&](int t, int stage) {
     const i64 n0 = (i64)t * BN;
     const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
     const bool masked = tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), n0 + BN, N);
-    const u16* st = sKV + stage * 2 * TILE_K;
+    const u16* st = sKV + stage * 3 * TILE_K;
     const Geom g = make_geom<false>(row0, n0, P, p.w, N);
-    {
-      float s[MW][BN / 8][4];
-      score_tile<T, D, BN, MW, CAUSAL, false>(s, pair == 1 ? aQ1 : aQ2, smem_addr(st),
-                                              mode == 3 ? pair : 0, masked, g, p.scale_log2, lane);
 
-      // Online softmax: a row's running max is shared by the four lanes that hold it.
+    float s[MW][BN / 8][4];
+    score_tile<T, D, BN, MW, CAUSAL, false>(s, aQ1, aQ2, smem_addr(st), smem_addr(st + TILE_K),
+                                            mode, masked, g, p.scale_log2, lane);
+
+    // Online softmax: a row's running max is shared by the four lanes that hold it.
 #pragma unroll
-      for (int mi = 0; mi < MW; ++mi)
+    for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          float mx = row_max[mi][hh];
+      for (int hh = 0; hh < 2; ++hh) {
+        float mx = row_max[mi][hh];
 #pragma unroll
-          for (int nb = 0; nb < BN / 8; ++nb)
-            mx = fmaxf(mx, fmaxf(s[mi][nb][2 * hh], s[mi][nb][2 * hh + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          // A row that has seen only masked keys keeps max -inf; subtracting 0 keeps exp2 at 0.
-          const float base = mx == PW_NEG_INF ? 0.f : mx;
-          const float alpha = fast_exp2(row_max[mi][hh] - base);
-          row_max[mi][hh] = mx;
-          float sum = 0.f;
+        for (int nb = 0; nb < BN / 8; ++nb)
+          mx = fmaxf(mx, fmaxf(s[mi][nb][2 * hh], s[mi][nb][2 * hh + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // A row that has seen only masked keys keeps max -inf; subtracting 0 keeps exp2 at 0.
+        const float base = mx == PW_NEG_INF ? 0.f : mx;
+        const float alpha = fast_exp2(row_max[mi][hh] - base);
+        row_max[mi][hh] = mx;
+        float sum = 0.f;
 #pragma unroll
-          for (int nb = 0; nb < BN / 8; ++nb) {
-            s[mi][nb][2 * hh] = fast_exp2(s[mi][nb][2 * hh] - base);
-            s[mi][nb][2 * hh + 1] = fast_exp2(s[mi][nb][2 * hh + 1] - base);
-            sum += s[mi][nb][2 * hh] + s[mi][nb][2 * hh + 1];
-          }
-          row_sum[mi][hh] = row_sum[mi][hh] * alpha + sum;
-#pragma unroll
-          for (int nb = 0; nb < D / 8; ++nb) {
-            acc[mi][nb][2 * hh] *= alpha;
-            acc[mi][nb][2 * hh + 1] *= alpha;
-          }
+        for (int nb = 0; nb < BN / 8; ++nb) {
+          s[mi][nb][2 * hh] = fast_exp2(s[mi][nb][2 * hh] - base);
+          s[mi][nb][2 * hh + 1] = fast_exp2(s[mi][nb][2 * hh + 1] - base);
+          sum += s[mi][nb][2 * hh] + s[mi][nb][2 * hh + 1];
         }
-      mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + TILE_K), lane);
-    }
+        row_sum[mi][hh] = row_sum[mi][hh] * alpha + sum;
+#pragma unroll
+        for (int nb = 0; nb < D / 8; ++nb) {
+          acc[mi][nb][2 * hh] *= alpha;
+          acc[mi][nb][2 * hh + 1] *= alpha;
+        }
+      }
+    mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + 2 * TILE_K), lane);
   });
 
   float inv[MW][2];
