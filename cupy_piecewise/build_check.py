@@ -16,11 +16,12 @@ from .compile import Variant, compile_offline
 
 
 def variants_for(cc) -> list[Variant]:
-    """Every kernel variant the table can select on ``cc``, plus the delta pre-pass."""
+    """Every kernel variant the table can select on ``cc``, plus the per-row kernels."""
     out = set()
     for phase, head_dim, dtype, causal, tiles in capability.selectable_configs(cc):
         out.add(Variant(phase, dtype, head_dim, tiles, causal))
         out.add(Variant("bwd_delta", dtype, head_dim, None, False))
+        out.add(Variant("fwd_combine", dtype, head_dim, None, False))
     return sorted(out, key=lambda v: (v.filename, v.name_expression))
 
 

@@ -5,6 +5,9 @@ an entry may be refined by dtype and/or causal. Phases:
 
 - ``fwd``: forward, one block per query tile; ``block_m`` query rows
   (16 per warp), ``block_n`` keys per step.
+- ``fwd_decode``: the same forward kernel for M <= 16 query rows (decoding), one
+  warp per block, with the keys split across blocks (split-KV) and the partial
+  results merged by their log-sum-exp.
 - ``bwd_dq``: backward for dq1/dq2, one block per query tile (16 query rows
   per warp).
 - ``bwd_dkv``: backward for dk1/dk2/dv, one block per key tile; ``block_n``
@@ -70,7 +73,7 @@ class TileConfig:
         return f"{self.block_m}x{self.block_n}x{self.num_warps}x{self.stages}"
 
 
-PHASES = ("fwd", "bwd_dq", "bwd_dkv")
+PHASES = ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv")
 LISTED_ARCHS = ((8, 0), (8, 6), (8, 9), (9, 0))
 ENV_VAR = "CUPY_PIECEWISE_TILES"
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -99,7 +102,7 @@ def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2
     ``stages`` copies of the query-side tiles (q1, q2, do) plus lse/delta.
     """
     stride = head_dim + 8  # padded rows, elements
-    if phase == "fwd":
+    if phase in ("fwd", "fwd_decode"):
         return elem_bytes * (2 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * stride
     if phase == "bwd_dq":
         return elem_bytes * (3 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * stride + 8 * cfg.block_m
@@ -122,18 +125,21 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
     # A100: 163 KiB shared per block.
     (8, 0): {
         "fwd": {128: _T(64, 64, 4), 64: _T(128, 64, 8), 32: _T(128, 64, 8), 16: _T(128, 64, 8)},
+        "fwd_decode": {128: _T(16, 32, 1), 64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
         "bwd_dq": {128: _T(128, 32, 8), 64: _T(64, 64, 4), 32: _T(64, 128, 4), 16: _T(64, 128, 4)},
         "bwd_dkv": {128: _T(32, 128, 8), 64: _T(64, 64, 4), 32: _T(128, 64, 4), 16: _T(128, 64, 4)},
     },
     # RTX 30xx / A10 / A40: 99 KiB shared per block.
     (8, 6): {
         "fwd": {128: _T(64, 32, 4), 64: _T(64, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
+        "fwd_decode": {128: _T(16, 32, 1), 64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
         "bwd_dq": {128: _T(64, 16, 4), 64: _T(64, 32, 4), 32: _T(64, 32, 4), 16: _T(64, 64, 4)},
         "bwd_dkv": {128: _T(16, 64, 4), 64: _T(32, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
     },
     # RTX 40xx / L4 / L40: 99 KiB shared per block.
     (8, 9): {
         "fwd": {128: _T(64, 32, 4), 64: _T(64, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
+        "fwd_decode": {128: _T(16, 32, 1), 64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
         "bwd_dq": {128: _T(64, 16, 4), 64: _T(64, 32, 4), 32: _T(64, 32, 4), 16: _T(64, 64, 4)},
         "bwd_dkv": {128: _T(16, 64, 4), 64: _T(32, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
     },
@@ -142,6 +148,7 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
     # compiles without spills. Warps own 32 rows (MW=2) where the registers allow.
     (9, 0): {
         "fwd": {128: _T(128, 64, 8), 64: _T(128, 64, 4), 32: _T(128, 128, 8), 16: _T(128, 64, 4)},
+        "fwd_decode": {128: _T(16, 32, 1), 64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
         "bwd_dq": {128: _T(128, 64, 8), 64: _T(128, 32, 4), 32: _T(128, 64, 4), 16: _T(128, 64, 4)},
         "bwd_dkv": {
             128: _T(32, 64, 4),

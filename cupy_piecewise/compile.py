@@ -20,10 +20,13 @@ from .capability import TileConfig
 from .kernel_sources import kernel_dir
 
 #: kernel file per phase; the delta pre-pass lives with the backward kernels.
-SOURCE_FILE = {"fwd": "forward.cu", "bwd_dq": "backward.cu", "bwd_dkv": "backward.cu",
-               "bwd_delta": "backward.cu"}
-_TEMPLATE = {"fwd": "pw_forward", "bwd_dq": "pw_backward_dq", "bwd_dkv": "pw_backward_dkv",
+SOURCE_FILE = {"fwd": "forward.cu", "fwd_decode": "forward.cu", "fwd_combine": "forward.cu",
+               "bwd_dq": "backward.cu", "bwd_dkv": "backward.cu", "bwd_delta": "backward.cu"}
+_TEMPLATE = {"fwd": "pw_forward", "fwd_decode": "pw_forward", "fwd_combine": "pw_forward_combine",
+             "bwd_dq": "pw_backward_dq", "bwd_dkv": "pw_backward_dkv",
              "bwd_delta": "pw_backward_delta"}
+#: per-row helper kernels: no tiles, 256 threads (a warp per row)
+ROW_KERNELS = ("bwd_delta", "fwd_combine")
 _ELEM = {"float16": "half_t", "bfloat16": "bf16_t"}
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
@@ -49,10 +52,10 @@ def source(filename: str) -> str:
 class Variant:
     """One template instantiation: everything that is a compile-time constant."""
 
-    phase: str  # 'fwd' | 'bwd_dq' | 'bwd_dkv' | 'bwd_delta'
+    phase: str  # 'fwd' | 'fwd_decode' | 'bwd_dq' | 'bwd_dkv' or a row kernel (ROW_KERNELS)
     dtype: str  # 'float16' | 'bfloat16'
     head_dim: int
-    tiles: TileConfig | None  # None for the delta pre-pass
+    tiles: TileConfig | None  # None for the row kernels
     causal: bool = False
 
     @property
@@ -62,7 +65,7 @@ class Variant:
     @property
     def name_expression(self) -> str:
         elem = _ELEM[self.dtype]
-        if self.phase == "bwd_delta":
+        if self.phase in ROW_KERNELS:
             return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}>"
         t = self.tiles
         causal = "true" if self.causal else "false"
@@ -71,7 +74,7 @@ class Variant:
 
     @property
     def threads(self) -> int:
-        return 256 if self.phase == "bwd_delta" else 32 * self.tiles.num_warps
+        return 256 if self.phase in ROW_KERNELS else 32 * self.tiles.num_warps
 
 
 def arch_options(cc: tuple[int, int]) -> tuple[str, ...]:

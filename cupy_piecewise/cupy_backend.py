@@ -23,6 +23,14 @@ def _readable(a):
     return cupy.ascontiguousarray(a)
 
 
+def _workspace(nbytes: int):
+    """Split-KV scratch from CuPy's pool (stream-ordered reuse on the current stream)."""
+    import cupy
+
+    buf = cupy.empty(nbytes, dtype=cupy.uint8)
+    return buf, buf.data.ptr
+
+
 def forward(problem, q1, k1, q2, k2, v, *, out=None):
     """Run the forward kernel on CuPy arrays; returns ``(o, lse)``.
 
@@ -42,7 +50,7 @@ def forward(problem, q1, k1, q2, k2, v, *, out=None):
         else:
             o, lse = out
         launch.forward(problem, *ins, _ref(o), lse.data.ptr,
-                       stream=cupy.cuda.get_current_stream().ptr)
+                       stream=cupy.cuda.get_current_stream().ptr, workspace=_workspace)
     return o, lse
 
 

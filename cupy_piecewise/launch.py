@@ -19,7 +19,7 @@ import threading
 from typing import NamedTuple
 
 from . import capability
-from .compile import Variant, get_function
+from .compile import ROW_KERNELS, Variant, get_function
 
 __all__ = ["ArrayRef", "kernel_ready", "forward", "backward", "plan"]
 
@@ -27,7 +27,8 @@ __all__ = ["ArrayRef", "kernel_ready", "forward", "backward", "plan"]
 TENSORS = ("q1", "k1", "q2", "k2", "v", "o", "dout", "dq1", "dk1", "dq2", "dk2", "dv")
 #: The scalar tail of ``Params``; the last 8 bytes hold two float32 (scale_log2, sm_scale).
 PARAM_FIELDS = tuple(f"{t}.{f}" for t in TENSORS for f in ("ptr", "sb", "sh", "sr")) + (
-    "lse", "delta", "H", "group", "M", "N", "w", "scale_log2|sm_scale")
+    "lse", "delta", "H", "group", "M", "N", "w", "scale_log2|sm_scale",
+    "nsplit", "split_tiles", "o_part", "lse_part")
 _NSLOTS = len(PARAM_FIELDS)
 _Slots = ctypes.c_int64 * _NSLOTS
 _LOG2E = 1.4426950408889634
@@ -57,6 +58,37 @@ def kernel_ready(shape, strides, ptr: int, itemsize: int) -> bool:
 
 
 _cc_cache: dict[int, tuple[int, int]] = {}
+_sm_count: dict[int, int] = {}
+#: Decoding (at most this many query rows) takes the one-warp fwd_decode tiles.
+DECODE_ROWS = 16
+#: Split the keys across blocks while the grid has fewer blocks than this many per SM.
+SPLIT_BLOCKS_PER_SM = 4
+
+
+def _multiprocessors(device: int) -> int:
+    n = _sm_count.get(device)
+    if n is None:
+        import cupy
+
+        n = _sm_count[device] = int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+    return n
+
+
+def split_plan(problem, tiles, sms: int) -> tuple[int, int]:
+    """(nsplit, key tiles per split) for a forward with ``tiles`` on ``sms`` multiprocessors.
+
+    Splitting pays when the (query tile, head, batch) grid cannot fill the GPU: keys are
+    then cut into ranges of whole tiles, at least two tiles each, until the grid reaches
+    SPLIT_BLOCKS_PER_SM blocks per SM.
+    """
+    blocks = math.ceil(problem.M / tiles.block_m) * problem.H * problem.B
+    key_tiles = math.ceil(problem.N / tiles.block_n)
+    want = math.ceil(SPLIT_BLOCKS_PER_SM * sms / max(blocks, 1))
+    nsplit = max(1, min(want, key_tiles // 2, 1024))
+    if nsplit == 1:
+        return 1, key_tiles
+    per = math.ceil(key_tiles / nsplit)
+    return math.ceil(key_tiles / per), per
 _kernels: dict[tuple[int, Variant], tuple[int, int]] = {}
 _lock = threading.Lock()
 
@@ -86,7 +118,7 @@ def plan(problem, phase: str) -> Variant:
     if hit is not None:
         return hit
     cc = _compute_capability(problem.device)
-    tiles = None if phase == "bwd_delta" else capability.lookup(
+    tiles = None if phase in ROW_KERNELS else capability.lookup(
         cc, phase, problem.D, problem.dtype, problem.causal)
     variant = _plans[key] = Variant(phase, problem.dtype, problem.D, tiles, problem.causal)
     return variant
@@ -109,7 +141,7 @@ def _kernel(device: int, variant: Variant) -> tuple[int, int]:
     return ptr, smem
 
 
-def _pack(problem, refs: dict) -> ctypes.Array:
+def _pack(problem, refs: dict, split=(1, 0, 0, 0)) -> ctypes.Array:
     slots = []
     for name in TENSORS:
         r = refs.get(name)
@@ -122,7 +154,7 @@ def _pack(problem, refs: dict) -> ctypes.Array:
     w = max(-n_dist, min(n_dist, int(problem.w)))
     scales = struct.unpack("<q", struct.pack("<ff", problem.sm_scale * _LOG2E, problem.sm_scale))[0]
     slots += (refs.get("lse", 0), refs.get("delta", 0), problem.H, problem.H // problem.Hkv,
-              problem.M, problem.N, w, scales)
+              problem.M, problem.N, w, scales) + tuple(split)
     return _Slots(*slots)
 
 
@@ -163,7 +195,7 @@ class _DeviceGuard:
             runtime.setDevice(self.prev)
 
 
-def forward(problem, q1, k1, q2, k2, v, o, lse, *, stream: int) -> None:
+def forward(problem, q1, k1, q2, k2, v, o, lse, *, stream: int, workspace=None) -> None:
     """Launch the forward kernel: writes every element of ``o`` and ``lse``.
 
     Args:
@@ -174,15 +206,34 @@ def forward(problem, q1, k1, q2, k2, v, o, lse, *, stream: int) -> None:
         o: :class:`ArrayRef` of the (B, H, M, D) output, input dtype, kernel_ready.
         lse: device pointer (int) of a contiguous float32 (B, H, M) output.
         stream: ``cudaStream_t`` as an int (0 for the legacy default stream).
+        workspace: optional ``nbytes -> (keepalive, device pointer)`` allocator on the
+            caller's stream. With it, grids too small to fill the GPU (decoding, few heads)
+            split the keys across blocks and merge the partial results (split-KV); without
+            it the forward runs unsplit.
     """
     if problem.M == 0:
         return
     _check_grid(problem)
-    variant = plan(problem, "fwd")
-    params = _pack(problem, dict(q1=q1, k1=k1, q2=q2, k2=k2, v=v, o=o, lse=lse))
-    grid = (math.ceil(problem.M / variant.tiles.block_m), problem.H, problem.B)
+    variant = plan(problem, "fwd_decode" if problem.M <= DECODE_ROWS else "fwd")
+    tiles = variant.tiles
+    nsplit, per = 1, 0
+    if workspace is not None and problem.N > 0:
+        nsplit, per = split_plan(problem, tiles, _multiprocessors(problem.device))
+    refs = dict(q1=q1, k1=k1, q2=q2, k2=k2, v=v, o=o, lse=lse)
+    keep = None
+    if nsplit > 1:
+        rows = nsplit * problem.B * problem.H * problem.M
+        keep, ws = workspace(4 * rows * (problem.D + 1))
+        params = _pack(problem, refs, (nsplit, per, ws, ws + 4 * rows * problem.D))
+    else:
+        params = _pack(problem, refs, (1, 1 << 40, 0, 0))
+    grid = (math.ceil(problem.M / tiles.block_m) * nsplit, problem.H, problem.B)
     with _DeviceGuard(problem.device):
         _launch(problem, variant, grid, params, stream)
+        if nsplit > 1:
+            _launch(problem, plan(problem, "fwd_combine"),
+                    (math.ceil(problem.H * problem.M / 8), problem.B, 1), params, stream)
+    del keep  # stream-ordered allocators may reuse it for work queued after this point
 
 
 def backward(problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, delta, *,

@@ -175,8 +175,15 @@ def _fwd_cuda(problem, q1, k1, q2, k2, v):
         _ref(o, launch),
         lse.data_ptr(),
         stream=_current_stream(problem.device),
+        workspace=lambda n: _workspace(n, dev),
     )
     return o, lse
+
+
+def _workspace(nbytes: int, dev):
+    """Split-KV scratch from torch's caching allocator (stream-ordered, graph-capture safe)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    return buf, buf.data_ptr()
 
 
 def _bwd_cuda(problem, do, q1, k1, q2, k2, v, o, lse):

@@ -30,6 +30,11 @@ template <> struct Elem<half_t> {
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
     return f;
   }
+  static PW_DEVICE u16 from_float(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+  }
   static PW_DEVICE void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
@@ -47,6 +52,11 @@ template <> struct Elem<bf16_t> {
   }
   // bfloat16 is the top half of a float32: widening is a shift (cvt.f32.bf16 needs sm_90).
   static PW_DEVICE float to_float(u16 x) { return __uint_as_float(((u32)x) << 16); }
+  static PW_DEVICE u16 from_float(float f) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+  }
   static PW_DEVICE void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "

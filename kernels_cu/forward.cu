@@ -15,8 +15,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   u16* sKV = sQ2 + TILE_Q;  // per stage: K1, K2, V
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const i64 split = blockIdx.x % p.nsplit, mtiles = gridDim.x / p.nsplit;
   // Heavier causal tiles (later queries) launch first, evening out the tail of the grid.
-  const i64 mt = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+  const i64 mt = CAUSAL ? (mtiles - 1 - blockIdx.x / p.nsplit) : blockIdx.x / p.nsplit;
   const i64 h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
   const i64 M = p.M, N = p.N, P = N - M, m0 = mt * BM;
 
@@ -26,7 +27,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
 
   // Keys past the last query's diagonal are masked for every row of the tile.
   const i64 n_end = CAUSAL ? clamp64(m0 + BM + P, 0, N) : N;
-  const int ntiles = (int)((n_end + BN - 1) / BN);
+  const int all_tiles = (int)((n_end + BN - 1) / BN);
+  const int t_begin = (int)min((i64)all_tiles, split * p.split_tiles);
+  const int ntiles = (int)min((i64)all_tiles, (split + 1) * p.split_tiles);
 
   load_rows<BM, D, THREADS>(smem_addr(sQ1), p.q1.at(b, h), p.q1.sr, m0, M);
   load_rows<BM, D, THREADS>(smem_addr(sQ2), p.q2.at(b, h), p.q2.sr, m0, M);
@@ -50,7 +53,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   const u32 aQ1 = smem_addr(sQ1 + warp * 16 * MW * Pitch<D>::elems);
   const u32 aQ2 = smem_addr(sQ2 + warp * 16 * MW * Pitch<D>::elems);
 
-  pipelined_tiles(0, ntiles, issue, [&](int t, int stage) {
+  pipelined_tiles(t_begin, ntiles, issue, [&](int t, int stage) {
     const i64 n0 = (i64)t * BN;
     const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
     const bool masked = tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), n0 + BN, N);
@@ -94,6 +97,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   });
 
   float inv[MW][2];
+  const i64 row_base = (b * p.H + h) * M;  // (b, h) offset in (B, H, M) arrays
+  const i64 part = split * p.H * M * (i64)gridDim.z;  // gridDim.z = batch
 #pragma unroll
   for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
@@ -103,9 +108,62 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       inv[mi][hh] = l > 0.f ? 1.f / l : 0.f;  // a row with no admissible key gives o = 0
       const i64 r = row0 + mi * 16 + lane / 4 + 8 * hh;
-      if (lane % 4 == 0 && r < M)
-        p.lse[(b * p.H + h) * M + r] =
-            l > 0.f ? (row_max[mi][hh] + __log2f(l)) * PW_LN2 : PW_NEG_INF;
+      const float lse = l > 0.f ? (row_max[mi][hh] + __log2f(l)) * PW_LN2 : PW_NEG_INF;
+      if (lane % 4 == 0 && r < M) {
+        if (p.nsplit == 1) p.lse[row_base + r] = lse;
+        else p.lse_part[part + row_base + r] = lse;
+      }
     }
-  store_rows<T, D, MW>(p.o.mut(b, h), p.o.sr, row0, M, acc, inv, lane);
+  if (p.nsplit == 1) {
+    store_rows<T, D, MW>(p.o.mut(b, h), p.o.sr, row0, M, acc, inv, lane);
+    return;
+  }
+  // Partial result of this key split, normalised by its own row sums, in float32.
+  float* op = p.o_part + (part + row_base) * D;
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const i64 r = row0 + mi * 16 + lane / 4 + 8 * hh;
+      if (r < M)
+#pragma unroll
+        for (int nb = 0; nb < D / 8; ++nb)
+          *reinterpret_cast<float2*>(op + r * D + nb * 8 + 2 * (lane % 4)) =
+              make_float2(acc[mi][nb][2 * hh] * inv[mi][hh], acc[mi][nb][2 * hh + 1] * inv[mi][hh]);
+    }
+}
+
+// Merges the key splits of a split-KV forward: lse = log sum_s exp(lse_s) and
+// o = sum_s exp(lse_s - lse) o_s. One warp per query row; splits with no admissible key
+// (lse_s = -inf) weigh nothing, and a row with none at all gives o = 0, lse = -inf.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) pw_forward_combine(const Params p) {
+  constexpr int PER_LANE = (D + 31) / 32;
+  const i64 row = (i64)blockIdx.x * 8 + threadIdx.x / 32;  // over H * M
+  const int lane = threadIdx.x % 32;
+  if (row >= p.H * p.M) return;
+  const i64 b = blockIdx.y, h = row / p.M, i = row % p.M;
+  const i64 rows_all = p.H * p.M * (i64)gridDim.y;  // B * H * M
+  const i64 idx = b * p.H * p.M + row;
+  float mx = PW_NEG_INF;
+  for (int s = 0; s < p.nsplit; ++s) mx = fmaxf(mx, p.lse_part[s * rows_all + idx]);
+  float acc[PER_LANE], total = 0.f;
+#pragma unroll
+  for (int k = 0; k < PER_LANE; ++k) acc[k] = 0.f;
+  if (mx != PW_NEG_INF) {
+    for (int s = 0; s < p.nsplit; ++s) {
+      const float wgt = fast_exp2((p.lse_part[s * rows_all + idx] - mx) * PW_LOG2E);
+      total += wgt;
+      const float* op = p.o_part + (s * rows_all + idx) * D;
+#pragma unroll
+      for (int k = 0; k < PER_LANE; ++k)
+        if (lane + 32 * k < D) acc[k] += wgt * op[lane + 32 * k];
+    }
+  }
+  u16* o = p.o.mut(b, h) + i * p.o.sr;
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+#pragma unroll
+  for (int k = 0; k < PER_LANE; ++k)
+    if (lane + 32 * k < D) o[lane + 32 * k] = Elem<T>::from_float(acc[k] * inv);
+  if (lane == 0) p.lse[idx] = total > 0.f ? mx + __logf(total) : PW_NEG_INF;
 }

@@ -18,4 +18,10 @@ struct Params {
   i64 H, group, M, N, w;  // group = H / Hkv; w already clamped to [-(M+N+1), M+N+1]
   float scale_log2;       // sm_scale * log2(e)
   float sm_scale;
+  // Split-KV forward (few query tiles, long keys): blockIdx.x enumerates (query tile, split);
+  // split s covers key tiles [s*split_tiles, (s+1)*split_tiles) and writes its normalised
+  // partial output and log-sum-exp, which pw_forward_combine merges. nsplit == 1: no split.
+  i64 nsplit, split_tiles;
+  float* o_part;    // (nsplit, B, H, M, D) float32
+  float* lse_part;  // (nsplit, B, H, M) float32, natural log
 };

@@ -47,7 +47,7 @@ def test_table_covers_every_listed_arch_phase_and_head_dim():
 def test_entry_satisfies_constraints(cc, phase, head_dim, cfg):
     assert cfg.block_m in (16, 32, 64, 128)
     assert cfg.block_n in (16, 32, 64, 128)
-    if phase in ("fwd", "bwd_dq"):
+    if phase in ("fwd", "fwd_decode", "bwd_dq"):
         assert cfg.block_m in (16 * cfg.num_warps, 32 * cfg.num_warps)
     else:
         assert cfg.block_n in (16 * cfg.num_warps, 32 * cfg.num_warps)

@@ -234,3 +234,18 @@ def test_other_tile_configs(tiles, D, causal, monkeypatch):
     """Every tile shape the table may hold (tuning overrides too) computes the same function."""
     monkeypatch.setenv("CUPY_PIECEWISE_TILES", tiles)
     run_case(D=D, dtype="bfloat16", causal=causal, M=333, N=410, w=70, group=2, transposed=False)
+
+
+@pytest.mark.parametrize("M,N,D,group,causal,dtype", [
+    (1, 50000, 128, 8, False, "bfloat16"),   # decode: split-KV over many key tiles
+    (16, 20011, 64, 1, True, "float16"),
+    (5, 3000, 128, 4, True, "bfloat16"),
+    (200, 9000, 64, 2, False, "float16"),    # few query tiles: split-KV with the main tiles
+])
+def test_split_kv_matches_reference(M, N, D, group, causal, dtype):
+    from cupy_piecewise import launch
+
+    run_case(D=D, dtype=dtype, causal=causal, M=M, N=N, w=N // 3, group=group, transposed=False)
+    problem = Problem("cupy", 1, group, 1, M, N, D, dtype, N // 3, causal, 0.1, 0)
+    phase = "fwd_decode" if M <= launch.DECODE_ROWS else "fwd"
+    assert launch.split_plan(problem, launch.plan(problem, phase).tiles, 132)[0] > 1

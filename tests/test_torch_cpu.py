@@ -433,7 +433,7 @@ class _FakeLaunch:
             out.append(_host_view(r.ptr, shapes[kind], r.strides, dtype))
         return out
 
-    def forward(self, problem, q1, k1, q2, k2, v, o, lse, *, stream):
+    def forward(self, problem, q1, k1, q2, k2, v, o, lse, *, stream, workspace=None):
         assert isinstance(lse, int) and stream == 1234
         self.calls.append(("fwd", (q1, k1, q2, k2, v, o, lse)))
         dt = getattr(torch, problem.dtype)
