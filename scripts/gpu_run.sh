@@ -1,30 +1,43 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: GPU tests, sanitizers, a short benchmark; logs to $1.
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests|sanitize|bench|all ...]
+# One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead and a
+# benchmark; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize check overhead bench | all]
+# TEST_PATHS / PYTEST_ARGS narrow the tests, BENCH_ARGS replaces the default --quick.
 # Runs the project from its checkout (no install), as the lent H200 machines require.
 set -uo pipefail
 out=${1:?usage: gpu_run.sh OUTDIR [steps...]}; shift
 steps=${*:-all}
-mkdir -p "$out"
+logs="$out/logs"
+mkdir -p "$logs"
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
 has() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
 status=0
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv;
-  python3 -c "import cupy, torch, numpy; print('cupy', cupy.__version__, 'torch', torch.__version__, 'numpy', numpy.__version__)"; } 2>&1 | tee "$out/env.txt"
+  python3 -c "import cupy, torch, numpy; print('cupy', cupy.__version__, 'torch', torch.__version__, 'numpy', numpy.__version__)"; } 2>&1 | tee "$logs/env.txt"
 if has tests; then
-  timeout 900 python3 -m pytest -q -ra -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} ${PYTEST_ARGS:-} 2>&1 | tee "$out/pytest_gpu.log" | tail -40
+  timeout 900 python3 -m pytest -q -ra -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} ${PYTEST_ARGS:-} 2>&1 | tee "$logs/pytest_gpu.log" | tail -25
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do
     timeout 600 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_cases.py \
-      > "$out/sanitize_$tool.log" 2>&1
-    rc=$?; echo "compute-sanitizer $tool: exit $rc"; tail -3 "$out/sanitize_$tool.log"
+      > "$logs/sanitize_$tool.log" 2>&1
+    rc=$?; echo "compute-sanitizer $tool: exit $rc"; tail -2 "$logs/sanitize_$tool.log"
     status=$((status | rc))
   done
 fi
-if has bench; then
-  timeout 900 python3 bench/bench.py --quick --out "$out/bench" 2>&1 | tee "$out/bench.log" | tail -60
+if has check; then
+  timeout 300 python3 -m cupy_piecewise check 2>&1 | tee "$logs/check.log" | tail -3
   status=$((status | ${PIPESTATUS[0]}))
 fi
+if has overhead; then
+  timeout 300 python3 bench/overhead.py --out "$out/overhead.json" 2>&1 | tee "$logs/overhead.log" | tail -15
+  status=$((status | ${PIPESTATUS[0]}))
+fi
+if has bench; then
+  timeout 900 python3 bench/bench.py ${BENCH_ARGS:---quick} --out "$out/bench" 2>&1 | tee "$logs/bench.log" | tail -45
+  status=$((status | ${PIPESTATUS[0]}))
+  tar czf "$out/bench.tgz" -C "$out" bench && rm -rf "$out/bench"
+fi
+tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$logs"
 exit $status
