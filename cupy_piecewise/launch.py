@@ -141,7 +141,23 @@ def _kernel(device: int, variant: Variant) -> tuple[int, int]:
     return ptr, smem
 
 
+_PACKER = struct.Struct(f"<{_NSLOTS}q")
+_tls = threading.local()
+
+
+def _buffers():
+    """This thread's parameter block and its one-entry argument array (reused per launch:
+    cuLaunchKernel copies the parameters before it returns)."""
+    bufs = getattr(_tls, "bufs", None)
+    if bufs is None:
+        slots = _Slots()
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(slots))
+        bufs = _tls.bufs = (slots, ctypes.addressof(args))
+    return bufs
+
+
 def _pack(problem, refs: dict, split=(1, 0, 0, 0)) -> ctypes.Array:
+    """Write the kernel parameters for ``problem`` into this thread's parameter block."""
     slots = []
     for name in TENSORS:
         r = refs.get(name)
@@ -155,16 +171,29 @@ def _pack(problem, refs: dict, split=(1, 0, 0, 0)) -> ctypes.Array:
     scales = struct.unpack("<q", struct.pack("<ff", problem.sm_scale * _LOG2E, problem.sm_scale))[0]
     slots += (refs.get("lse", 0), refs.get("delta", 0), problem.H, problem.H // problem.Hkv,
               problem.M, problem.N, w, scales) + tuple(split)
-    return _Slots(*slots)
+    buf, _ = _buffers()
+    _PACKER.pack_into(buf, 0, *slots)
+    return buf
 
 
-def _launch(problem, variant: Variant, grid, params: ctypes.Array, stream: int) -> None:
-    from cupy_backends.cuda.api import driver
-
+def _launch(problem, variant: Variant, grid, stream: int) -> None:
+    """Launch ``variant`` with the parameters the last :func:`_pack` on this thread wrote."""
     fn, smem = _kernel(problem.device, variant)
-    args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-    driver.launchKernel(fn, grid[0], grid[1], grid[2], variant.threads, 1, 1, smem, stream,
-                        ctypes.addressof(args), 0)
+    _, args = _buffers()
+    _driver().launchKernel(fn, grid[0], grid[1], grid[2], variant.threads, 1, 1, smem, stream,
+                           args, 0)
+
+
+_driver_mod = None
+
+
+def _driver():
+    global _driver_mod
+    if _driver_mod is None:
+        from cupy_backends.cuda.api import driver
+
+        _driver_mod = driver
+    return _driver_mod
 
 
 def _check_grid(problem) -> None:
@@ -224,15 +253,15 @@ def forward(problem, q1, k1, q2, k2, v, o, lse, *, stream: int, workspace=None) 
     if nsplit > 1:
         rows = nsplit * problem.B * problem.H * problem.M
         keep, ws = workspace(4 * rows * (problem.D + 1))
-        params = _pack(problem, refs, (nsplit, per, ws, ws + 4 * rows * problem.D))
+        _pack(problem, refs, (nsplit, per, ws, ws + 4 * rows * problem.D))
     else:
-        params = _pack(problem, refs, (1, 1 << 40, 0, 0))
+        _pack(problem, refs, (1, 1 << 40, 0, 0))
     grid = (math.ceil(problem.M / tiles.block_m) * nsplit, problem.H, problem.B)
     with _DeviceGuard(problem.device):
-        _launch(problem, variant, grid, params, stream)
+        _launch(problem, variant, grid, stream)
         if nsplit > 1:
             _launch(problem, plan(problem, "fwd_combine"),
-                    (math.ceil(problem.H * problem.M / 8), problem.B, 1), params, stream)
+                    (math.ceil(problem.H * problem.M / 8), problem.B, 1), stream)
     del keep  # stream-ordered allocators may reuse it for work queued after this point
 
 
@@ -247,17 +276,17 @@ def backward(problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, del
     over the query heads of each group in the kernel.
     """
     _check_grid(problem)
-    params = _pack(problem, dict(q1=q1, k1=k1, q2=q2, k2=k2, v=v, o=o, dout=do, dq1=dq1,
+    _pack(problem, dict(q1=q1, k1=k1, q2=q2, k2=k2, v=v, o=o, dout=do, dq1=dq1,
                                  dk1=dk1, dq2=dq2, dk2=dk2, dv=dv, lse=lse, delta=delta))
     with _DeviceGuard(problem.device):
         if problem.M > 0:
             _launch(problem, plan(problem, "bwd_delta"),
-                    (math.ceil(problem.H * problem.M / 8), problem.B, 1), params, stream)
+                    (math.ceil(problem.H * problem.M / 8), problem.B, 1), stream)
             dq = plan(problem, "bwd_dq")
             _launch(problem, dq, (math.ceil(problem.M / dq.tiles.block_m), problem.H, problem.B),
-                    params, stream)
+                    stream)
         if problem.N > 0:  # with M == 0 this still writes dk = dv = 0
             dkv = plan(problem, "bwd_dkv")
             _launch(problem, dkv,
                     (math.ceil(problem.N / dkv.tiles.block_n), problem.Hkv, problem.B),
-                    params, stream)
+                    stream)

@@ -98,6 +98,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
   for (int pair = 1; pair <= 2; ++pair) {
     float acc[MW][D / 8][4];
     zero_n<MW * D / 2>(&acc[0][0][0]);
+    int ex[MW][2];
+    init_rows<T, MW>(ex);
     pipelined_tiles(pair == 1 ? first1 : 0, pair == 1 ? ntiles : end2, issue,
                     [&](int t, int stage) {
       const i64 n0 = (i64)t * BN;
@@ -122,11 +124,11 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
             s[mi][nb][e] = pr * (dp[mi][nb][e] - delta[mi][e / 2]);  // dS
           }
       if (mode == 3) keep_pair<BN, MW, false>(s, pair, g, lane);
+      fit_rows<T, BN / 8, D / 8, MW>(s, acc, ex);
       mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + (pair - 1) * TILE_K), lane);
     });
     float scale[MW][2];
-#pragma unroll
-    for (int mi = 0; mi < MW; ++mi) scale[mi][0] = scale[mi][1] = p.sm_scale;
+    unscale_rows<MW>(scale, ex, p.sm_scale);
     const Tensor& out = pair == 1 ? p.dq1 : p.dq2;
     store_rows<T, D, MW>(out.mut(b, h), out.sr, row0, M, acc, scale, lane);
   }
@@ -168,6 +170,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
 
   float dv[MW][D / 8][4];
   zero_n<MW * D / 2>(&dv[0][0][0]);
+  int ex_v[MW][2];
+  init_rows<T, MW>(ex_v);
 
 #pragma unroll 1
   for (int pair = 1; pair <= 2; ++pair) {
@@ -195,6 +199,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
 
     float dk[MW][D / 8][4];
     zero_n<MW * D / 2>(&dk[0][0][0]);
+    int ex_k[MW][2];
+    init_rows<T, MW>(ex_k);
     pipelined_tiles(0, per_head > 0 ? per_head * group : 0, issue, [&](int it, int stage) {
       i64 h, m0;
       tile_of(it, h, m0);
@@ -216,28 +222,38 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
           for (int e = 0; e < 4; ++e)
             s[mi][nb][e] = fast_exp2(s[mi][nb][e] - lse_to_log2(ss[frag_col(nb, e, lane)]));
       // dV takes every tile once: pass 2 skips the straddling tiles pass 1 already counted.
-      if (pair == 1 || t >= end1) mma_xb<T, D, BM, MW>(dv, s, smem_addr(st + 2 * TILE_Q), lane);
       float dp[MW][BM / 8][4];
       zero_n<MW * BM / 2>(&dp[0][0][0]);
       mma_abt<T, D, BM, MW>(dp, aV, smem_addr(st + 2 * TILE_Q), lane);
+      // dV takes every tile once: pass 2 skips the straddling tiles pass 1 already counted.
+      // P is scaled per row for float16 (fit_rows) and unscaled exactly for dS below.
+      const bool count_dv = pair == 1 || t >= end1;
+      if (count_dv) {
+        fit_rows<T, BM / 8, D / 8, MW>(s, dv, ex_v);
+        mma_xb<T, D, BM, MW>(dv, s, smem_addr(st + 2 * TILE_Q), lane);
+      }
+      float unscale[MW][2];
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi)
+        unscale[mi][0] = count_dv ? pow2f(-ex_v[mi][0]) : 1.f,
+        unscale[mi][1] = count_dv ? pow2f(-ex_v[mi][1]) : 1.f;
 #pragma unroll
       for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
         for (int nb = 0; nb < BM / 8; ++nb)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            s[mi][nb][e] *= dp[mi][nb][e] - ss[BM + frag_col(nb, e, lane)];  // dS
+            s[mi][nb][e] *= unscale[mi][e / 2] * (dp[mi][nb][e] - ss[BM + frag_col(nb, e, lane)]);
       if (mode == 3) keep_pair<BM, MW, true>(s, pair, g, lane);
+      fit_rows<T, BM / 8, D / 8, MW>(s, dk, ex_k);
       mma_xb<T, D, BM, MW>(dk, s, smem_addr(st + (pair - 1) * TILE_Q), lane);
     });
     float scale[MW][2];
-#pragma unroll
-    for (int mi = 0; mi < MW; ++mi) scale[mi][0] = scale[mi][1] = p.sm_scale;
+    unscale_rows<MW>(scale, ex_k, p.sm_scale);
     const Tensor& out = pair == 1 ? p.dk1 : p.dk2;
     store_rows<T, D, MW>(out.mut(b, hk), out.sr, row0, N, dk, scale, lane);
   }
   float one[MW][2];
-#pragma unroll
-  for (int mi = 0; mi < MW; ++mi) one[mi][0] = one[mi][1] = 1.f;
+  unscale_rows<MW>(one, ex_v, 1.f);
   store_rows<T, D, MW>(p.dv.mut(b, hk), p.dv.sr, row0, N, dv, one, lane);
 }

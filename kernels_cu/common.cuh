@@ -378,6 +378,79 @@ PW_DEVICE void store_rows(u16* dst, i64 rs, i64 row0, i64 nvalid, const float ac
     }
 }
 
+// ---------------------------------------------------------------- float16 range for dS and P
+// The backward rounds dS (and P for dV) to T before the tensor-core products. These values
+// scale with the probabilities, which can be tiny (1e-5 and below), and float16 has only
+// 2^-24 of absolute resolution there (subnormals), so a row made of such entries would lose
+// most of its bits. Each row therefore carries a power-of-two scale 2^e, chosen so that the
+// row's largest entry seen so far lands near 2^14 before rounding; when a later tile needs a
+// smaller scale the row's accumulator is rescaled (exactly: powers of two), as an online
+// softmax rescales by its running max. bfloat16 has float32's exponent range: no scaling.
+template <typename T> struct RowScale {
+  static constexpr bool active = false;
+};
+template <> struct RowScale<half_t> {
+  static constexpr bool active = true;
+};
+#define PW_SCALE_INIT 60  // exponent before any entry is seen (finite in float32)
+
+PW_DEVICE float pow2f(int e) { return __int_as_float((127 + e) << 23); }  // e in [-126, 127]
+
+// Scales x (rows of the warp) by each row's 2^e, first lowering e (and rescaling acc by the
+// same power of two) where this tile's largest |x| needs it.
+template <typename T, int NB, int NA, int MW>
+PW_DEVICE void fit_rows(float x[MW][NB][4], float acc[MW][NA][4], int ex[MW][2]) {
+  if (!RowScale<T>::active) return;
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float mx = 0.f;
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+        mx = fmaxf(mx, fmaxf(fabsf(x[mi][nb][2 * hh]), fabsf(x[mi][nb][2 * hh + 1])));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      if (mx > 0.f) {  // mx in [2^m, 2^(m+1)): after scaling by 2^(14-m) it is below 2^15
+        const int m = ((__float_as_int(mx) >> 23) & 0xff) - 127;
+        const int want = max(-100, 14 - m);
+        if (want < ex[mi][hh]) {
+          const float f = pow2f(max(-126, want - ex[mi][hh]));
+#pragma unroll
+          for (int nb = 0; nb < NA; ++nb) {
+            acc[mi][nb][2 * hh] *= f;
+            acc[mi][nb][2 * hh + 1] *= f;
+          }
+          ex[mi][hh] = want;
+        }
+      }
+      const float s = pow2f(ex[mi][hh]);
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        x[mi][nb][2 * hh] *= s;
+        x[mi][nb][2 * hh + 1] *= s;
+      }
+    }
+}
+
+template <typename T, int MW> PW_DEVICE void init_rows(int ex[MW][2]) {
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi) ex[mi][0] = ex[mi][1] = RowScale<T>::active ? PW_SCALE_INIT : 0;
+}
+
+// Output scale for a row: the kernel's factor divided by the row's 2^e.
+template <int MW>
+PW_DEVICE void unscale_rows(float out[MW][2], const int ex[MW][2], float factor) {
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      // 2^-e may leave float32's normal range (e up to 60): apply it in two halves.
+      const int e = ex[mi][hh];
+      out[mi][hh] = factor * pow2f(-(e / 2)) * pow2f(-(e - e / 2));
+    }
+}
+
 // ---------------------------------------------------------------- double-buffered tile loop
 // Runs body(t, stage) for t in [t0, t1) while the loads of tile t+1 (issued by
 // issue(t, stage)) are in flight. Loads issued before the call join the first group.

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from cupy_piecewise import build_check, capability
-from cupy_piecewise.compile import Variant, compile_offline
+from cupy_piecewise.compile import ROW_KERNELS, Variant, compile_offline
 
 SM90 = (9, 0)
 
@@ -58,13 +58,15 @@ def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatc
     monkeypatch.delenv(capability.ENV_VAR, raising=False)
     variants = build_check.variants_for(SM90)
     assert len(set(variants)) == len(variants)
-    got = {(v.phase, v.head_dim, v.dtype, v.causal): v.tiles for v in variants if v.phase != "bwd_delta"}
+    got = {(v.phase, v.head_dim, v.dtype, v.causal): v.tiles for v in variants
+           if v.phase not in ROW_KERNELS}
     head_dims = capability.head_dims(SM90)
     assert set(head_dims) >= {16, 32, 64, 128}
     expected = set(itertools.product(capability.PHASES, head_dims, capability.TABLE_DTYPES, (False, True)))
     assert set(got) == expected
     for (phase, head_dim, dtype, causal), tiles in got.items():
         assert tiles == capability.lookup(SM90, phase, head_dim, dtype, causal), (phase, head_dim, dtype, causal)
-    delta = {(v.head_dim, v.dtype) for v in variants if v.phase == "bwd_delta"}
-    assert delta == set(itertools.product(head_dims, capability.TABLE_DTYPES))
-    assert all(v.tiles is None for v in variants if v.phase == "bwd_delta")
+    for row_kernel in ROW_KERNELS:  # the delta pre-pass and the split-KV combine
+        have = {(v.head_dim, v.dtype) for v in variants if v.phase == row_kernel}
+        assert have == set(itertools.product(head_dims, capability.TABLE_DTYPES)), row_kernel
+    assert all(v.tiles is None for v in variants if v.phase in ROW_KERNELS)
