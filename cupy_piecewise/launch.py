@@ -152,7 +152,8 @@ def _buffers():
     if bufs is None:
         slots = _Slots()
         args = (ctypes.c_void_p * 1)(ctypes.addressof(slots))
-        bufs = _tls.bufs = (slots, ctypes.addressof(args))
+        # keep `args` itself referenced: the launch reads it through its address
+        bufs = _tls.bufs = (slots, ctypes.addressof(args), args)
     return bufs
 
 
@@ -171,7 +172,7 @@ def _pack(problem, refs: dict, split=(1, 0, 0, 0)) -> ctypes.Array:
     scales = struct.unpack("<q", struct.pack("<ff", problem.sm_scale * _LOG2E, problem.sm_scale))[0]
     slots += (refs.get("lse", 0), refs.get("delta", 0), problem.H, problem.H // problem.Hkv,
               problem.M, problem.N, w, scales) + tuple(split)
-    buf, _ = _buffers()
+    buf = _buffers()[0]
     _PACKER.pack_into(buf, 0, *slots)
     return buf
 
@@ -179,7 +180,7 @@ def _pack(problem, refs: dict, split=(1, 0, 0, 0)) -> ctypes.Array:
 def _launch(problem, variant: Variant, grid, stream: int) -> None:
     """Launch ``variant`` with the parameters the last :func:`_pack` on this thread wrote."""
     fn, smem = _kernel(problem.device, variant)
-    _, args = _buffers()
+    args = _buffers()[1]
     _driver().launchKernel(fn, grid[0], grid[1], grid[2], variant.threads, 1, 1, smem, stream,
                            args, 0)
 

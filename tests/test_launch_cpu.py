@@ -60,3 +60,14 @@ def test_kernel_ready_rules():
     assert not launch.kernel_ready((2, 4, 8, 64), (2048, 1, 256, 4), 4096, 2)    # last axis strided
     assert not launch.kernel_ready((2, 4, 8, 64), (2048, 512, 68, 1), 4096, 2)   # row not 16 B
     assert launch.kernel_ready((1, 1, 8, 64), (7, 3, 64, 1), 4096, 2)            # size-1 axes free
+
+
+def test_parameter_block_outlives_the_call():
+    """The argument array handed to cuLaunchKernel must stay alive (it is read by address)."""
+    import ctypes
+    import gc
+
+    slots, args_addr, args = launch._buffers()
+    gc.collect()
+    assert ctypes.c_void_p.from_address(args_addr).value == ctypes.addressof(slots)
+    assert launch._buffers()[2] is args
