@@ -1,0 +1,20 @@
+"""The GPU suite's case grid covers every axis value issue 3 lists (checked without a GPU)."""
+from __future__ import annotations
+
+from test_kernels_gpu import CASES
+
+
+def test_case_list_covers_every_axis():
+    seen = {k: {c[k] for c in CASES} for k in CASES[0]}
+    assert seen["D"] == {16, 32, 64, 128}
+    assert seen["dtype"] == {"float16", "bfloat16"} and seen["causal"] == {False, True}
+    assert seen["group"] == {1, 4} and seen["transposed"] == {False, True}
+    combos = {(c["D"], c["dtype"], c["causal"]) for c in CASES}
+    assert len(combos) == 16  # every head dim x dtype x causal combination
+    assert {(c["M"], c["N"]) for c in CASES} == {
+        (1, 1), (17, 17), (128, 128), (100, 300), (300, 100), (1000, 1000), (2048, 2048),
+        (1, 4096), (4096, 1)}
+    # w in {-5, 0, 1, 63, 64, N/2, N+5}
+    assert {-5, 0, 1, 63, 64} <= seen["w"]
+    assert any(c["w"] == c["N"] // 2 and c["N"] > 128 for c in CASES)
+    assert any(c["w"] == c["N"] + 5 for c in CASES)
