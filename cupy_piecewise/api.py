@@ -23,6 +23,17 @@ from .validate import Problem, check_backward_inputs, check_gpu_support, check_i
 __all__ = ["attention", "attention_backward"]
 
 
+_torch_ops = None  # cupy_piecewise.torch_ops once a torch tensor has been seen
+
+
+def _load_torch_ops():
+    global _torch_ops
+    from . import torch_ops
+
+    _torch_ops = torch_ops
+    return torch_ops
+
+
 def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None, return_lse=False):
     """Piecewise attention forward.
 
@@ -80,9 +91,7 @@ def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None,
     if type(q1).__module__.startswith("torch"):
         # torch_ops validates the same way (same messages) and memoises the result per
         # signature, which keeps the per-call host cost of small problems low.
-        from . import torch_ops
-
-        return torch_ops.attention(
+        return (_torch_ops or _load_torch_ops()).attention(
             q1, k1, q2, k2, v, dist_threshold, causal=causal, sm_scale=sm_scale, return_lse=return_lse
         )
 

@@ -76,6 +76,22 @@ class TileConfig:
 PHASES = ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv")
 LISTED_ARCHS = ((8, 0), (8, 6), (8, 9), (9, 0))
 ENV_VAR = "CUPY_PIECEWISE_TILES"
+
+# The launch caches put the override's text in their keys, so it is read on every call.
+# os.environ.get costs ~0.5 us (it encodes the key and decodes the value); the mapping it
+# wraps answers the same question in ~0.05 us and sees every change made through
+# os.environ (monkeypatch.setenv included).
+try:
+    _ENV_DATA, _ENV_KEY = os.environ._data, os.environ.encodekey(ENV_VAR)
+except AttributeError:  # pragma: no cover - not CPython's os.environ
+    _ENV_DATA, _ENV_KEY = None, None
+
+
+def env_override():
+    """The raw value of ``CUPY_PIECEWISE_TILES`` (``None`` when unset), cheap to call."""
+    if _ENV_DATA is None:  # pragma: no cover
+        return os.environ.get(ENV_VAR)
+    return _ENV_DATA.get(_ENV_KEY)
 BLOCK_SIZES = (16, 32, 64, 128)
 STAGES = (2,)  # the kernels are double-buffered; deeper pipelines are future work
 #: dtypes the table is written for (2-byte elements in shared memory).

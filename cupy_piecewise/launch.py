@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 import struct
 import threading
 from typing import NamedTuple
@@ -21,7 +20,8 @@ from typing import NamedTuple
 from . import capability
 from .compile import ROW_KERNELS, Variant, get_function
 
-__all__ = ["ArrayRef", "kernel_ready", "forward", "backward", "plan"]
+__all__ = ["ArrayRef", "Launches", "kernel_ready", "forward", "backward", "forward_launches",
+           "backward_launches", "plan"]
 
 #: Tensor views in the order of ``Params`` (each: pointer, batch/head/row strides).
 TENSORS = ("q1", "k1", "q2", "k2", "v", "o", "dout", "dq1", "dk1", "dq2", "dk2", "dv")
@@ -103,7 +103,7 @@ def _compute_capability(device: int) -> tuple[int, int]:
     return cc
 
 
-_plans: dict[tuple, Variant] = {}
+_variants: dict[tuple, Variant] = {}
 
 
 def plan(problem, phase: str) -> Variant:
@@ -113,14 +113,14 @@ def plan(problem, phase: str) -> Variant:
     ``CUPY_PIECEWISE_TILES``, so a tuning override set between calls still takes effect.
     """
     key = (problem.device, phase, problem.D, problem.dtype, problem.causal,
-           os.environ.get(capability.ENV_VAR))
-    hit = _plans.get(key)
+           capability.env_override())
+    hit = _variants.get(key)
     if hit is not None:
         return hit
     cc = _compute_capability(problem.device)
     tiles = None if phase in ROW_KERNELS else capability.lookup(
         cc, phase, problem.D, problem.dtype, problem.causal)
-    variant = _plans[key] = Variant(phase, problem.dtype, problem.D, tiles, problem.causal)
+    variant = _variants[key] = Variant(phase, problem.dtype, problem.D, tiles, problem.causal)
     return variant
 
 
@@ -141,6 +141,17 @@ def _kernel(device: int, variant: Variant) -> tuple[int, int]:
     return ptr, smem
 
 
+# ---------------------------------------------------------------------------
+# Launch plans: everything about a call except its pointers and stream, prepared once.
+
+#: The pointer arguments of :meth:`Launches.run`, in order, for each kind of call.
+FORWARD_ARRAYS = ("q1", "k1", "q2", "k2", "v", "o", "lse")
+BACKWARD_ARRAYS = ("q1", "k1", "q2", "k2", "v", "o", "lse", "dout",
+                   "dq1", "dk1", "dq2", "dk2", "dv", "delta")
+#: Arrays that travel as a bare pointer (contiguous float32), the rest as views.
+_BARE = ("lse", "delta")
+_SLOT = {name: i for i, name in enumerate(PARAM_FIELDS)}
+_SIZE = 8 * _NSLOTS
 _PACKER = struct.Struct(f"<{_NSLOTS}q")
 _tls = threading.local()
 
@@ -157,44 +168,92 @@ def _buffers():
     return bufs
 
 
-def _pack(problem, refs: dict, split=(1, 0, 0, 0)) -> ctypes.Array:
-    """Write the kernel parameters for ``problem`` into this thread's parameter block."""
+def _pack(problem, strides: dict, split=(1, 0, 0, 0)) -> bytes:
+    """The parameter block for ``problem`` with every pointer 0: ``strides`` maps the
+    names in :data:`TENSORS` to element strides (absent views get zeros)."""
     slots = []
     for name in TENSORS:
-        r = refs.get(name)
-        if r is None:
-            slots += (0, 0, 0, 0)
-        else:
-            s = r.strides
-            slots += (r.ptr, s[0], s[1], s[2])
+        s = strides.get(name)
+        slots += (0, 0, 0, 0) if s is None else (0, s[0], s[1], s[2])
     n_dist = problem.M + problem.N + 1  # every distance lies strictly inside +-n_dist
     w = max(-n_dist, min(n_dist, int(problem.w)))
     scales = struct.unpack("<q", struct.pack("<ff", problem.sm_scale * _LOG2E, problem.sm_scale))[0]
-    slots += (refs.get("lse", 0), refs.get("delta", 0), problem.H, problem.H // problem.Hkv,
-              problem.M, problem.N, w, scales) + tuple(split)
-    buf = _buffers()[0]
-    _PACKER.pack_into(buf, 0, *slots)
-    return buf
+    slots += (0, 0, problem.H, problem.H // problem.Hkv, problem.M, problem.N, w, scales) + tuple(split)
+    return _PACKER.pack(*slots)
 
 
-def _launch(problem, variant: Variant, grid, stream: int) -> None:
-    """Launch ``variant`` with the parameters the last :func:`_pack` on this thread wrote."""
-    fn, smem = _kernel(problem.device, variant)
-    args = _buffers()[1]
-    _driver().launchKernel(fn, grid[0], grid[1], grid[2], variant.threads, 1, 1, smem, stream,
-                           args, 0)
+class Launches:
+    """The kernel launches of one forward or backward call, prepared for fixed metadata.
+
+    Built by :func:`forward_launches` / :func:`backward_launches` from a problem and the
+    element strides of its arrays; :meth:`run` only writes the data pointers into a copy
+    of the prepared parameter block and calls ``cuLaunchKernel`` for each kernel. Callers
+    that see the same metadata again (the torch fast path) keep the object and skip all
+    planning. Immutable, so one object may be run from several threads.
+
+    Attributes:
+        device: the CUDA device index the kernels run on.
+        arrays: names of the pointers :meth:`run` takes, in order.
+        strides: element strides of each (B, heads, rows, D) view, by name (the bare
+            float32 arrays lse and delta are contiguous and not listed).
+        workspace_bytes: scratch the call needs (split-KV partial results); 0 for none.
+    """
+
+    __slots__ = ("device", "arrays", "strides", "workspace_bytes", "_steps", "_template",
+                 "_ptr_slots", "_ws_offset")
+
+    def __init__(self, device, arrays, strides, steps, template, workspace_bytes=0,
+                 ws_offset=0):
+        self.device = device
+        self.arrays = arrays
+        self.strides = strides
+        self.workspace_bytes = workspace_bytes
+        self._steps = tuple(steps)  # (CUfunction, grid x, y, z, threads, shared bytes)
+        self._template = template
+        self._ptr_slots = tuple(_SLOT[n if n in _BARE else f"{n}.ptr"] for n in arrays)
+        self._ws_offset = ws_offset
+
+    def run(self, ptrs, stream: int, workspace: int = 0) -> None:
+        """Launch every kernel on ``stream`` with the device pointers ``ptrs`` (ints, in
+        the order of :attr:`arrays`) and, when :attr:`workspace_bytes` is non-zero, a
+        ``workspace`` pointer to that many bytes valid on ``stream`` until the work ends."""
+        slots, args, _ = _buffers()
+        ctypes.memmove(slots, self._template, _SIZE)
+        for i, p in zip(self._ptr_slots, ptrs):
+            slots[i] = p
+        if self.workspace_bytes:
+            slots[_SLOT["o_part"]] = workspace
+            slots[_SLOT["lse_part"]] = workspace + self._ws_offset
+        drv = _driver_mod or _driver()
+        rt = _runtime_mod
+        prev = rt.getDevice()
+        if prev != self.device:  # launch on the arrays' device, restore the caller's
+            rt.setDevice(self.device)
+        try:
+            for fn, gx, gy, gz, threads, smem in self._steps:
+                drv.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, args, 0)
+        finally:
+            if prev != self.device:
+                rt.setDevice(prev)
 
 
 _driver_mod = None
+_runtime_mod = None
 
 
 def _driver():
-    global _driver_mod
+    global _driver_mod, _runtime_mod
     if _driver_mod is None:
-        from cupy_backends.cuda.api import driver
+        from cupy_backends.cuda.api import driver, runtime
 
+        _runtime_mod = runtime
         _driver_mod = driver
     return _driver_mod
+
+
+def _step(problem, variant: Variant, grid) -> tuple:
+    fn, smem = _kernel(problem.device, variant)
+    return (fn, grid[0], grid[1], grid[2], variant.threads, smem)
 
 
 def _check_grid(problem) -> None:
@@ -203,26 +262,85 @@ def _check_grid(problem) -> None:
                          f"{_MAX_GRID_YZ} for the CUDA kernels")
 
 
-class _DeviceGuard:
-    """Makes ``device`` current for the launch only when it is not already (cheap path)."""
+def forward_launches(problem, strides, *, split: bool = True) -> Launches:
+    """Prepare the forward of ``problem`` (``M > 0``).
 
-    def __init__(self, device: int):
-        self.device = device
-        self.prev = None
+    Args:
+        problem: a validated :class:`cupy_piecewise.validate.Problem` (float16/bfloat16,
+            supported head dim, ``device`` set).
+        strides: element strides of q1, k1, q2, k2, v, o (each (B, heads, rows, D) with
+            unit stride along D); lse is a contiguous float32 (B, H, M) array.
+        split: allow split-KV (needs a workspace at run time) when the grid cannot fill
+            the GPU (decoding, few heads).
 
-    def __enter__(self):
-        from cupy_backends.cuda.api import runtime
+    Loads (compiling on first use) the kernels it needs; raises ValueError for grids the
+    hardware cannot launch.
+    """
+    _check_grid(problem)
+    _driver()
+    variant = plan(problem, "fwd_decode" if problem.M <= DECODE_ROWS else "fwd")
+    tiles = variant.tiles
+    nsplit, per = 1, 1 << 40
+    if split and problem.N > 0:
+        nsplit, per = split_plan(problem, tiles, _multiprocessors(problem.device))
+    steps = [_step(problem, variant, (math.ceil(problem.M / tiles.block_m) * nsplit,
+                                      problem.H, problem.B))]
+    ws_bytes = ws_offset = 0
+    if nsplit > 1:
+        rows = nsplit * problem.B * problem.H * problem.M
+        ws_offset = 4 * rows * problem.D
+        ws_bytes = ws_offset + 4 * rows
+        steps.append(_step(problem, plan(problem, "fwd_combine"),
+                           (math.ceil(problem.H * problem.M / 8), problem.B, 1)))
+    else:
+        per = 1 << 40
+    views = dict(zip(("q1", "k1", "q2", "k2", "v", "o"), map(tuple, strides)))
+    template = _pack(problem, views, (nsplit, per, 0, 0))
+    return Launches(problem.device, FORWARD_ARRAYS, views, steps, template, ws_bytes, ws_offset)
 
-        cur = runtime.getDevice()
-        if cur != self.device:
-            self.prev = cur
-            runtime.setDevice(self.device)
 
-    def __exit__(self, *exc):
-        if self.prev is not None:
-            from cupy_backends.cuda.api import runtime
+def backward_launches(problem, strides) -> Launches:
+    """Prepare the backward of ``problem``.
 
-            runtime.setDevice(self.prev)
+    ``strides``: element strides of q1, k1, q2, k2, v, o, dout, dq1, dk1, dq2, dk2, dv;
+    lse and delta are contiguous float32 (B, H, M) arrays (delta is scratch). dk/dv of a
+    grouped-query problem are summed over the query heads of each group in the kernel.
+    With ``M == 0`` the dk/dv kernel still runs and writes zeros.
+    """
+    _check_grid(problem)
+    _driver()
+    steps = []
+    if problem.M > 0:
+        steps.append(_step(problem, plan(problem, "bwd_delta"),
+                           (math.ceil(problem.H * problem.M / 8), problem.B, 1)))
+        dq = plan(problem, "bwd_dq")
+        steps.append(_step(problem, dq, (math.ceil(problem.M / dq.tiles.block_m), problem.H,
+                                         problem.B)))
+    if problem.N > 0:
+        dkv = plan(problem, "bwd_dkv")
+        steps.append(_step(problem, dkv, (math.ceil(problem.N / dkv.tiles.block_n), problem.Hkv,
+                                          problem.B)))
+    names = ("q1", "k1", "q2", "k2", "v", "o", "dout", "dq1", "dk1", "dq2", "dk2", "dv")
+    views = dict(zip(names, map(tuple, strides)))
+    return Launches(problem.device, BACKWARD_ARRAYS, views, steps, _pack(problem, views))
+
+
+_launches: dict[tuple, Launches] = {}
+_LAUNCHES_MAX = 4096
+
+
+def _cached(kind, problem, refs, extra):
+    """Launches for (kind, problem, strides), memoised; the tile override is part of the key."""
+    strides = tuple(tuple(r.strides) for r in refs)
+    key = (kind, problem, strides, extra, capability.env_override())
+    hit = _launches.get(key)
+    if hit is None:
+        hit = (forward_launches(problem, strides, split=extra) if kind == "fwd"
+               else backward_launches(problem, strides))
+        if len(_launches) >= _LAUNCHES_MAX:
+            _launches.clear()
+        _launches[key] = hit
+    return hit
 
 
 def forward(problem, q1, k1, q2, k2, v, o, lse, *, stream: int, workspace=None) -> None:
@@ -243,26 +361,9 @@ def forward(problem, q1, k1, q2, k2, v, o, lse, *, stream: int, workspace=None) 
     """
     if problem.M == 0:
         return
-    _check_grid(problem)
-    variant = plan(problem, "fwd_decode" if problem.M <= DECODE_ROWS else "fwd")
-    tiles = variant.tiles
-    nsplit, per = 1, 0
-    if workspace is not None and problem.N > 0:
-        nsplit, per = split_plan(problem, tiles, _multiprocessors(problem.device))
-    refs = dict(q1=q1, k1=k1, q2=q2, k2=k2, v=v, o=o, lse=lse)
-    keep = None
-    if nsplit > 1:
-        rows = nsplit * problem.B * problem.H * problem.M
-        keep, ws = workspace(4 * rows * (problem.D + 1))
-        _pack(problem, refs, (nsplit, per, ws, ws + 4 * rows * problem.D))
-    else:
-        _pack(problem, refs, (1, 1 << 40, 0, 0))
-    grid = (math.ceil(problem.M / tiles.block_m) * nsplit, problem.H, problem.B)
-    with _DeviceGuard(problem.device):
-        _launch(problem, variant, grid, stream)
-        if nsplit > 1:
-            _launch(problem, plan(problem, "fwd_combine"),
-                    (math.ceil(problem.H * problem.M / 8), problem.B, 1), stream)
+    launches = _cached("fwd", problem, (q1, k1, q2, k2, v, o), workspace is not None)
+    keep, ws = (None, 0) if not launches.workspace_bytes else workspace(launches.workspace_bytes)
+    launches.run((q1.ptr, k1.ptr, q2.ptr, k2.ptr, v.ptr, o.ptr, lse), stream, ws)
     del keep  # stream-ordered allocators may reuse it for work queued after this point
 
 
@@ -276,18 +377,7 @@ def backward(problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, del
     (B, H, M) arrays (``delta`` is scratch). dk/dv of a grouped-query problem are summed
     over the query heads of each group in the kernel.
     """
-    _check_grid(problem)
-    _pack(problem, dict(q1=q1, k1=k1, q2=q2, k2=k2, v=v, o=o, dout=do, dq1=dq1,
-                                 dk1=dk1, dq2=dq2, dk2=dk2, dv=dv, lse=lse, delta=delta))
-    with _DeviceGuard(problem.device):
-        if problem.M > 0:
-            _launch(problem, plan(problem, "bwd_delta"),
-                    (math.ceil(problem.H * problem.M / 8), problem.B, 1), stream)
-            dq = plan(problem, "bwd_dq")
-            _launch(problem, dq, (math.ceil(problem.M / dq.tiles.block_m), problem.H, problem.B),
-                    stream)
-        if problem.N > 0:  # with M == 0 this still writes dk = dv = 0
-            dkv = plan(problem, "bwd_dkv")
-            _launch(problem, dkv,
-                    (math.ceil(problem.N / dkv.tiles.block_n), problem.Hkv, problem.B),
-                    stream)
+    views = (q1, k1, q2, k2, v, o, do, dq1, dk1, dq2, dk2, dv)
+    launches = _cached("bwd", problem, views, None)
+    launches.run((q1.ptr, k1.ptr, q2.ptr, k2.ptr, v.ptr, o.ptr, lse, do.ptr,
+                  dq1.ptr, dk1.ptr, dq2.ptr, dk2.ptr, dv.ptr, delta), stream)

@@ -31,12 +31,17 @@ keeps full precision so that ``torch.autograd.gradcheck`` holds). ``lse`` is an
 auxiliary output: it is marked non-differentiable (a gradient flowing into it is
 not propagated). Double backward is not supported (``bwd`` has no autograd formula).
 
-Per-call cost: argument checks (:func:`cupy_piecewise.validate.check_inputs`) are
-memoised per signature (shapes, dtypes, devices, scalar values and types), and an
-eager call that records no gradient and runs under no torch mode or transform calls
-the operator's implementation directly instead of going through the dispatcher
-(:data:`DIRECT_EAGER_CALLS`); under ``torch.compile``, autograd, ``vmap``, fake
-tensors or dispatch modes the registered operator is used.
+Per-call cost: the argument checks (:func:`cupy_piecewise.validate.check_inputs`) and
+the launch planning (tile lookup, grid, the packed kernel parameters:
+:class:`cupy_piecewise.launch.Launches`) are memoised per signature (shapes, strides,
+dtypes, devices, scalar values and types, tile override), so a repeated eager call
+builds a key, allocates its outputs, writes seven pointers and calls
+``cuLaunchKernel``. Eager calls skip torch's dispatcher (:data:`DIRECT_EAGER_CALLS`):
+one that records no gradient calls the operator's implementation directly, and one
+that does records a :class:`torch.autograd.Function` with the operator's autograd
+formula; under ``torch.compile``, ``vmap``/``grad``, fake tensors, dispatch or function
+modes, or with tensor subclasses, the registered operator is used. A direct call that
+does not ask for ``lse`` neither allocates nor stores it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import validate
 
@@ -53,31 +59,55 @@ __all__ = ["attention", "attention_backward", "fwd_op", "bwd_op"]
 Tensor = torch.Tensor
 
 # ---------------------------------------------------------------------------
-# Validation, cached per call signature.
+# Per-signature memo: validation and the prepared CUDA launches.
 #
-# check_inputs is pure Python over metadata and costs tens of microseconds; the
-# result only depends on the metadata below, so it is kept in a dict. The types of
-# the scalars are part of the key so that, e.g., ``w=3.0`` (rejected) never hits the
-# entry made by ``w=3``.
+# check_inputs is pure Python over metadata and costs tens of microseconds, and planning
+# a launch (tile lookup, grid, parameter block) a few more; both depend only on the
+# metadata in the key below, so the results are kept in a dict and a repeated call pays
+# for the key and one lookup. The types of the scalars are part of the key so that,
+# e.g., ``w=3.0`` (rejected) never hits the entry made by ``w=3``; the tile override
+# (CUPY_PIECEWISE_TILES) is part of it so that a tuning run sees its change.
 
-_PROBLEMS: dict = {}
-_PROBLEMS_MAX = 4096
+
+class _Call:
+    """What one call signature needs: the checked problem and, for CUDA inputs the
+    kernels can read in place, the prepared forward launches (``None``: general path)."""
+
+    __slots__ = ("problem", "launches", "o_shape", "lse_shape")
+
+    def __init__(self, problem, launches):
+        self.problem = problem
+        self.launches = launches
+        self.o_shape = (problem.B, problem.H, problem.M, problem.D)
+        self.lse_shape = (problem.B, problem.H, problem.M)
+
+
+_CALLS: dict = {}
+_CALLS_MAX = 4096
+_env_override = None  # capability.env_override, bound on first use (see _call)
 
 
 def _key(q1, k1, q2, k2, v, w, causal, sm_scale):
     return (
         q1.shape, k1.shape, q2.shape, k2.shape, v.shape,
+        q1.stride(), k1.stride(), q2.stride(), k2.stride(), v.stride(),
         q1.dtype, k1.dtype, q2.dtype, k2.dtype, v.dtype,
         q1.device, k1.device, q2.device, k2.device, v.device,
-        type(w), w, type(causal), causal, type(sm_scale), sm_scale,
+        type(w), w, type(causal), causal, type(sm_scale), sm_scale, _env_override(),
     )
 
 
-def _problem(q1, k1, q2, k2, v, w, causal, sm_scale) -> validate.Problem:
-    """validate.check_inputs (plus check_gpu_support for CUDA tensors), memoised."""
+def _call(q1, k1, q2, k2, v, w, causal, sm_scale) -> _Call:
+    """validate.check_inputs (plus check_gpu_support and launch planning for CUDA
+    tensors), memoised per signature. Raises what check_inputs raises."""
+    global _env_override
+    if _env_override is None:
+        from .capability import env_override
+
+        _env_override = env_override
     try:
         key = _key(q1, k1, q2, k2, v, w, causal, sm_scale)
-        hit = _PROBLEMS.get(key)
+        hit = _CALLS.get(key)
     except (AttributeError, TypeError):  # not tensors, or an unhashable scalar
         key = hit = None
     if hit is not None:
@@ -87,13 +117,21 @@ def _problem(q1, k1, q2, k2, v, w, causal, sm_scale) -> validate.Problem:
         raise TypeError(
             f"q1 is a {problem.library} array; cupy_piecewise.torch_ops takes torch.Tensor inputs"
         )
+    launches = None
     if problem.device is not None:
         validate.check_gpu_support(problem)
+        launches = _fwd_launches(problem, q1, k1, q2, k2, v)
+    hit = _Call(problem, launches)
     if key is not None:
-        if len(_PROBLEMS) >= _PROBLEMS_MAX:
-            _PROBLEMS.clear()
-        _PROBLEMS[key] = problem
-    return problem
+        if len(_CALLS) >= _CALLS_MAX:
+            _CALLS.clear()
+        _CALLS[key] = hit
+    return hit
+
+
+def _problem(q1, k1, q2, k2, v, w, causal, sm_scale) -> validate.Problem:
+    """The checked :class:`~cupy_piecewise.validate.Problem` of a call (memoised)."""
+    return _call(q1, k1, q2, k2, v, w, causal, sm_scale).problem
 
 
 def _lse_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -154,10 +192,58 @@ def _ref(t: Tensor, launch):
     return launch.ArrayRef(t.data_ptr(), t.stride())
 
 
-def _fwd_cuda(problem, q1, k1, q2, k2, v):
-    B, H, M, D = problem.B, problem.H, problem.M, problem.D
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _fwd_launches(problem, q1, k1, q2, k2, v):
+    """Prepared forward launches for inputs with these shapes and strides, or ``None``
+    when calls of this signature take the general path (an input to copy, no work).
+
+    Data pointers are not part of the signature: :func:`_fwd_cuda` still checks their
+    16-byte alignment at every call.
+    """
+    if problem.M == 0 or problem.N == 0 or problem.B * problem.H == 0:
+        return None
+    launch = _launch or _launch_module()
+    ins = (q1, k1, q2, k2, v)
+    if not all(launch.kernel_ready(t.shape, t.stride(), 0, t.element_size()) for t in ins):
+        return None
+    strides = tuple(t.stride() for t in ins) + (_contiguous_strides(q1.shape),)
+    return launch.forward_launches(problem, strides, split=True)
+
+
+def _fwd_cuda(problem, q1, k1, q2, k2, v, launches=None, need_lse=True):
+    """Forward of CUDA tensors -> (o, lse); ``launches`` from :func:`_fwd_launches`.
+
+    With ``need_lse=False`` a call that takes the prepared launches neither allocates
+    nor stores ``lse`` and returns ``(o, None)`` (the kernels skip a null lse).
+    """
     dev = q1.device
+    B, H, M, D = problem.B, problem.H, problem.M, problem.D
     o = _empty((B, H, M, D), dtype=q1.dtype, device=dev)
+    if launches is not None:
+        # The fast path: strides were checked when the signature was first seen.
+        p = (q1.data_ptr(), k1.data_ptr(), q2.data_ptr(), k2.data_ptr(), v.data_ptr())
+        if not (p[0] | p[1] | p[2] | p[3] | p[4]) & 15:
+            if need_lse:
+                lse = _empty((B, H, M), dtype=torch.float32, device=dev)
+                ptrs = p + (o.data_ptr(), lse.data_ptr())
+            else:
+                lse, ptrs = None, p + (o.data_ptr(), 0)
+            stream = _current_stream(problem.device)
+            if launches.workspace_bytes:
+                ws = torch.empty(launches.workspace_bytes, dtype=torch.uint8, device=dev)
+                launches.run(ptrs, stream, ws.data_ptr())
+                # freeing ws now is safe: the caching allocator reuses it only for work
+                # queued on this stream after the kernels
+            else:
+                launches.run(ptrs, stream)
+            return o, lse
     lse = _empty((B, H, M), dtype=torch.float32, device=dev)
     if o.numel() == 0:
         return o, lse
@@ -343,12 +429,15 @@ def _bwd_cpu(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale):
 # The operators.
 
 
-def _fwd_impl(q1, k1, q2, k2, v, w, causal, sm_scale, problem=None):
-    """Body of ``cupy_piecewise::fwd``; ``problem`` when the caller already checked."""
-    if problem is None:
-        problem = _problem(q1, k1, q2, k2, v, w, causal, sm_scale)
+def _fwd_impl(q1, k1, q2, k2, v, w, causal, sm_scale, call=None, need_lse=True):
+    """Body of ``cupy_piecewise::fwd``; ``call`` (a :class:`_Call`) when the caller
+    already checked the arguments. ``need_lse=False`` lets CUDA calls skip ``lse``
+    (then possibly ``None``)."""
+    if call is None:
+        call = _call(q1, k1, q2, k2, v, w, causal, sm_scale)
+    problem = call.problem
     if problem.device is not None:
-        return _fwd_cuda(problem, q1, k1, q2, k2, v)
+        return _fwd_cuda(problem, q1, k1, q2, k2, v, call.launches, need_lse)
     if torch.is_autocast_enabled("cpu"):  # the CPU path picks its own precision
         with torch.autocast("cpu", enabled=False):
             return _fwd_cpu(q1, k1, q2, k2, v, problem.w, problem.causal, problem.sm_scale)
@@ -424,14 +513,39 @@ fwd_op.register_autograd(_backward, setup_context=_setup_context)
 # Public functions (called by cupy_piecewise.api for torch tensors).
 
 
-#: Eager calls that need neither autograd nor any torch extension point run the
-#: operator's implementation directly, skipping the dispatcher (about 8 us of Python
-#: per call). Set to False to always go through ``torch.ops.cupy_piecewise``.
+#: Eager calls skip torch's dispatcher when nothing needs it: a call that records no
+#: gradient runs the operator's implementation directly, and one that does records it
+#: through a :class:`torch.autograd.Function` with the same formula as the operator's
+#: registered autograd (the dispatcher and the custom-op autograd wrapper cost tens of
+#: microseconds of Python per call). Under ``torch.compile``, dispatch or function
+#: modes (FakeTensor, opcheck), functorch transforms (vmap, grad) or with tensor
+#: subclasses (Parameter included) the registered operator is used. Set to False to
+#: always go through ``torch.ops.cupy_piecewise``.
 DIRECT_EAGER_CALLS = True
 
 _peek_functorch = torch._C._functorch.peek_interpreter_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+#: How an eager call runs (see :func:`_route`).
+_DIRECT, _FUNCTION, _OPERATOR = 0, 1, 2
+
+
+def _route(*tensors) -> int:
+    """_DIRECT (no gradient to record), _FUNCTION (record it with :class:`_Attention`) or
+    _OPERATOR (go through ``torch.ops.cupy_piecewise``), per :data:`DIRECT_EAGER_CALLS`."""
+    if not DIRECT_EAGER_CALLS or _dispatch_modes() or _function_modes() or \
+            _peek_functorch() is not None:
+        return _OPERATOR
+    grad = torch.is_grad_enabled()
+    route = _DIRECT
+    for t in tensors:
+        if type(t) is not Tensor:
+            return _OPERATOR
+        if grad and t.requires_grad:
+            route = _FUNCTION
+    return route
 
 
 def _direct_ok(*tensors) -> bool:
@@ -441,13 +555,33 @@ def _direct_ok(*tensors) -> bool:
     Parameter), no gradient to record, no TorchDispatchMode / TorchFunctionMode
     active, no functorch transform (vmap, grad) in progress.
     """
-    if not DIRECT_EAGER_CALLS:
-        return False
-    grad = torch.is_grad_enabled()
-    for t in tensors:
-        if type(t) is not Tensor or (grad and t.requires_grad):
-            return False
-    return not (_dispatch_modes() or _function_modes() or _peek_functorch() is not None)
+    return _route(*tensors) == _DIRECT
+
+
+class _Attention(torch.autograd.Function):
+    """Eager autograd without the dispatcher: the forward and backward of the registered
+    operator's autograd formula (:func:`_setup_context`, :func:`_backward`), with the
+    memoised :class:`_Call` of the signature carried along. Double backward raises."""
+
+    @staticmethod
+    def forward(ctx, call, q1, k1, q2, k2, v):
+        p = call.problem
+        o, lse = _fwd_impl(q1, k1, q2, k2, v, p.w, p.causal, p.sm_scale, call)
+        ctx.save_for_backward(q1, k1, q2, k2, v, o, lse)
+        ctx.problem = p
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, dlse):
+        need = ctx.needs_input_grad[1:]
+        if not any(need):
+            return (None,) * 6
+        q1, k1, q2, k2, v, o, lse = ctx.saved_tensors
+        p = ctx.problem
+        grads = _bwd_impl(do, q1, k1, q2, k2, v, o, lse, p.w, p.causal, p.sm_scale, p)
+        return (None,) + tuple(g if n else None for g, n in zip(grads, need))
 
 
 def _autocast(q1, k1, q2, k2, v):
@@ -501,7 +635,7 @@ def attention(
         ValueError: wrong rank, shapes that disagree, ``H % Hkv != 0``, mixed devices,
             a head dim the CUDA kernels do not support, non-positive ``sm_scale``.
     """
-    if isinstance(q1, Tensor):
+    if _any_autocast() and isinstance(q1, Tensor):
         q1, k1, q2, k2, v = _autocast(q1, k1, q2, k2, v)
     if torch.compiler.is_compiling():
         # Traced by dynamo: the operator body checks the arguments when it runs
@@ -509,12 +643,15 @@ def attention(
         scale = 1.0 / math.sqrt(q1.shape[-1]) if sm_scale is None else float(sm_scale)
         o, lse = fwd_op(q1, k1, q2, k2, v, dist_threshold, causal, scale)
     else:
-        problem = _problem(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale)
-        args = (q1, k1, q2, k2, v, problem.w, problem.causal, problem.sm_scale)
-        if _direct_ok(q1, k1, q2, k2, v):
-            o, lse = _fwd_impl(*args, problem)
+        call = _call(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale)
+        route = _route(q1, k1, q2, k2, v)
+        p = call.problem
+        if route == _DIRECT:  # nothing to record: lse only if asked for
+            o, lse = _fwd_impl(q1, k1, q2, k2, v, p.w, p.causal, p.sm_scale, call, return_lse)
+        elif route == _FUNCTION:
+            o, lse = _Attention.apply(call, q1, k1, q2, k2, v)
         else:
-            o, lse = fwd_op(*args)
+            o, lse = fwd_op(q1, k1, q2, k2, v, p.w, p.causal, p.sm_scale)
     return (o, lse) if return_lse else o
 
 

@@ -110,8 +110,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       const i64 r = row0 + mi * 16 + lane / 4 + 8 * hh;
       const float lse = l > 0.f ? (row_max[mi][hh] + __log2f(l)) * PW_LN2 : PW_NEG_INF;
       if (lane % 4 == 0 && r < M) {
-        if (p.nsplit == 1) p.lse[row_base + r] = lse;
-        else p.lse_part[part + row_base + r] = lse;
+        if (p.nsplit > 1) p.lse_part[part + row_base + r] = lse;
+        else if (p.lse) p.lse[row_base + r] = lse;
       }
     }
   if (p.nsplit == 1) {
@@ -165,5 +165,5 @@ __global__ void __launch_bounds__(256) pw_forward_combine(const Params p) {
 #pragma unroll
   for (int k = 0; k < PER_LANE; ++k)
     if (lane + 32 * k < D) o[lane + 32 * k] = Elem<T>::from_float(acc[k] * inv);
-  if (lane == 0) p.lse[idx] = total > 0.f ? mx + __logf(total) : PW_NEG_INF;
+  if (lane == 0 && p.lse) p.lse[idx] = total > 0.f ? mx + __logf(total) : PW_NEG_INF;
 }

@@ -13,7 +13,7 @@ struct Tensor {  // a (B, heads, rows, D) view with unit stride along D
 
 struct Params {
   Tensor q1, k1, q2, k2, v, o, dout, dq1, dk1, dq2, dk2, dv;
-  float* lse;    // (B, H, M) contiguous, natural log
+  float* lse;    // (B, H, M) contiguous, natural log; null: the forward does not store it
   float* delta;  // (B, H, M) contiguous, rowsum(dO * O)
   i64 H, group, M, N, w;  // group = H / Hkv; w already clamped to [-(M+N+1), M+N+1]
   float scale_log2;       // sm_scale * log2(e)

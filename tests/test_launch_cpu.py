@@ -1,7 +1,9 @@
 """The launch layer's host-side logic, without a GPU: parameter layout and split-KV planning."""
 from __future__ import annotations
 
+import ctypes
 import math
+import struct
 
 import pytest
 
@@ -33,9 +35,12 @@ def test_param_layout_matches_the_kernel_struct():
 
 def test_pack_fills_every_slot():
     p = _problem(10, 20)
-    slots = launch._pack(p, {}, (3, 7, 1000, 2000))
-    assert len(slots) == len(launch.PARAM_FIELDS)
-    assert list(slots)[-4:] == [3, 7, 1000, 2000]
+    block = struct.unpack(f"<{len(launch.PARAM_FIELDS)}q",
+                          launch._pack(p, {"k1": (5, 6, 7, 1)}, (3, 7, 1000, 2000)))
+    fields = dict(zip(launch.PARAM_FIELDS, block))
+    assert block[-4:] == (3, 7, 1000, 2000)
+    assert (fields["k1.ptr"], fields["k1.sb"], fields["k1.sh"], fields["k1.sr"]) == (0, 5, 6, 7)
+    assert fields["M"] == 10 and fields["N"] == 20 and fields["H"] == 32 and fields["group"] == 1
 
 
 @pytest.mark.parametrize("M,N,B,H", [(1, 4096, 1, 32), (16, 131072, 1, 32), (1, 131072, 1, 256)])
@@ -71,3 +76,147 @@ def test_parameter_block_outlives_the_call():
     gc.collect()
     assert ctypes.c_void_p.from_address(args_addr).value == ctypes.addressof(slots)
     assert launch._buffers()[2] is args
+
+
+# ---------------------------------------------------------------------------
+# Launches.run against a stand-in driver: the parameter block each kernel would receive.
+
+
+class _FakeDriver:
+    def __init__(self):
+        self.launches = []
+
+    def launchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, args, extra):
+        block_addr = ctypes.c_void_p.from_address(args).value
+        block = list((ctypes.c_int64 * len(launch.PARAM_FIELDS)).from_address(block_addr))
+        self.launches.append(dict(fn=fn, grid=(gx, gy, gz), block=(bx, by, bz), smem=smem,
+                                  stream=stream, params=dict(zip(launch.PARAM_FIELDS, block))))
+
+
+class _FakeRuntime:
+    def __init__(self, current):
+        self.current, self.sets = current, []
+
+    def getDevice(self):
+        return self.current
+
+    def setDevice(self, device):
+        self.sets.append(device)
+        self.current = device
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    drv, rt = _FakeDriver(), _FakeRuntime(0)
+    monkeypatch.setattr(launch, "_driver_mod", drv)
+    monkeypatch.setattr(launch, "_runtime_mod", rt)
+    monkeypatch.setattr(launch, "_compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(launch, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(launch, "_kernel", lambda device, variant: (variant, 1000 + device))
+    monkeypatch.delenv(capability.ENV_VAR, raising=False)
+    launch._launches.clear()
+    return drv, rt
+
+
+def _contiguous(shape):
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def test_forward_launch_parameters(fake_gpu):
+    drv, _ = fake_gpu
+    B, H, M, N, D = 2, 16, 4000, 3000, 128
+    p = Problem("torch", B, H, H // 4, M, N, D, "bfloat16", 700, True, 0.125, 0)
+    q = (H * D, D, H * D * B, 1)  # some (B, H, M, D) layout with odd axis order
+    k = _contiguous((B, H // 4, N, D))
+    o = _contiguous((B, H, M, D))
+    run = launch.forward_launches(p, (q, k, q, k, k, o), split=True)
+    assert run.workspace_bytes == 0  # 32 x 16 x 2 blocks fill 132 SMs: no split
+    ptrs = tuple(16 * (i + 1) for i in range(7))
+    run.run(ptrs, stream=77)
+    (call,) = drv.launches
+    variant = call["fn"]
+    assert variant.phase == "fwd" and variant.causal and variant.head_dim == D
+    tiles = variant.tiles
+    assert call["grid"] == (math.ceil(M / tiles.block_m), H, B)
+    assert call["block"] == (32 * tiles.num_warps, 1, 1) and call["smem"] == 1000
+    assert call["stream"] == 77
+    f = call["params"]
+    for name, ptr, strides in zip(("q1", "k1", "q2", "k2", "v", "o"), ptrs, (q, k, q, k, k, o)):
+        assert (f[f"{name}.ptr"], f[f"{name}.sb"], f[f"{name}.sh"], f[f"{name}.sr"]) == (ptr, *strides[:3])
+    assert f["lse"] == ptrs[6] and f["delta"] == 0 and f["dq1.ptr"] == 0
+    assert (f["H"], f["group"], f["M"], f["N"], f["w"]) == (H, 4, M, N, 700)
+    assert struct.unpack("<ff", struct.pack("<q", f["scale_log2|sm_scale"])) == (
+        pytest.approx(0.125 * 1.4426950408889634), 0.125)
+    assert f["nsplit"] == 1 and f["split_tiles"] >= math.ceil(N / tiles.block_n)
+
+
+def test_decode_launches_split_and_merge(fake_gpu):
+    drv, _ = fake_gpu
+    B, H, M, N, D = 1, 8, 1, 50000, 64
+    p = Problem("torch", B, H, 1, M, N, D, "float16", -3, False, 0.5, 0)
+    c = _contiguous((B, H, M, D))
+    kv = _contiguous((B, 1, N, D))
+    run = launch.forward_launches(p, (c, kv, c, kv, kv, c), split=True)
+    tiles = launch.plan(p, "fwd_decode").tiles
+    nsplit, per = launch.split_plan(p, tiles, 132)
+    rows = nsplit * B * H * M
+    assert run.workspace_bytes == 4 * rows * (D + 1)
+    run.run(tuple(range(16, 16 * 8, 16)), stream=5, workspace=1 << 20)
+    main, combine = drv.launches
+    assert main["fn"].phase == "fwd_decode" and combine["fn"].phase == "fwd_combine"
+    assert main["grid"] == (nsplit, H, B)
+    for call in (main, combine):
+        f = call["params"]
+        assert (f["nsplit"], f["split_tiles"]) == (nsplit, per)
+        assert f["o_part"] == 1 << 20 and f["lse_part"] == (1 << 20) + 4 * rows * D
+        assert f["w"] == -3 and f["o.ptr"] == 96 and f["lse"] == 112
+    # without a workspace the same problem runs unsplit
+    assert launch.forward_launches(p, (c, kv, c, kv, kv, c), split=False).workspace_bytes == 0
+
+
+def test_backward_launches(fake_gpu):
+    drv, _ = fake_gpu
+    B, H, M, N, D = 3, 4, 70, 90, 32
+    p = Problem("cupy", B, H, 2, M, N, D, "float16", 10, False, 0.3, 0)
+    q, k = _contiguous((B, H, M, D)), _contiguous((B, 2, N, D))
+    run = launch.backward_launches(p, (q, k, q, k, k, q, q, q, k, q, k, k))
+    ptrs = tuple(16 * (i + 1) for i in range(len(launch.BACKWARD_ARRAYS)))
+    run.run(ptrs, stream=3)
+    assert [c["fn"].phase for c in drv.launches] == ["bwd_delta", "bwd_dq", "bwd_dkv"]
+    dkv = drv.launches[2]
+    assert dkv["grid"] == (math.ceil(N / dkv["fn"].tiles.block_n), 2, B)
+    for call in drv.launches:  # one parameter block for all three kernels
+        f = call["params"]
+        for name, ptr in zip(launch.BACKWARD_ARRAYS, ptrs):
+            assert f[name if name in ("lse", "delta") else f"{name}.ptr"] == ptr
+
+
+def test_launch_switches_device_and_restores_it(fake_gpu):
+    drv, rt = fake_gpu
+    p = Problem("cupy", 1, 2, 2, 64, 64, 64, "float16", 10, False, 0.3, 1)
+    c = _contiguous((1, 2, 64, 64))
+    rt.current = 0
+    launch.forward_launches(p, (c,) * 6, split=False).run((0,) * 7, stream=0)
+    assert rt.sets == [1, 0] and rt.current == 0
+    rt.sets.clear()
+    rt.current = 1
+    launch.forward_launches(p, (c,) * 6, split=False).run((0,) * 7, stream=0)
+    assert rt.sets == []
+
+
+def test_cached_launches_follow_the_tile_override(fake_gpu, monkeypatch):
+    drv, _ = fake_gpu
+    p = Problem("cupy", 1, 64, 64, 512, 512, 64, "float16", 10, False, 0.3, 0)
+    ref = launch.ArrayRef(0, _contiguous((1, 64, 512, 64)))
+    args = (p, ref, ref, ref, ref, ref, ref, 0)
+    launch.forward(*args, stream=0)
+    monkeypatch.setenv(capability.ENV_VAR, "fwd=64x32x2")
+    launch.forward(*args, stream=0)
+    monkeypatch.delenv(capability.ENV_VAR)
+    launch.forward(*args, stream=0)
+    tiles = [str(c["fn"].tiles) for c in drv.launches]
+    assert tiles[1].startswith("64x32x2") and tiles[0] == tiles[2] != tiles[1]

@@ -184,8 +184,11 @@ GRADCHECK_CASES = [
 ]
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["autograd.Function", "custom_op"])
 @pytest.mark.parametrize("case", GRADCHECK_CASES, ids=[str(c) for c in GRADCHECK_CASES])
-def test_gradcheck(case):
+def test_gradcheck(case, direct, monkeypatch):
+    """Both autograd routes: eager calls record an autograd.Function, the rest the op's formula."""
+    monkeypatch.setattr(torch_ops, "DIRECT_EAGER_CALLS", direct)
     B, H, Hkv, M, N, D, w, causal = case
     ins = make_inputs(B, H, Hkv, M, N, D, torch.float64, seed=1, requires_grad=True)
 
@@ -220,6 +223,26 @@ def test_only_some_inputs_require_grad():
     assert [g is not None for g in grads] == list(ctx.needs_input_grad)
     ctx.needs_input_grad = (False,) * 8
     assert torch_ops._backward(ctx, do, None) == (None,) * 8
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["autograd.Function", "custom_op"])
+def test_eager_autograd_routes(direct, monkeypatch):
+    monkeypatch.setattr(torch_ops, "DIRECT_EAGER_CALLS", direct)
+    ins = make_inputs(2, 4, 2, 9, 11, 16, torch.float64, seed=5, requires_grad=True)
+    o, lse = torch_ops.attention(*ins, 4, causal=True, return_lse=True)
+    node = type(o.grad_fn).__name__
+    assert ("_Attention" in node) == direct, node
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, ins, do)
+    want = torch_ops.attention_backward(do, *[t.detach() for t in ins], o.detach(), lse, 4,
+                                        causal=True)
+    for g, wg in zip(grads, want):
+        assert torch.equal(g, wg)
+    # no double backward through either route
+    o = torch_ops.attention(*ins, 4, causal=True)
+    (g,) = torch.autograd.grad(o, ins[0], torch.ones_like(o), create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(g.sum(), ins[1])
 
 
 def test_lse_is_not_differentiable():
@@ -438,11 +461,26 @@ class _FakeLaunch:
         self.calls.append(("fwd", (q1, k1, q2, k2, v, o, lse)))
         dt = getattr(torch, problem.dtype)
         Q1, K1, Q2, K2, V, O = self._views(problem, (q1, k1, q2, k2, v, o), "qkqkkq", dt)
-        L = _host_view(lse, (problem.B, problem.H, problem.M),
-                       (problem.H * problem.M, problem.M, 1), torch.float32)
         oo, ll = torch_ops._fwd_cpu(Q1, K1, Q2, K2, V, problem.w, problem.causal, problem.sm_scale)
         O.copy_(oo)
-        L.copy_(ll)
+        if lse:  # a null lse is not stored (as the kernels do)
+            _host_view(lse, (problem.B, problem.H, problem.M),
+                       (problem.H * problem.M, problem.M, 1), torch.float32).copy_(ll)
+
+    def forward_launches(self, problem, strides, *, split):
+        """Stand-in for launch.forward_launches: run() reads the pointers as host memory."""
+        assert split
+        fake = self
+
+        class Launches:
+            workspace_bytes = 0
+
+            def run(self, ptrs, stream, workspace=0):
+                refs = [fake.ArrayRef(p, s) for p, s in zip(ptrs[:6], strides)]
+                fake.forward(problem, *refs, ptrs[6], stream=stream)
+                fake.calls[-1] = ("fwd fast",) + fake.calls[-1][1:]
+
+        return Launches()
 
     def backward(self, problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, delta, *, stream):
         assert isinstance(lse, int) and isinstance(delta, int) and stream == 1234
@@ -491,21 +529,34 @@ def test_cuda_plumbing_with_fake_launch(fake_cuda, layout, dtype):
             ins.append(view)
     cpu_problem = torch_ops._problem(*ins, w, True, None)
     problem = dataclasses.replace(cpu_problem, device=0)
-    o, lse = torch_ops._fwd_cuda(problem, *ins)
     want_o, want_lse = torch_ops._fwd_cpu(*base, w, True, problem.sm_scale)
-    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
-    (_, refs), = fake_cuda.calls
     zero_copy = layout in ("contiguous", "transposed")
-    for r, t in zip(refs[:5], ins):
-        assert (r.ptr == t.data_ptr()) == zero_copy
-    assert refs[5].ptr == o.data_ptr() and refs[6] == lse.data_ptr()
+    # The memoised call's prepared launches exist for every layout the kernels read in
+    # place by strides (the misaligned pointer is only seen at run time) ...
+    launches = torch_ops._fwd_launches(problem, *ins)
+    assert (launches is None) == (layout == "last_stride_2")
+    # ... and calls run through them (fast path) or through launch.forward (copies).
+    for prepared in (launches, None):
+        o, lse = torch_ops._fwd_cuda(problem, *ins, prepared)
+        assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+        kind, refs = fake_cuda.calls.pop()
+        assert kind == ("fwd fast" if prepared is not None and zero_copy else "fwd")
+        for r, t in zip(refs[:5], ins):
+            assert (r.ptr == t.data_ptr()) == zero_copy
+        assert refs[5].ptr == o.data_ptr() and refs[6] == lse.data_ptr()
+    assert fake_cuda.calls == []
+    # without need_lse the fast path passes a null lse and returns None for it
+    o_only, no_lse = torch_ops._fwd_cuda(problem, *ins, launches, need_lse=False)
+    assert torch.equal(o_only, want_o)
+    kind, refs = fake_cuda.calls.pop()
+    assert (no_lse is None) == (kind == "fwd fast") == (refs[6] == 0) == zero_copy
 
     do = make_inputs(B, H, H, M, 1, D, dtype, seed=3)[0].transpose(1, 2).contiguous().transpose(1, 2)
     grads = torch_ops._bwd_cuda(problem, do, *ins, o, lse)
     want = torch_ops._bwd_cpu(do, *base, want_o, want_lse, w, True, problem.sm_scale)
     for g, wg in zip(grads, want):
         assert torch.equal(g, wg) and g.is_contiguous()
-    _, refs = fake_cuda.calls[1]
+    _, refs = fake_cuda.calls[0]
     assert refs[7].ptr == do.data_ptr()  # transposed do is read in place
 
 

@@ -146,51 +146,54 @@ def test_empty_sizes():
             assert t.grad.shape == t.shape and torch.count_nonzero(t.grad) == 0
 
 
-def _record(monkeypatch, name):
-    """Wrap launch.<name> to record its arguments; returns the list of calls."""
+def _record_launches(monkeypatch):
+    """Spy on launch.Launches.run, through which every kernel launch goes; returns the
+    list of calls as dicts: 'kind' ('fwd'/'bwd'), 'ptr' and 'strides' by array name,
+    and 'stream'."""
     from cupy_piecewise import launch
 
     calls = []
-    real = getattr(launch, name)
+    real = launch.Launches.run
 
-    def spy(*args, **kwargs):
-        calls.append((args, kwargs))
-        return real(*args, **kwargs)
+    def spy(self, ptrs, stream, workspace=0):
+        kind = "fwd" if self.arrays == launch.FORWARD_ARRAYS else "bwd"
+        calls.append(dict(kind=kind, ptr=dict(zip(self.arrays, ptrs)), strides=self.strides,
+                          stream=stream))
+        return real(self, ptrs, stream, workspace)
 
-    monkeypatch.setattr(launch, name, spy)
+    monkeypatch.setattr(launch.Launches, "run", spy)
     return calls
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
-def test_zero_copy(monkeypatch, layout):
-    fwd_calls = _record(monkeypatch, "forward")
-    bwd_calls = _record(monkeypatch, "backward")
+@pytest.mark.parametrize("direct", [True, False], ids=["autograd.Function", "custom_op"])
+def test_zero_copy(monkeypatch, layout, direct):
+    monkeypatch.setattr(torch_ops, "DIRECT_EAGER_CALLS", direct)
+    calls = _record_launches(monkeypatch)
     ins = make(2, 4, 2, 100, 120, 64, torch.bfloat16, layout)
     leaves = [t.detach().requires_grad_() for t in ins]
     o, lse = torch_ops.attention(*leaves, 17, causal=True, return_lse=True)
     do = make(2, 4, 4, 100, 1, 64, torch.bfloat16, "transposed")[0]
     o.backward(do)
-    (args, kwargs), = fwd_calls
-    refs = args[1:8]
-    assert [r.ptr for r in refs[:5]] == [t.data_ptr() for t in ins]
-    assert [tuple(r.strides) for r in refs[:5]] == [t.stride() for t in ins]
-    assert refs[5].ptr == o.data_ptr() and refs[6] == lse.data_ptr()
-    assert kwargs["stream"] == torch.cuda.current_stream().cuda_stream
-    (args, kwargs), = bwd_calls
-    assert [r.ptr for r in args[1:6]] == [t.data_ptr() for t in ins]
-    assert args[6].ptr == o.data_ptr() and args[7] == lse.data_ptr()
-    assert args[8].ptr == do.data_ptr() and tuple(args[8].strides) == do.stride()
-    for r, t in zip(args[9:14], leaves):  # gradients: fresh contiguous outputs
-        assert tuple(r.strides) == torch.empty(t.shape).stride()
+    fwd, bwd = calls
+    assert fwd["kind"] == "fwd" and bwd["kind"] == "bwd"
+    for call in (fwd, bwd):
+        assert [call["ptr"][n] for n in ("q1", "k1", "q2", "k2", "v")] == [t.data_ptr() for t in ins]
+        assert [call["strides"][n] for n in ("q1", "k1", "q2", "k2", "v")] == [t.stride() for t in ins]
+        assert call["ptr"]["o"] == o.data_ptr() and call["ptr"]["lse"] == lse.data_ptr()
+        assert call["stream"] == torch.cuda.current_stream().cuda_stream
+    assert bwd["ptr"]["dout"] == do.data_ptr() and bwd["strides"]["dout"] == do.stride()
+    for n, t in zip(NAMES, leaves):  # gradients: fresh contiguous outputs
+        assert bwd["strides"][n] == torch.empty(t.shape).stride()
 
 
 def test_non_unit_last_stride_is_copied(monkeypatch):
-    calls = _record(monkeypatch, "forward")
+    calls = _record_launches(monkeypatch)
     ins = make(1, 2, 2, 64, 64, 64, torch.bfloat16, "last_stride_2")
     o = torch_ops.attention(*ins, 8)
-    (args, _), = calls
-    for r, t in zip(args[1:6], ins):
-        assert r.ptr != t.data_ptr() and r.strides[-1] == 1
+    (call,) = calls
+    for n, t in zip(("q1", "k1", "q2", "k2", "v"), ins):
+        assert call["ptr"][n] != t.data_ptr() and call["strides"][n][-1] == 1
     torch.testing.assert_close(o, torch_ops.attention(*[t.contiguous() for t in ins], 8), rtol=0, atol=0)
 
 
@@ -205,14 +208,15 @@ def test_non_default_stream(monkeypatch):
         return o, lse, [t.grad for t in leaves]
 
     o0, lse0, g0 = run()
-    calls = _record(monkeypatch, "forward")
+    calls = _record_launches(monkeypatch)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         o1, lse1, g1 = run()
     torch.cuda.current_stream().wait_stream(side)
-    (_, kwargs), = calls
-    assert kwargs["stream"] == side.cuda_stream != torch.cuda.current_stream().cuda_stream
+    assert [c["kind"] for c in calls] == ["fwd", "bwd"]
+    for c in calls:
+        assert c["stream"] == side.cuda_stream != torch.cuda.current_stream().cuda_stream
     torch.cuda.synchronize()
     assert torch.equal(o0, o1) and torch.equal(lse0, lse1)
     for n, a, b in zip(NAMES, g0, g1):
