@@ -20,6 +20,14 @@ With ``inputs_finite=False`` (inputs holding NaN/Inf) rules 3 and 4 are waived a
 norms are taken over the entries where both ``ref`` and ``impl`` are finite.
 
 Inputs are converted with ``np.asarray(x, float64)``; callers convert GPU arrays first.
+
+float16 gradients and loss scaling: a gradient whose entries fall below float16's
+smallest normal number (6.1e-5) cannot be stored to rule 2's precision at all (the
+correctly rounded float64 answer itself can miss 2e-3 -- e.g. dq1 of one query row
+against 4096 keys with w = 1, where only one key uses the first projection). float16
+training avoids this with loss scaling (``torch.amp.GradScaler``), and the checks do
+the same: :func:`float16_loss_scale` picks a power of two for ``do``, which scales
+every exact gradient by exactly that factor and changes nothing else.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Verdict", "compare", "assert_close", "rel_bound", "ABS_SLACK", "REL_BOUNDS"]
+__all__ = ["Verdict", "compare", "assert_close", "rel_bound", "float16_loss_scale", "ABS_SLACK",
+           "REL_BOUNDS"]
 
 #: Absolute slack added to twice the low-precision error.
 ABS_SLACK = 1e-5
@@ -152,3 +161,21 @@ def assert_close(name, impl, ref, lowp, dtype) -> Verdict:
     if not verdict.passed:
         raise AssertionError(str(verdict))
     return verdict
+
+
+def float16_loss_scale(grads, do) -> float:
+    """Power-of-two factor for the upstream gradient ``do`` of a float16 backward check.
+
+    ``grads``: the float64 reference gradients computed with ``do`` (they are linear in
+    ``do``, so ``s * do`` gives exactly ``s * grads``). The factor brings the largest
+    gradient up to about 2**12, keeps ``s * max|do|`` at most 2**14 (far from float16's
+    65504), and is never below 1. Returns 1.0 when every gradient is zero.
+    """
+    peak = max((float(np.max(np.abs(g))) for g in grads if np.size(g)), default=0.0)
+    if peak == 0.0 or not np.isfinite(peak):
+        return 1.0
+    scale = 2.0 ** np.floor(np.log2(2.0**12 / peak))
+    do_peak = float(np.max(np.abs(do))) if np.size(do) else 0.0
+    if do_peak > 0.0:
+        scale = min(scale, 2.0 ** np.floor(np.log2(2.0**14 / do_peak)))
+    return float(max(1.0, scale))

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from cupy_piecewise import reference as R
+from cupy_piecewise import tolerance
 from cupy_piecewise.tolerance import REL_BOUNDS, Verdict, assert_close, compare, rel_bound
 
 
@@ -159,3 +160,36 @@ def test_reference_lowp_gradients_pass_their_own_rule():
     gl = R.lowp_backward(q1, k1, q2, k2, v, ol, lsel, do, 4, False, dtype="float16")
     for name, a, b in zip(("dq1", "dk1", "dq2", "dk2", "dv"), gl, g):
         assert_close(name, a, b, a, "float16")
+
+
+def _rounded_rel_err(x):
+    r = x.astype(np.float16).astype(np.float64)
+    return np.linalg.norm(r - x) / np.linalg.norm(x)
+
+
+def test_float16_loss_scale_makes_subnormal_gradients_checkable():
+    """dq1 of one query row against 4096 keys with w = 1 (one key on the first projection)
+    lies around float16's smallest normal number: even the correctly rounded exact answer
+    misses the 2e-3 bound. Under the loss scale every gradient rounds to well inside it."""
+    rng = np.random.default_rng(0)
+    D, M, N, w = 16, 1, 4096, 1
+    shapes = [(1, 1, M, D), (1, 1, N, D), (1, 1, M, D), (1, 1, N, D), (1, 1, N, D)]
+    host = [(rng.standard_normal(s) * 1.5).astype(np.float16).astype(np.float64) for s in shapes]
+    do = rng.standard_normal((1, 1, M, D)).astype(np.float16).astype(np.float64)
+    o, lse = R.forward(*host, w, False, 0.25)
+    grads = R.backward(*host, o, lse, do, w, False, 0.25)
+    assert _rounded_rel_err(grads[0]) > tolerance.rel_bound("float16")
+    s = tolerance.float16_loss_scale(grads, do)
+    assert s > 1 and s == 2.0 ** round(np.log2(s))
+    scaled = R.backward(*host, o, lse, do * s, w, False, 0.25)
+    for g, gs in zip(grads, scaled):
+        np.testing.assert_array_equal(gs, g * s)  # exact: gradients are linear in do
+        assert _rounded_rel_err(gs) < tolerance.rel_bound("float16") / 4
+
+
+def test_float16_loss_scale_limits():
+    do = np.full((2, 3), 4.0)
+    assert tolerance.float16_loss_scale([np.full(3, 1e-9)], do) == 2.0**12  # capped by do
+    assert tolerance.float16_loss_scale([np.full(3, 1e3)], do) == 4.0
+    assert tolerance.float16_loss_scale([np.full(3, 1e6)], do) == 1.0  # never below 1
+    assert tolerance.float16_loss_scale([np.zeros(3), np.zeros(0)], do) == 1.0
