@@ -167,14 +167,23 @@ def float16_loss_scale(grads, do) -> float:
     """Power-of-two factor for the upstream gradient ``do`` of a float16 backward check.
 
     ``grads``: the float64 reference gradients computed with ``do`` (they are linear in
-    ``do``, so ``s * do`` gives exactly ``s * grads``). The factor brings the largest
-    gradient up to about 2**12, keeps ``s * max|do|`` at most 2**14 (far from float16's
-    65504), and is never below 1. Returns 1.0 when every gradient is zero.
+    ``do``, so ``s * do`` gives exactly ``s * grads``). Returns 1.0 when every gradient
+    that is not zero already reaches 2**-4 in magnitude (well inside float16's normal
+    range); otherwise the smallest power of two that lifts the smallest such gradient
+    there, limited so that the largest gradient stays at most 2**12 and ``s * max|do|``
+    at most 2**14 (far from float16's 65504), and never below 1. Gradients that are zero
+    (exactly, or below 1e-12 of the largest) are left out: scaling cannot help them, and
+    their check falls back to an absolute norm that a scale would only inflate.
     """
-    peak = max((float(np.max(np.abs(g))) for g in grads if np.size(g)), default=0.0)
+    mags = [float(np.max(np.abs(g))) for g in grads if np.size(g)]
+    peak = max(mags, default=0.0)
     if peak == 0.0 or not np.isfinite(peak):
         return 1.0
-    scale = 2.0 ** np.floor(np.log2(2.0**12 / peak))
+    smallest = min(m for m in mags if m > 1e-12 * peak)
+    if smallest >= 2.0**-4:
+        return 1.0
+    scale = 2.0 ** np.ceil(np.log2(2.0**-4 / smallest))
+    scale = min(scale, 2.0 ** np.floor(np.log2(2.0**12 / peak)))
     do_peak = float(np.max(np.abs(do))) if np.size(do) else 0.0
     if do_peak > 0.0:
         scale = min(scale, 2.0 ** np.floor(np.log2(2.0**14 / do_peak)))

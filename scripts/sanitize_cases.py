@@ -15,3 +15,20 @@ for dtype in ("float16", "bfloat16"):
         for D in (64, 128):
             run_case(D=D, dtype=dtype, causal=causal, M=150, N=201, w=40, group=2, transposed=False)
             print(f"ok {dtype} causal={causal} D={D}", flush=True)
+
+# torch tensors through the memoised fast path: without lse (a null pointer the kernels
+# skip), with it, and a decode shape that splits the keys and merges the splits.
+import torch  # noqa: E402
+
+from cupy_piecewise import torch_ops  # noqa: E402
+
+for M, N in ((150, 201), (1, 5000)):
+    g = torch.Generator(device="cuda").manual_seed(M + N)
+    q1, q2 = (torch.randn(1, 4, M, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k1, k2, v = (torch.randn(1, 2, N, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    for _ in range(2):  # the second call hits the memo
+        o = torch_ops.attention(q1, k1, q2, k2, v, 40)
+        o2, lse = torch_ops.attention(q1, k1, q2, k2, v, 40, return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o2) and not torch.isnan(lse).any()
+    print(f"ok torch M={M} N={N}", flush=True)

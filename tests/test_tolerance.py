@@ -189,7 +189,12 @@ def test_float16_loss_scale_makes_subnormal_gradients_checkable():
 
 def test_float16_loss_scale_limits():
     do = np.full((2, 3), 4.0)
-    assert tolerance.float16_loss_scale([np.full(3, 1e-9)], do) == 2.0**12  # capped by do
-    assert tolerance.float16_loss_scale([np.full(3, 1e3)], do) == 4.0
-    assert tolerance.float16_loss_scale([np.full(3, 1e6)], do) == 1.0  # never below 1
-    assert tolerance.float16_loss_scale([np.zeros(3), np.zeros(0)], do) == 1.0
+    scale = tolerance.float16_loss_scale
+    assert scale([np.full(3, 1e-9)], do) == 2.0**12  # capped by do
+    assert scale([np.full(3, 1e-4), np.full(3, 100.0)], do) == 32.0  # capped by the peak
+    assert scale([np.full(3, 1e-3), np.full(3, 0.5)], do) == 64.0  # 1e-3 * 64 >= 2**-4
+    assert scale([np.full(3, 1e3)], do) == 1.0  # already normal
+    assert scale([np.full(3, 1e6), np.full(3, 1e-5)], do) == 1.0  # never below 1
+    # zero gradients (e.g. dq when there is one key: ds = 0) neither need nor get a scale
+    assert scale([np.zeros(3), np.full(3, 4.0), np.full(3, 1e-20)], do) == 1.0
+    assert scale([np.zeros(3), np.zeros(0)], do) == 1.0

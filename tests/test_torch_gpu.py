@@ -197,6 +197,48 @@ def test_non_unit_last_stride_is_copied(monkeypatch):
     torch.testing.assert_close(o, torch_ops.attention(*[t.contiguous() for t in ins], 8), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("H,M,N,split", [(16, 8192, 2048, False), (8, 150, 201, True),
+                                         (8, 1, 50000, True)])
+def test_lse_not_requested(nan_outputs, monkeypatch, H, M, N, split):
+    """A call without return_lse passes a null lse, with and without split-KV (whose merge
+    kernel writes lse last), and gives the same o, bit for bit."""
+    from cupy_piecewise import launch
+
+    ins = make(1, H, 2, M, N, 128, torch.bfloat16, seed=M)
+    o_lse, lse = torch_ops.attention(*ins, N // 3, return_lse=True)
+    calls = _record_launches(monkeypatch)
+    o = torch_ops.attention(*ins, N // 3)
+    torch.cuda.synchronize()
+    (call,) = calls
+    assert call["ptr"]["lse"] == 0
+    assert o.shape == (1, H, M, 128) and torch.equal(o, o_lse) and not torch.isnan(lse).any()
+    problem = torch_ops._problem(*ins, N // 3, False, None)
+    tiles = launch.plan(problem, "fwd_decode" if M <= launch.DECODE_ROWS else "fwd").tiles
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert (launch.split_plan(problem, tiles, sms)[0] > 1) == split
+
+
+def test_memoised_signature_rechecks_alignment(monkeypatch):
+    """Same shapes and strides, but a data pointer 2 bytes off 16-byte alignment: the memo
+    (keyed without pointers) must not send it to the kernels in place."""
+    base = make(1, 2, 2, 70, 90, 64, torch.float16, seed=8)
+    want = torch_ops.attention(*base, 20)
+    shifted = []
+    for t in base:
+        flat = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)
+        start = next(i for i in range(8) if (flat.data_ptr() + 2 * i) % 16 == 2)
+        view = flat[start:start + t.numel()].view(t.shape)
+        view.copy_(t)
+        assert view.stride() == t.stride()
+        shifted.append(view)
+    calls = _record_launches(monkeypatch)
+    got = torch_ops.attention(*shifted, 20)
+    (call,) = calls
+    for n, t in zip(("q1", "k1", "q2", "k2", "v"), shifted):
+        assert call["ptr"][n] % 16 == 0 and call["ptr"][n] != t.data_ptr()
+    assert torch.equal(got, want)
+
+
 def test_non_default_stream(monkeypatch):
     ins = make(2, 4, 2, 200, 220, 128, torch.bfloat16, seed=3)
     do = make(2, 4, 4, 200, 1, 128, torch.bfloat16, seed=4)[0]
