@@ -95,14 +95,16 @@ def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None,
             q1, k1, q2, k2, v, dist_threshold, causal=causal, sm_scale=sm_scale, return_lse=return_lse
         )
 
-    problem = check_inputs(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale)
-
-    if problem.library == "cupy":
-        check_gpu_support(problem)
+    if type(q1).__module__.startswith("cupy"):
+        # Checked and planned once per signature (cupy_backend.prepare).
         from . import cupy_backend
 
-        o, lse = cupy_backend.forward(problem, q1, k1, q2, k2, v)
+        problem, launches = cupy_backend.prepare(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale)
+        o, lse = cupy_backend.forward(problem, q1, k1, q2, k2, v, launches=launches,
+                                      need_lse=return_lse)
         return (o, lse) if return_lse else o
+
+    problem = check_inputs(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale)
 
     o, lse = _numpy_forward(problem, q1, k1, q2, k2, v)
     return (o, lse) if return_lse else o

@@ -166,6 +166,43 @@ def test_public_api_cupy_float16_matches_reference():
         tolerance.assert_close(name, cupy.asnumpy(g).astype(np.float64), r, lo, "float16")
 
 
+@pytest.mark.parametrize("M,N", [(150, 201), (1, 20000), (2000, 3000)])
+def test_public_api_cupy_memo_and_lse_skip(M, N):
+    """Repeated CuPy calls reuse the checked signature and its prepared launches; without
+    return_lse no lse is stored; a misaligned pointer with memoised strides is copied."""
+    import cupy
+
+    import cupy_piecewise
+    from cupy_piecewise import cupy_backend
+
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    rng = np.random.default_rng(seed)
+    host = [_round(rng.standard_normal(s).astype(np.float32), "float16")
+            for s in [(1, 4, M, 64), (1, 2, N, 64), (1, 4, M, 64), (1, 2, N, 64), (1, 2, N, 64)]]
+    dev = [cupy.asarray(x.astype(np.float16)) for x in host]
+    w = N // 3
+    o, lse = cupy_piecewise.attention(*dev, w, return_lse=True)
+    o_ref, lse_ref = reference.forward(*host, w, False)
+    o_low, lse_low = reference.lowp_forward(*host, w, False, dtype="float16")
+    for name, got, ref, low in (("o", o, o_ref, o_low), ("lse", lse, lse_ref, lse_low)):
+        verdict = tolerance.compare(name, cupy.asnumpy(got).astype(np.float64), ref, low, "float16")
+        assert verdict.passed, f"{verdict} (input seed {seed})"
+    first = cupy_backend.prepare(*dev, w, False, None)
+    assert first is cupy_backend.prepare(*dev, w, False, None) and first[1] is not None
+    assert cupy.array_equal(cupy_piecewise.attention(*dev, w), o)
+    flat = cupy.empty(dev[0].size + 8, dtype=cupy.float16)
+    assert flat.data.ptr % 16 == 0
+    shifted = flat[1:1 + dev[0].size].reshape(dev[0].shape)
+    shifted[...] = dev[0]
+    assert shifted.strides == dev[0].strides and shifted.data.ptr % 16 == 2
+    assert cupy.array_equal(cupy_piecewise.attention(shifted, *dev[1:], w), o)
+    do = cupy.asarray(rng.standard_normal(o.shape).astype(np.float16))
+    grads = cupy_piecewise.attention_backward(do, *dev, o, lse, w)
+    shifted_grads = cupy_piecewise.attention_backward(do, shifted, *dev[1:], o, lse, w)
+    for g, h in zip(grads, shifted_grads):  # deterministic kernels, same values
+        assert cupy.array_equal(g, h)
+
+
 def test_non_default_stream_and_new_w_does_not_recompile():
     import cupy
 
