@@ -14,6 +14,8 @@ Variants:
   torch.ops.cupy_piecewise.fwd the registered custom op through torch's dispatcher
   ... requires_grad            torch_ops.attention on leaves that require grad (records an
                                autograd.Function node)
+  ..., CuPy float16             cupy_piecewise.attention on CuPy arrays (float16: CuPy has
+                               no bfloat16)
   sdpa flash                   F.scaled_dot_product_attention, SDPBackend.FLASH_ATTENTION
 
 It also times the steps of a direct call one by one (signature memo, routing, output
@@ -115,12 +117,17 @@ def main() -> None:
     w = args.w
     op = torch.ops.cupy_piecewise.fwd
 
+    import cupy
+
+    # CuPy has no bfloat16: the CuPy variant runs the same shape in float16.
+    cp_ins = [cupy.from_dlpack(t.to(torch.float16)) for t in (q1, k1, q2, k2, v)]
     variants = {
         "cupy_piecewise.attention": lambda: cupy_piecewise.attention(q1, k1, q2, k2, v, w),
         "torch_ops.attention": lambda: torch_ops.attention(q1, k1, q2, k2, v, w),
         "torch_ops.attention, return_lse": lambda: torch_ops.attention(q1, k1, q2, k2, v, w, return_lse=True),
         "torch.ops.cupy_piecewise.fwd": lambda: op(q1, k1, q2, k2, v, w, False, scale),
         "torch_ops.attention, requires_grad": lambda: torch_ops.attention(*leaves, w),
+        "cupy_piecewise.attention, CuPy float16": lambda: cupy_piecewise.attention(*cp_ins, w),
         "sdpa flash": lambda: F.scaled_dot_product_attention(q1, k1, v),
         "sdpa flash, requires_grad": lambda: F.scaled_dot_product_attention(leaves[0], leaves[1], leaves[4]),
     }
