@@ -52,6 +52,9 @@ def main(argv=None):
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--phases", default="fwd,bwd_dq,bwd_dkv")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--candidates", default=None,
+                    help="comma-separated tile specs (e.g. 128x64x8,128x64x4) to time instead of "
+                         "the built-in lists, for every phase and head dim asked for")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     L = args.L
@@ -71,7 +74,7 @@ def main(argv=None):
             stream = torch.cuda.current_stream().cuda_stream
             launch.forward(problem, *map(ref, (q1, k1, q2, k2, v, o)), lse.data_ptr(), stream=stream)
             for phase in args.phases.split(","):
-                for spec in CANDIDATES[(phase, D)]:
+                for spec in (args.candidates.split(",") if args.candidates else CANDIDATES[(phase, D)]):
                     if phase == "fwd":
                         fn = lambda: launch.forward(problem, *map(ref, (q1, k1, q2, k2, v, o)),  # noqa: E731
                                                     lse.data_ptr(), stream=stream)
