@@ -39,12 +39,12 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from . import api, reference, tolerance
+from .gpu_arrays import poisoned, round_to, to_device, to_host
 from .validate import Problem
 
 __all__ = ["Case", "CaseResult", "make_cases", "gpu_available", "run_case", "main"]
 
 OUTPUTS = ("o", "lse", "dq1", "dk1", "dq2", "dk2", "dv")
-_NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
 _MN_KINDS = ("M<N", "M=N", "M>N")
 _W_KINDS = ("inside", "below", "inside", "beyond")  # indexed by i // 2: not tied to causal
 
@@ -133,21 +133,13 @@ def gpu_available() -> bool:
         return False
 
 
-def _round(x, dtype):
-    if dtype == "float16":
-        return x.astype(np.float16).astype(np.float32)
-    if dtype == "bfloat16":
-        return reference.round_to_bf16(x)
-    return x.astype(np.float32)
-
-
 def _inputs(case: Case, rng: np.random.Generator):
     """Host inputs (float32 arrays holding ``dtype``-rounded values) and ``do``."""
     B, H, Hkv, M, N, D = case.B, case.H, case.Hkv, case.M, case.N, case.D
     shapes = [(B, H, M, D), (B, Hkv, N, D), (B, H, M, D), (B, Hkv, N, D), (B, Hkv, N, D)]
     # Several standard deviations, essentially never zero; the two projections differ.
-    host = [_round(rng.standard_normal(s).astype(np.float32) * 1.5, case.dtype) for s in shapes]
-    do = _round(rng.standard_normal((B, H, M, D)).astype(np.float32), case.dtype)
+    host = [round_to(rng.standard_normal(s).astype(np.float32) * 1.5, case.dtype) for s in shapes]
+    do = round_to(rng.standard_normal((B, H, M, D)).astype(np.float32), case.dtype)
     return host, do
 
 
@@ -168,42 +160,14 @@ def _run_numpy(case: Case, host, do, sm_scale):
     return f64(o), f64(lse), [f64(g) for g in grads], ms, ""
 
 
-def _to_device(x, dtype, transposed):
-    import cupy
-
-    host = x.astype(np.float16) if dtype == "float16" else \
-        (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    if transposed:  # (B, L, H, D) memory read as (B, H, L, D)
-        return cupy.asarray(np.ascontiguousarray(host.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
-    return cupy.asarray(host)
-
-
-def _to_host(a, dtype):
-    import cupy
-
-    h = cupy.asnumpy(a)
-    if dtype == "bfloat16":
-        h = (h.astype(np.uint32) << 16).view(np.float32)
-    return h.astype(np.float64)
-
-
-def _poisoned(shape, dtype):
-    import cupy
-
-    if dtype == "float32":
-        return cupy.full(shape, np.nan, dtype=cupy.float32)
-    bits = cupy.full(shape, _NAN_BITS[dtype], dtype=cupy.uint16)
-    return bits.view(cupy.float16) if dtype == "float16" else bits
-
-
 def _run_cuda(case: Case, host, do, sm_scale):
     import cupy
 
     from . import cupy_backend
 
     dtype = case.dtype
-    dev = [_to_device(x, dtype, case.transposed) for x in host]
-    do_d = _to_device(do, dtype, case.transposed)
+    dev = [to_device(x, dtype, case.transposed) for x in host]
+    do_d = to_device(do, dtype, case.transposed)
     before = [a.copy() for a in dev]
     stream = cupy.cuda.get_current_stream()
     stream.synchronize()
@@ -217,11 +181,11 @@ def _run_cuda(case: Case, host, do, sm_scale):
         B, H, Hkv, M, N, D = case.B, case.H, case.Hkv, case.M, case.N, case.D
         problem = Problem("cupy", B, H, Hkv, M, N, D, dtype, int(case.w), bool(case.causal),
                           float(sm_scale), int(cupy.cuda.Device().id))
-        o = _poisoned((B, H, M, D), dtype)
-        lse = _poisoned((B, H, M), "float32")
-        grads = (_poisoned((B, H, M, D), dtype), _poisoned((B, Hkv, N, D), dtype),
-                 _poisoned((B, H, M, D), dtype), _poisoned((B, Hkv, N, D), dtype),
-                 _poisoned((B, Hkv, N, D), dtype))
+        o = poisoned((B, H, M, D), dtype)
+        lse = poisoned((B, H, M), "float32")
+        grads = (poisoned((B, H, M, D), dtype), poisoned((B, Hkv, N, D), dtype),
+                 poisoned((B, H, M, D), dtype), poisoned((B, Hkv, N, D), dtype),
+                 poisoned((B, Hkv, N, D), dtype))
         t0 = time.perf_counter()
         cupy_backend.forward(problem, *dev, out=(o, lse))
         cupy_backend.backward(problem, *dev, o, lse, do_d, out=grads)
@@ -231,8 +195,8 @@ def _run_cuda(case: Case, host, do, sm_scale):
                if not bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())]
     error = "" if not written else \
         "input(s) written: " + ", ".join(("q1", "k1", "q2", "k2", "v")[i] for i in written)
-    return (_to_host(o, dtype), cupy.asnumpy(lse).astype(np.float64),
-            [_to_host(g, dtype) for g in grads], ms, error)
+    return (to_host(o, dtype), cupy.asnumpy(lse).astype(np.float64),
+            [to_host(g, dtype) for g in grads], ms, error)
 
 
 _BACKENDS = {"numpy": _run_numpy, "cuda": _run_cuda}
@@ -268,7 +232,7 @@ def run_case(index: int, case: Case, backend: str, seed: int) -> CaseResult:
     o_ref, lse_ref = reference.forward(*host, w, causal, sm_scale)
     o_low, lse_low = reference.lowp_forward(*host, w, causal, sm_scale, dtype=low_dtype)
     # Backward from the implementation's own o and lse (rounded as it stored them).
-    o_used = _round(o.astype(np.float32), case.dtype)
+    o_used = round_to(o.astype(np.float32), case.dtype)
     g_ref = reference.backward(*host, o_used, lse, do, w, causal, sm_scale)
     g_low = reference.lowp_backward(*host, o_used, lse, do, w, causal, sm_scale, dtype=low_dtype)
 

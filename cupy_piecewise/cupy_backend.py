@@ -81,7 +81,7 @@ def prepare(q1, k1, q2, k2, v, w, causal, sm_scale):
     ins = (q1, k1, q2, k2, v)
     if problem.M and problem.N and problem.B * problem.H and all(
             launch.kernel_ready(a.shape, _elems(a), 0, a.itemsize) for a in ins):
-        B, H, M, D = problem.B, problem.H, problem.M, problem.D
+        H, M, D = problem.H, problem.M, problem.D
         strides = tuple(_elems(a) for a in ins) + ((H * M * D, M * D, D, 1),)
         launches = launch.forward_launches(problem, strides, split=True)
     hit = (problem, launches)

@@ -15,11 +15,9 @@
 // delta[b, h, i] = sum_d dO[i, d] * O[i, d], one warp per row, 16-byte loads.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) pw_backward_delta(const Params p) {
-  const i64 rows = p.M * p.H * (i64)gridDim.y;  // gridDim.y = batch
-  const i64 row = (i64)blockIdx.x * 8 + threadIdx.x / 32;
+  const i64 row = (i64)blockIdx.x * 8 + threadIdx.x / 32;  // over H * M; blockIdx.y = batch
   const int lane = threadIdx.x % 32;
   if (row >= p.M * p.H) return;
-  (void)rows;
   const i64 b = blockIdx.y, h = row / p.M, i = row % p.M;
   const u16* o = p.o.at(b, h) + i * p.o.sr;
   const u16* d = p.dout.at(b, h) + i * p.dout.sr;

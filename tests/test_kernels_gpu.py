@@ -7,50 +7,14 @@ patterns through the CuPy back end directly (the public API takes bfloat16 throu
 """
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
 from cupy_piecewise import reference, tolerance
+from cupy_piecewise.gpu_arrays import poisoned, round_to, to_device, to_host
 from cupy_piecewise.validate import Problem
 
 pytestmark = pytest.mark.gpu
-
-NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
-
-
-def _round(x, dtype):
-    return x.astype(np.float16).astype(np.float32) if dtype == "float16" else reference.round_to_bf16(x)
-
-
-def _to_device(x, dtype, transposed):
-    import cupy
-
-    host = x.astype(np.float16) if dtype == "float16" else \
-        (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    if transposed:  # (B, L, H, D) memory read as (B, H, L, D)
-        return cupy.asarray(np.ascontiguousarray(host.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
-    return cupy.asarray(host)
-
-
-def _to_host(a, dtype):
-    import cupy
-
-    h = cupy.asnumpy(a)
-    if dtype == "bfloat16":
-        h = (h.astype(np.uint32) << 16).view(np.float32)
-    return h.astype(np.float64)
-
-
-def _poisoned(shape, dtype):
-    import cupy
-
-    if dtype == "float32":
-        return cupy.full(shape, np.nan, dtype=cupy.float32)
-    return cupy.full(shape, NAN_BITS[dtype], dtype=cupy.uint16).view(
-        cupy.float16 if dtype == "float16" else cupy.uint16)
-
 
 def _case_list():
     dims = (16, 32, 64, 128)
@@ -88,41 +52,41 @@ def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1):
     rng = np.random.default_rng(seed)
     shapes = [(B, H, M, D), (B, Hkv, N, D), (B, H, M, D), (B, Hkv, N, D), (B, Hkv, N, D)]
     # Several standard deviations, never zeros; the two projections deliberately differ.
-    host = [_round(rng.standard_normal(s).astype(np.float32) * 1.5, dtype) for s in shapes]
-    do_h = _round(rng.standard_normal((B, H, M, D)).astype(np.float32), dtype)
+    host = [round_to(rng.standard_normal(s).astype(np.float32) * 1.5, dtype) for s in shapes]
+    do_h = round_to(rng.standard_normal((B, H, M, D)).astype(np.float32), dtype)
     sm_scale = 1.0 / np.sqrt(D)
 
     o_ref, lse_ref = reference.forward(*host, w, causal, sm_scale)
     o_low, lse_low = reference.lowp_forward(*host, w, causal, sm_scale, dtype=dtype)
 
-    dev = [_to_device(x, dtype, transposed) for x in host]
+    dev = [to_device(x, dtype, transposed) for x in host]
     before = [a.copy() for a in dev]
     problem = Problem("cupy", B, H, Hkv, M, N, D, dtype, int(w), causal, float(sm_scale), 0)
-    o = _poisoned((B, H, M, D), dtype)
-    lse = _poisoned((B, H, M), "float32")
+    o = poisoned((B, H, M, D), dtype)
+    lse = poisoned((B, H, M), "float32")
     cupy_backend.forward(problem, *dev, out=(o, lse))
     cupy.cuda.get_current_stream().synchronize()
-    o_k, lse_k = _to_host(o, dtype), cupy.asnumpy(lse).astype(np.float64)
+    o_k, lse_k = to_host(o, dtype), cupy.asnumpy(lse).astype(np.float64)
     for name, got, ref, low in (("o", o_k, o_ref, o_low), ("lse", lse_k, lse_ref, lse_low)):
         verdict = tolerance.compare(name, got, ref, low, dtype)
         assert verdict.passed, f"{verdict} (input seed {seed})"
 
     # Backward from the kernel's own o and lse, as autograd would run it.
-    o_used = _round(o_k.astype(np.float32), dtype)
+    o_used = round_to(o_k.astype(np.float32), dtype)
     grads_ref = reference.backward(*host, o_used, lse_k, do_h, w, causal, sm_scale)
     if dtype == "float16":  # loss scaling keeps float16 gradients normal (tolerance.py)
         s = tolerance.float16_loss_scale(grads_ref, do_h)
         do_h = do_h * np.float32(s)
         grads_ref = [g * s for g in grads_ref]
     grads_low = reference.lowp_backward(*host, o_used, lse_k, do_h, w, causal, sm_scale, dtype=dtype)
-    do_d = _to_device(do_h, dtype, transposed)
-    outs = [_poisoned((B, H, M, D), dtype), _poisoned((B, Hkv, N, D), dtype),
-            _poisoned((B, H, M, D), dtype), _poisoned((B, Hkv, N, D), dtype),
-            _poisoned((B, Hkv, N, D), dtype)]
+    do_d = to_device(do_h, dtype, transposed)
+    outs = [poisoned((B, H, M, D), dtype), poisoned((B, Hkv, N, D), dtype),
+            poisoned((B, H, M, D), dtype), poisoned((B, Hkv, N, D), dtype),
+            poisoned((B, Hkv, N, D), dtype)]
     cupy_backend.backward(problem, *dev, o, lse, do_d, out=tuple(outs))
     cupy.cuda.get_current_stream().synchronize()
     for name, got, ref, low in zip(("dq1", "dk1", "dq2", "dk2", "dv"), outs, grads_ref, grads_low):
-        verdict = tolerance.compare(name, _to_host(got, dtype), ref, low, dtype)
+        verdict = tolerance.compare(name, to_host(got, dtype), ref, low, dtype)
         assert verdict.passed, f"{verdict} (input seed {seed})"
     for a, b in zip(dev, before):
         assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), "an input was written"
@@ -148,7 +112,7 @@ def test_public_api_cupy_float16_matches_reference():
     seed = int(np.random.SeedSequence().entropy % 2**63)  # fresh inputs; printed on failure
     rng = np.random.default_rng(seed)
     B, H, M, N, D, w = 2, 4, 333, 555, 64, 100
-    host = [_round(rng.standard_normal(s).astype(np.float32), "float16")
+    host = [round_to(rng.standard_normal(s).astype(np.float32), "float16")
             for s in [(B, H, M, D), (B, 2, N, D), (B, H, M, D), (B, 2, N, D), (B, 2, N, D)]]
     dev = [cupy.asarray(x.astype(np.float16)) for x in host]
     o, lse = cupy_piecewise.attention(*dev, w, causal=True, return_lse=True)
@@ -177,7 +141,7 @@ def test_public_api_cupy_memo_and_lse_skip(M, N):
 
     seed = int(np.random.SeedSequence().entropy % 2**63)
     rng = np.random.default_rng(seed)
-    host = [_round(rng.standard_normal(s).astype(np.float32), "float16")
+    host = [round_to(rng.standard_normal(s).astype(np.float32), "float16")
             for s in [(1, 4, M, 64), (1, 2, N, 64), (1, 4, M, 64), (1, 2, N, 64), (1, 2, N, 64)]]
     dev = [cupy.asarray(x.astype(np.float16)) for x in host]
     w = N // 3

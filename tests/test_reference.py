@@ -393,3 +393,13 @@ def test_bad_input_messages():
         R.forward(a, np.ones((1, 3, 5, 4)), a, np.ones((1, 3, 5, 4)), np.ones((1, 3, 5, 4)), 1)
     with pytest.raises(ValueError, match="chunk_rows"):
         R.forward(a, k, a, k, k, 1, chunk_rows=0)
+
+
+def test_gpu_arrays_round_to():
+    from cupy_piecewise.gpu_arrays import round_to
+
+    x = np.array([1.0 + 2.0**-9, 1.0 + 2.0**-12, 3.0], dtype=np.float32)
+    np.testing.assert_array_equal(round_to(x, "float32"), x)
+    np.testing.assert_array_equal(round_to(x, "float16"), x.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(round_to(x, "bfloat16"), R.round_to_bf16(x))
+    assert round_to(x, "bfloat16").dtype == np.float32
