@@ -1,0 +1,316 @@
+// Piecewise-attention forward for Hopper (sm_90a): TMA + mbarrier pipeline, wgmma, warp
+// specialisation. PROTOTYPE: standalone, not wired into the package dispatch.
+//
+// One CTA per (128-row query tile, head, batch), 384 threads = 3 warpgroups:
+//   warpgroup 0  producer: one thread issues the TMA loads (128-byte swizzle) of Q1 and Q2 once
+//                and, per key tile, only the operands the tile needs (near-only tiles K1 + V,
+//                far-only K2 + V, straddling tiles K1 + K2 + V) into a 2-stage ring guarded by
+//                full/empty mbarriers; causally empty key tiles are never visited.
+//                setmaxnreg.dec to 40 registers.
+//   warpgroups 1, 2  consumers, 64 query rows each (setmaxnreg.inc to 232): S = Q·Kᵀ with
+//                wgmma m64nBNk16 (both operands shared-memory descriptors), on straddling
+//                tiles both products (the second in two halves) and a per-element select, masking only on edge/diagonal
+//                tiles, online softmax in the log2 domain (sm_scale*log2 e folded into one
+//                FFMA before ex2), P packed to 16-bit in registers as the A operand of
+//                O += P·V (wgmma m64nDk16, V read MN-major through imm-trans-b = 1).
+//                Epilogue: O / l stored directly to global memory, lse (natural log, float32).
+//
+// Shared memory (bytes): Q1, Q2: 2 x 128 x D x 2; each stage: K1, K2, V: 3 x BN x D x 2.
+//   D = 64,  BN = 128: 32 KB + 2 x 48 KB = 128 KB
+//   D = 128, BN = 96:  64 KB + 2 x 72 KB = 208 KB   (BN = 112 would need 232 KB > 227 KB)
+// plus 40 bytes of mbarriers and 1 KB to align the base to 1024 bytes.
+// Every tile is stored as D/64 panels of rows x 128 bytes (the TMA box is 64 elements wide
+// because the 128-byte swizzle limits the inner box extent to 128 bytes).
+#include "sm90/hopper.cuh"
+#include "sm90/wgmma.cuh"
+
+#ifndef PW90_PV_SPLIT
+#define PW90_PV_SPLIT 0
+#endif
+
+namespace pw90 {
+
+// Kernel arguments besides the five tensor maps (all 8-byte fields, then two floats):
+// host side in scripts/hopper_probe.py (pack_fwd_params).
+struct FwdParams {
+  u16* o;                // (B, H, M, D) output, unit stride along D
+  i64 o_sb, o_sh, o_sr;  // its batch / head / row strides in elements
+  float* lse;            // (B, H, M) contiguous float32, natural log; null: not stored
+  i64 H, group;          // query heads, H / Hkv
+  i64 M, N, w;           // lengths (< 2^30) and w clamped to [-(M+N+1), M+N+1]
+  float scale_log2;      // sm_scale * log2(e)
+  float sm_scale;
+};
+
+constexpr int BM = 128;       // query rows per CTA (two consumer warpgroups x 64)
+constexpr int THREADS = 384;  // producer warpgroup + 2 consumer warpgroups
+constexpr int STAGES = 2;
+constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;  // 128*40 + 256*232 <= 65536
+
+template <int D> struct FwdCfg;
+template <> struct FwdCfg<64> { static constexpr int BN = 128; };
+template <> struct FwdCfg<128> { static constexpr int BN = 96; };
+
+template <int D> struct FwdSmem {
+  static constexpr int BN = FwdCfg<D>::BN, PANELS = D / 64;
+  static constexpr int Q_PANEL = BM * 128, K_PANEL = BN * 128;  // bytes of a 64-column panel
+  static constexpr int Q_TILE = PANELS * Q_PANEL, K_TILE = PANELS * K_PANEL;
+  static constexpr int Q1 = 0, Q2 = Q_TILE, STAGE0 = 2 * Q_TILE, STAGE = 3 * K_TILE;
+  static constexpr int BARS = STAGE0 + STAGES * STAGE;  // qbar, full[STAGES], empty[STAGES]
+  static constexpr int BYTES = BARS + 8 * (1 + 2 * STAGES) + 1024;  // + base alignment slack
+  static_assert(Q_PANEL % 1024 == 0 && K_PANEL % 1024 == 0 && (BN / 2) % 8 == 0,
+                "swizzle atoms are 1024 bytes (also half a K tile, for straddling tiles)");
+  static_assert(BYTES <= 227 * 1024, "shared memory per block");
+};
+
+// Which projections a (query range x key range) block needs: bit 0 some admissible pair has
+// d < w (q1·k1), bit 1 some has d >= w (q2·k2). With CAUSAL only d >= 0 is admissible.
+template <bool CAUSAL>
+PW90 int block_mode(int q0, int qn, int k0, int kn, int P, int w) {
+  int dmin = q0 + P - (k0 + kn - 1);
+  const int dmax = q0 + qn - 1 + P - k0;
+  if (CAUSAL && dmin < 0) dmin = 0;
+  return (dmin < w ? 1 : 0) | (dmax >= w ? 2 : 0);
+}
+
+// s(64 x NC) = Q(64 rows at qa) · K(NC rows at ka)ᵀ, both K-major swizzled panels; ka lies in
+// a K tile of BN rows (its panels are BN x 128 bytes apart) and must be 1024-byte aligned.
+template <typename T, int D, int BN, int NC>
+PW90 void qk(float (&s)[NC / 2], u32 qa, u32 ka) {
+  using S = FwdSmem<D>;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const u32 off = (kk % 4) * 32;  // k16 step inside a 128-byte row
+    const u64 da = smem_desc(qa + (kk / 4) * S::Q_PANEL + off, 16, 1024);
+    const u64 db = smem_desc(ka + (kk / 4) * S::K_PANEL + off, 16, 1024);
+    Wgmma<T, NC>::ss(s, da, db, kk > 0 ? 1 : 0);
+  }
+}
+
+template <typename T, int D, bool CAUSAL>
+PW90 void consumer(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 empty0, int m0, int h,
+                   int b, int ntiles) {
+  using S = FwdSmem<D>;
+  constexpr int BN = S::BN;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Broadcast from lane 0 so that ptxas knows the warpgroup index (and every branch derived
+  // from it) is warp-uniform; otherwise it serialises the wgmma in those branches (C7519).
+  const int wg = __shfl_sync(0xffffffffu, warp / 4 - 1, 0), wl = warp % 4;
+  const int M = (int)p.M, N = (int)p.N, P = N - M, w = (int)p.w;
+  const int row0 = m0 + 64 * wg;  // first query row of this warpgroup
+  const float sl2 = p.scale_log2;
+  const u32 q1a = base + S::Q1 + wg * 64 * 128, q2a = base + S::Q2 + wg * 64 * 128;
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float mrow[2] = {PW90_NEG_INF, PW90_NEG_INF}, lrow[2] = {0.f, 0.f};
+
+  // Thread's accumulator element (hh, j, e): row 16*wl + lane/4 + 8*hh of the warpgroup,
+  // column 8*j + 2*(lane%4) + e of the tile; index 4*j + 2*hh + e.
+  if (ntiles > 0) mbar_wait(qbar, 0);
+  for (int t = 0; t < ntiles; ++t) {
+    const int stage = t & 1;
+    mbar_wait(full0 + 8 * stage, (t >> 1) & 1);
+    const int n0 = t * BN;
+    const u32 st = base + S::STAGE0 + stage * S::STAGE;
+    const int dmax = row0 + 63 + P - n0;
+    if (!CAUSAL || dmax >= 0) {  // else every pair of this warpgroup is causally masked
+      const int mode = block_mode<CAUSAL>(row0, 64, n0, BN, P, w);
+      const bool masked = n0 + BN > N || (CAUSAL && row0 + P - (n0 + BN - 1) < 0);
+      float s1[BN / 2];
+      wg_fence();
+      // Near-only tiles: Q1·K1ᵀ; far-only: Q2·K2ᵀ; straddling: Q1·K1ᵀ here, Q2·K2ᵀ below.
+      qk<T, D, BN, BN>(s1, mode == 2 ? q2a : q1a, mode == 2 ? st + S::K_TILE : st);
+      wg_commit();
+      wg_wait<0>();
+      reg_fence(s1);
+      // distance of element (hh, j, e) = dbase + 8*hh - 8*j - e
+      const int dbase = row0 + P - n0 + 16 * wl + lane / 4 - 2 * (lane % 4);
+      if (mode == 3) {
+        // The second product goes half a tile at a time through a small temporary, so a
+        // straddling tile (rare: about two per query tile) costs BN/4 extra registers, not a
+        // second score tile.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float s2[BN / 4];
+          wg_fence();
+          qk<T, D, BN, BN / 2>(s2, q2a, st + S::K_TILE + half * (BN / 2) * 128);
+          wg_commit();
+          wg_wait<0>();
+          reg_fence(s2);
+#pragma unroll
+          for (int jj = 0; jj < BN / 16; ++jj)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int j = half * (BN / 16) + jj;
+                if (dbase + 8 * hh - 8 * j - e >= w) s1[4 * j + 2 * hh + e] = s2[4 * jj + 2 * hh + e];
+              }
+        }
+      }
+      if (masked) {
+        const int cols = N - n0 - 2 * (lane % 4);  // valid columns, counted from this lane's
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (8 * j + e >= cols || (CAUSAL && dbase + 8 * hh - 8 * j - e < 0))
+                s1[4 * j + 2 * hh + e] = PW90_NEG_INF;
+      }
+      // Online softmax; a row's max is shared by the four lanes that hold it.
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float mx = mrow[hh];
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+          mx = fmaxf(mx, fmaxf(s1[4 * j + 2 * hh], s1[4 * j + 2 * hh + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // A row that has seen only masked keys keeps max -inf: subtract 0 so exp2 gives 0.
+        const float mb = mx == PW90_NEG_INF ? 0.f : mx * sl2;
+        const float alpha = exp2f_approx(mrow[hh] * sl2 - mb);
+        mrow[hh] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float x = exp2f_approx(fmaf(s1[4 * j + 2 * hh + e], sl2, -mb));
+            s1[4 * j + 2 * hh + e] = x;
+            sum += x;
+          }
+        lrow[hh] = lrow[hh] * alpha + sum;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+          o[4 * j + 2 * hh] *= alpha;
+          o[4 * j + 2 * hh + 1] *= alpha;
+        }
+      }
+      // P (accumulator layout) is the register A operand of m64nDk16, 16 keys at a time.
+      u32 a[BN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        a[kk][0] = Cvt<T>::pack(s1[8 * kk + 0], s1[8 * kk + 1]);
+        a[kk][1] = Cvt<T>::pack(s1[8 * kk + 2], s1[8 * kk + 3]);
+        a[kk][2] = Cvt<T>::pack(s1[8 * kk + 4], s1[8 * kk + 5]);
+        a[kk][3] = Cvt<T>::pack(s1[8 * kk + 6], s1[8 * kk + 7]);
+        reg_fence(a[kk]);
+      }
+      reg_fence(o);
+      wg_fence();
+      const u32 va = st + 2 * S::K_TILE;
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+#if PW90_PV_SPLIT  // one m64n64 product per 64-column panel of V (no reliance on LBO)
+#pragma unroll
+        for (int pn = 0; pn < D / 64; ++pn) {
+          float (&op)[32] = *reinterpret_cast<float(*)[32]>(&o[32 * pn]);
+          Wgmma<T, 64>::template rs<1>(op, a[kk], smem_desc(va + pn * S::K_PANEL + kk * 2048,
+                                                             S::K_PANEL, 1024), 1);
+        }
+#else
+        Wgmma<T, D>::template rs<1>(o, a[kk], smem_desc(va + kk * 2048, S::K_PANEL, 1024), 1);
+#endif
+      }
+      wg_commit();
+      wg_wait<0>();
+      reg_fence(o);
+    }
+    mbar_arrive(empty0 + 8 * stage);  // this thread no longer reads the stage
+  }
+
+  // Epilogue: normalise, store O and lse.
+  const i64 H = p.H;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float l = lrow[hh];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int r = row0 + 16 * wl + lane / 4 + 8 * hh;
+    const float inv = l > 0.f ? 1.f / l : 0.f;  // a row with no admissible key gives o = 0
+    if (r < M) {
+      if (p.lse && lane % 4 == 0)
+        p.lse[((i64)b * H + h) * (i64)M + r] =
+            l > 0.f ? (mrow[hh] * sl2 + log2f_approx(l)) * PW90_LN2 : PW90_NEG_INF;
+      u16* dst = p.o + (i64)b * p.o_sb + (i64)h * p.o_sh + (i64)r * p.o_sr + 2 * (lane % 4);
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j)
+        *reinterpret_cast<u32*>(dst + 8 * j) =
+            Cvt<T>::pack(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
+    }
+  }
+}
+
+}  // namespace pw90
+
+// Grid: (ceil(M / 128), H, B); 384 threads; dynamic shared memory pw90::FwdSmem<D>::BYTES.
+// Tensor maps (cupy_piecewise/tma.py): 4-D {D, rows, heads, batch}, box {64, 128 (Q) or BN
+// (K, V), 1, 1}, 128-byte swizzle, zero fill out of bounds; q1/q2 over (M, H), k1/k2/v over
+// (N, Hkv).
+template <typename T, int D, bool CAUSAL>
+__global__ void __launch_bounds__(pw90::THREADS, 1)
+    pw90_forward(const __grid_constant__ pw90::TmaDesc tq1, const __grid_constant__ pw90::TmaDesc tq2,
+                 const __grid_constant__ pw90::TmaDesc tk1, const __grid_constant__ pw90::TmaDesc tk2,
+                 const __grid_constant__ pw90::TmaDesc tv, const pw90::FwdParams p) {
+  using namespace pw90;
+  using S = FwdSmem<D>;
+  constexpr int BN = S::BN;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const u32 qbar = base + S::BARS, full0 = qbar + 8, empty0 = qbar + 8 + 8 * STAGES;
+
+  const int M = (int)p.M, N = (int)p.N, P = N - M, w = (int)p.w;
+  // Heavier causal tiles (later queries) launch first, evening out the tail of the grid.
+  const int mt = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+  const int m0 = mt * BM, h = blockIdx.y, b = blockIdx.z, hk = h / (int)p.group;
+  // Keys past the last query's diagonal are masked for every row of the tile.
+  const int n_end = CAUSAL ? max(0, min(N, m0 + BM + P)) : N;
+  const int ntiles = (n_end + BN - 1) / BN;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  if (threadIdx.x == 0) {
+    mbar_init(qbar, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 1);         // the producer's arrive.expect_tx
+      mbar_init(empty0 + 8 * s, 2 * 128);  // every consumer thread
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (warp < 4) {  // ---------------------------------------------------------------- producer
+    regs_dec<PRODUCER_REGS>();
+    if (warp == 0 && lane == 0 && ntiles > 0) {
+      tma_prefetch_desc(&tk1);
+      tma_prefetch_desc(&tk2);
+      tma_prefetch_desc(&tv);
+      mbar_expect_tx(qbar, 2 * S::Q_TILE);
+#pragma unroll
+      for (int pn = 0; pn < S::PANELS; ++pn) {
+        tma_load_4d(base + S::Q1 + pn * S::Q_PANEL, &tq1, 64 * pn, m0, h, b, qbar);
+        tma_load_4d(base + S::Q2 + pn * S::Q_PANEL, &tq2, 64 * pn, m0, h, b, qbar);
+      }
+      for (int t = 0; t < ntiles; ++t) {
+        const int stage = t & 1;
+        mbar_wait(empty0 + 8 * stage, ((t >> 1) & 1) ^ 1);
+        const int n0 = t * BN;
+        const int mode = block_mode<CAUSAL>(m0, BM, n0, BN, P, w);
+        const u32 st = base + S::STAGE0 + stage * S::STAGE, fb = full0 + 8 * stage;
+        mbar_expect_tx(fb, ((mode & 1) + (mode >> 1) + 1) * S::K_TILE);
+#pragma unroll
+        for (int pn = 0; pn < S::PANELS; ++pn) {
+          if (mode & 1) tma_load_4d(st + pn * S::K_PANEL, &tk1, 64 * pn, n0, hk, b, fb);
+          if (mode & 2) tma_load_4d(st + S::K_TILE + pn * S::K_PANEL, &tk2, 64 * pn, n0, hk, b, fb);
+          tma_load_4d(st + 2 * S::K_TILE + pn * S::K_PANEL, &tv, 64 * pn, n0, hk, b, fb);
+        }
+      }
+    }
+  } else {  // ------------------------------------------------------------------------ consumers
+    regs_inc<CONSUMER_REGS>();
+    consumer<T, D, CAUSAL>(p, base, qbar, full0, empty0, m0, h, b, ntiles);
+  }
+}
