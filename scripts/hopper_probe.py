@@ -5,7 +5,7 @@ Run from the repository root on a machine with a compute-capability 9.0 GPU:
 
     PYTHONPATH=$PWD python3 scripts/hopper_probe.py --out $OUT/hopper.txt
 
-Three phases, each in its own worker process (a hung or crashed kernel cannot take the
+Three phases (four when the check fails), each in its own worker process (a hung or crashed kernel cannot take the
 rest down; the parent kills a worker that prints nothing for a while and, in the check
 phase, restarts it after the case that hung):
 
@@ -15,6 +15,7 @@ phase, restarts it after the case that hung):
 2. check: a grid of cases (bf16/fp16, D 64/128, causal or not, M = N in {128, 200, 1000},
    w in {-3, 37, 5000}, GQA 2, plus M != N, tiny, strided and tile-edge cases) against the
    float64 reference with the project's tolerance rule; outputs NaN-poisoned first.
+   When some case fails, a subset is re-run with -DPW90_PV_SPLIT=1 (P·V per 64-column panel).
 3. time: bf16, B = 2, H = 2048 / D, L = 8192, w = L / 4, causal and not: this kernel, SDPA
    flash, SDPA cuDNN and the package's mma.sync path; CUDA events, median of 20 after
    warm-up; TFLOP/s with FLOPs = 4 B H M N D (half when causal).
@@ -52,7 +53,10 @@ BN = {64: 128, 128: 96}  # mirrors pw90::FwdCfg
 LOG2E = 1.4426950408889634
 
 # Phase deadlines and inactivity limits (seconds): build + check + time < 240.
-PHASES = {"build": (50, 45), "check": (95, 25), "time": (85, 60)}
+PHASES = {"build": (45, 40), "check": (85, 20), "variant": (35, 20), "time": (70, 50)}
+#: cases re-run with -DPW90_PV_SPLIT=1 (P·V as one m64n64 product per 64-column panel of V,
+#: no reliance on the descriptor's leading byte offset) when the main check saw failures
+VARIANT_CASES = (0, 1, 4, 9, 10, 13, 18, 22, 27, 31)
 
 
 def smem_bytes(D: int) -> int:
@@ -359,9 +363,13 @@ def phase_check(args):
 
     kern = Kernels(via=args.via, extra_options=tuple(args.opt))
     cases = make_cases()
-    say(f"check: {len(cases)} cases, starting at {args.start}, kernels via {args.via} {args.opt}")
+    todo = range(args.start, len(cases))
+    if args.cases:
+        todo = [int(x) for x in args.cases.split(",") if int(x) >= args.start]
+    say(f"check: {len(cases)} cases, running {len(todo)} from {args.start}, kernels via {args.via} "
+        f"{args.opt}")
     npass = nfail = 0
-    for i in range(args.start, len(cases)):
+    for i in todo:
         c = cases[i]
         say(f"CASE {i} START {describe(c)}")
         t = time.time()
@@ -540,6 +548,7 @@ def main():
     ap.add_argument("--worker", choices=list(PHASES), help=argparse.SUPPRESS)
     ap.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--skip-ours", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--cases", default="", help=argparse.SUPPRESS)
     ap.add_argument("--via", choices=("rawmodule", "cubin"), default="rawmodule",
                     help="load the kernels through cupy.RawModule(code=...) or our own NVRTC cubin")
     ap.add_argument("--opt", action="append", default=[],
@@ -549,7 +558,8 @@ def main():
 
     if args.worker:
         try:
-            rc = {"build": phase_build, "check": phase_check, "time": phase_time}[args.worker](args)
+            rc = {"build": phase_build, "check": phase_check, "variant": phase_check,
+                  "time": phase_time}[args.worker](args)
         except Exception:
             say("WORKER EXCEPTION:\n" + traceback.format_exc())
             rc = 1
@@ -587,7 +597,7 @@ def main():
             common = ["--via", "cubin"] + [f"--opt={o}" for o in args.opt]
     if "check" in phases:
         log("=" * 20 + " check")
-        start, restarts = 0, 0
+        start, restarts, hangs, failed = 0, 0, 0, False
         t_check = time.time()
         deadline = PHASES["check"][0]
         while True:
@@ -598,16 +608,26 @@ def main():
             status, lines = run_worker("check", common + ["--start", str(start)], left,
                                        PHASES["check"][1], log)
             log(f"[check worker from case {start}: {status}]")
+            failed |= any(ln.startswith(("FAIL", "ERROR")) for ln in lines)
             if status == 0:
                 break
             started = [int(m.group(1)) for ln in lines for m in [re.match(r"CASE (\d+) START", ln)] if m]
-            if status in ("hang", "deadline"):
+            if status == "hang":
                 our_ok = False
-            if not started or restarts >= 4:
+                hangs += 1
+            if not started or restarts >= 4 or hangs >= 2:
+                if hangs >= 2:
+                    log("two hangs: giving up on the check phase")
                 break
             log(f"HANG/CRASH at case {started[-1]}: resuming after it")
+            failed = True
             start = started[-1] + 1
             restarts += 1
+        if failed and our_ok and "-DPW90_PV_SPLIT=1" not in args.opt:
+            log("=" * 20 + " variant: -DPW90_PV_SPLIT=1 on a subset (the main check failed)")
+            status, _ = run_worker("variant", common + ["--opt=-DPW90_PV_SPLIT=1", "--cases",
+                                   ",".join(map(str, VARIANT_CASES))], *PHASES["variant"], log)
+            log(f"[variant worker: {status}]")
     if "time" in phases:
         log("=" * 20 + " time")
         extra = common + ([] if our_ok else ["--skip-ours"])
