@@ -119,20 +119,23 @@ def main() -> None:
 
     import cupy
 
-    # CuPy has no bfloat16: the CuPy variant runs the same shape in float16.
-    cp_ins = [cupy.from_dlpack(t.to(torch.float16)) for t in (q1, k1, q2, k2, v)]
+    # The same tensors seen by CuPy (bfloat16 through ml_dtypes), zero copy.
+    cp_ins = [cupy.from_dlpack(t) for t in (q1, k1, q2, k2, v)]
     variants = {
         "cupy_piecewise.attention": lambda: cupy_piecewise.attention(q1, k1, q2, k2, v, w),
         "torch_ops.attention": lambda: torch_ops.attention(q1, k1, q2, k2, v, w),
         "torch_ops.attention, return_lse": lambda: torch_ops.attention(q1, k1, q2, k2, v, w, return_lse=True),
         "torch.ops.cupy_piecewise.fwd": lambda: op(q1, k1, q2, k2, v, w, False, scale),
         "torch_ops.attention, requires_grad": lambda: torch_ops.attention(*leaves, w),
-        "cupy_piecewise.attention, CuPy float16": lambda: cupy_piecewise.attention(*cp_ins, w),
+        "cupy_piecewise.attention, CuPy arrays": lambda: cupy_piecewise.attention(*cp_ins, w),
         "sdpa flash": lambda: F.scaled_dot_product_attention(q1, k1, v),
         "sdpa flash, requires_grad": lambda: F.scaled_dot_product_attention(leaves[0], leaves[1], leaves[4]),
     }
     # Where a direct call's time goes: its steps, each timed alone in the same loop.
+    from cupy_piecewise.adapters import torch as torch_adapter
+
     call = torch_ops._call(q1, k1, q2, k2, v, w, False, None)
+    o_shape = (B, H, L, D)
     o, lse = torch_ops.attention(q1, k1, q2, k2, v, w, return_lse=True)
     ptrs = tuple(t.data_ptr() for t in (q1, k1, q2, k2, v, o, lse))
     stream = torch.cuda.current_stream().cuda_stream
@@ -140,9 +143,9 @@ def main() -> None:
     steps = {
         "step: signature key + memo lookup (_call)": lambda: torch_ops._call(q1, k1, q2, k2, v, w, False, None),
         "step: route (grad mode, modes, subclasses)": lambda: torch_ops._route(q1, k1, q2, k2, v),
-        "step: torch.empty of o": lambda: torch.empty(call.o_shape, dtype=dtype, device=dev),
-        "step: current stream": lambda: torch_ops._current_stream(0),
-        "step: Launches.run (parameter block + cuLaunchKernel)": lambda: call.launches.run(ptrs, stream),
+        "step: torch.empty of o": lambda: torch.empty(o_shape, dtype=dtype, device=dev),
+        "step: current stream": lambda: torch_adapter.OPS.stream(0),
+        "step: Launches.run (parameter block + cuLaunchKernel)": lambda: call.fwd.run(ptrs, stream),
     }
     spin_up()
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

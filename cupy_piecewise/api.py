@@ -1,37 +1,70 @@
 """Public entry points: :func:`attention` and :func:`attention_backward`.
 
-Both check their arguments (metadata only, see :mod:`cupy_piecewise.validate`)
-and dispatch on the array library of the inputs:
+Both pick an adapter (:mod:`cupy_piecewise.adapters`) from the type of ``q1``, once per
+type, with ``isinstance`` checks so subclasses go where their base class goes:
 
-- NumPy arrays: the float64 reference (:mod:`cupy_piecewise.reference`),
-  results cast back to the input dtype (``lse`` to float32).
-- CuPy arrays: the CUDA kernels (:mod:`cupy_piecewise.cupy_backend`), on
-  CuPy's current stream.
-- torch tensors: :mod:`cupy_piecewise.torch_ops` (CUDA kernels for CUDA
-  tensors, with autograd; a torch implementation for CPU tensors).
+- torch tensors: :mod:`cupy_piecewise.torch_ops` (CUDA kernels for CUDA tensors, with
+  autograd, ``torch.compile`` and CUDA graphs; a torch implementation for CPU tensors);
+- CuPy arrays: the CUDA kernels (:mod:`cupy_piecewise.adapters.cupy`), on CuPy's current
+  stream;
+- NumPy arrays: the float64 reference, results cast back to the input dtype (``lse``
+  to float32);
+- anything else with ``__dlpack__`` / ``__dlpack_device__``: zero-copy through CuPy or
+  NumPy and back (:mod:`cupy_piecewise.adapters.dlpack`).
 
-The back-end modules are imported on first use, so ``import cupy_piecewise``
-needs neither CuPy nor torch.
+Each adapter is imported on first use, so ``import cupy_piecewise`` needs neither CuPy
+nor torch. Arguments are checked (metadata only, :mod:`cupy_piecewise.validate`) before
+any work.
 """
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
-from .validate import Problem, check_backward_inputs, check_gpu_support, check_inputs
+__all__ = ["attention", "attention_backward", "adapter_for"]
 
-__all__ = ["attention", "attention_backward"]
-
-
-_torch_ops = None  # cupy_piecewise.torch_ops once a torch tensor has been seen
+_by_type: dict = {}
 
 
-def _load_torch_ops():
-    global _torch_ops
-    from . import torch_ops
+def _load(library: str):
+    # import statements (not importlib) so torch.compile can trace a first call
+    if library == "torch":
+        from . import torch_ops as mod
+    elif library == "cupy":
+        from .adapters import cupy as mod
+    elif library == "dlpack":
+        from .adapters import dlpack as mod
+    else:
+        from .adapters import numpy as mod
+    return mod
 
-    _torch_ops = torch_ops
-    return torch_ops
+
+def _library(x) -> str:
+    # An object of torch's or CuPy's types exists only once that library is imported,
+    # so sys.modules answers without importing anything.
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch"
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return "cupy"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        return "dlpack"
+    return "numpy"  # not an array: validate's TypeError names the argument
+
+
+def adapter_for(x):
+    """The module that runs calls whose ``q1`` is ``x``: it has ``attention`` and
+    ``attention_backward`` with this module's signatures. Decided once per type."""
+    t = type(x)
+    mod = _by_type.get(t)
+    if mod is None:
+        mod = _by_type[t] = _load(_library(x))
+    return mod
 
 
 def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None, return_lse=False):
@@ -57,13 +90,14 @@ def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None,
             ``1 / sqrt(D)``.
         return_lse: also return the log-sum-exp of the scores.
 
-    All five arrays come from one library (NumPy, CuPy or torch), live on one
-    device and share one dtype:
+    All five arrays come from one library (NumPy, CuPy, torch, or any other
+    with ``__dlpack__``), live on one device and share one dtype:
 
     - NumPy: float16, float32, float64 (float64 reference on the CPU);
     - torch CPU: float16, bfloat16, float32, float64;
-    - CUDA (CuPy arrays, torch CUDA tensors): float16, and bfloat16 for
-      torch (CuPy has no bfloat16 dtype); head dims 16, 32, 64, 128;
+    - CUDA (CuPy arrays, torch CUDA tensors, DLPack producers in CUDA
+      memory): float16 and bfloat16 (CuPy's ``bfloat16`` needs ml_dtypes);
+      head dims 16, 32, 64, 128;
       GPUs sm_80, sm_86, sm_89, sm_90 (newer ones fall back to the nearest
       listed table). A last dimension that is not unit-stride, or strides
       the kernels cannot load aligned, is copied once. Inputs are never
@@ -71,7 +105,9 @@ def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None,
 
     Returns:
         ``o`` of shape ``(B, H, M, D)`` in the input dtype, or ``(o, lse)``
-        with ``lse`` of shape ``(B, H, M)``, float32 (natural log).
+        with ``lse`` of shape ``(B, H, M)``, float32 (natural log), as arrays
+        of the caller's library (DLPack producers: see
+        :mod:`cupy_piecewise.adapters.dlpack`).
 
     Raises:
         TypeError, ValueError: bad arguments, before any work is done; the
@@ -88,26 +124,8 @@ def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None,
         >>> o.shape, o.dtype, lse.shape, lse.dtype
         ((1, 2, 4, 16), dtype('float64'), (1, 2, 4), dtype('float32'))
     """
-    if type(q1).__module__.startswith("torch"):
-        # torch_ops validates the same way (same messages) and memoises the result per
-        # signature, which keeps the per-call host cost of small problems low.
-        return (_torch_ops or _load_torch_ops()).attention(
-            q1, k1, q2, k2, v, dist_threshold, causal=causal, sm_scale=sm_scale, return_lse=return_lse
-        )
-
-    if type(q1).__module__.startswith("cupy"):
-        # Checked and planned once per signature (cupy_backend.prepare).
-        from . import cupy_backend
-
-        problem, launches = cupy_backend.prepare(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale)
-        o, lse = cupy_backend.forward(problem, q1, k1, q2, k2, v, launches=launches,
-                                      need_lse=return_lse)
-        return (o, lse) if return_lse else o
-
-    problem = check_inputs(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale)
-
-    o, lse = _numpy_forward(problem, q1, k1, q2, k2, v)
-    return (o, lse) if return_lse else o
+    return adapter_for(q1).attention(q1, k1, q2, k2, v, dist_threshold, causal=causal,
+                                     sm_scale=sm_scale, return_lse=return_lse)
 
 
 def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=False, sm_scale=None):
@@ -148,38 +166,5 @@ def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=
         >>> dq1.shape, dk1.shape
         ((1, 2, 4, 16), (1, 1, 6, 16))
     """
-    problem = check_inputs(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale)
-    check_backward_inputs(problem, o, lse, do)
-
-    if problem.library == "torch":
-        from . import torch_ops
-
-        return torch_ops.attention_backward(
-            do, q1, k1, q2, k2, v, o, lse, dist_threshold, causal=causal, sm_scale=sm_scale
-        )
-
-    if problem.library == "cupy":
-        check_gpu_support(problem)
-        from . import cupy_backend
-
-        return tuple(cupy_backend.backward(problem, q1, k1, q2, k2, v, o, lse, do))
-
-    return _numpy_backward(problem, q1, k1, q2, k2, v, o, lse, do)
-
-
-# ----------------------------------------------------------------------------
-# NumPy: the float64 reference.
-
-
-def _numpy_forward(problem: Problem, q1, k1, q2, k2, v):
-    from . import reference
-
-    o, lse = reference.forward(q1, k1, q2, k2, v, problem.w, problem.causal, problem.sm_scale)
-    return np.asarray(o).astype(problem.dtype, copy=False), np.asarray(lse).astype(np.float32, copy=False)
-
-
-def _numpy_backward(problem: Problem, q1, k1, q2, k2, v, o, lse, do):
-    from . import reference
-
-    grads = reference.backward(q1, k1, q2, k2, v, o, lse, do, problem.w, problem.causal, problem.sm_scale)
-    return tuple(np.asarray(g).astype(problem.dtype, copy=False) for g in grads)
+    return adapter_for(q1).attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold,
+                                              causal=causal, sm_scale=sm_scale)

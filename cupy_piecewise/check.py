@@ -3,17 +3,16 @@
 Draws a dozen fresh random problems (``--quick``: three) and runs them on the best
 back end this machine has:
 
-- ``cuda``: CuPy sees a GPU. float16 cases go through the public API on CuPy arrays
-  (:func:`cupy_piecewise.attention` / :func:`~cupy_piecewise.attention_backward`);
-  bfloat16 cases, which CuPy has no dtype for, hand uint16 arrays holding bfloat16 bit
-  patterns to :mod:`cupy_piecewise.cupy_backend`, with NaN-filled output buffers so an
+- ``cuda``: CuPy sees a GPU. float16 and bfloat16 (ml_dtypes) cases go through the
+  public API on CuPy arrays (:func:`cupy_piecewise.attention` /
+  :func:`~cupy_piecewise.attention_backward`), with outputs that start as NaN so an
   element a kernel forgets to write fails. Inputs are checked unchanged afterwards.
 - ``numpy``: no GPU. :func:`cupy_piecewise.attention` on float32 NumPy arrays (the
   NumPy back end), judged with the float32 bound. This checks the plumbing of the
   CPU path, not the kernels.
 
 ``o``, ``lse`` and all five gradients are compared with the float64 reference by
-SPEC.md's tolerance rule (:func:`cupy_piecewise.tolerance.compare`; the low-precision
+the tolerance rule of docs/semantics.md (:func:`cupy_piecewise.tolerance.compare`; the low-precision
 bound comes from :func:`cupy_piecewise.reference.lowp_forward` / ``lowp_backward``).
 Gradients are checked against the reference backward taken from the implementation's
 own ``o`` and ``lse``, as autograd would run it. One table row per case; a progress bar
@@ -39,8 +38,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from . import api, reference, tolerance
-from .gpu_arrays import poisoned, round_to, to_device, to_host
-from .validate import Problem
+from .gpu_arrays import poisoned_outputs, round_to, to_device, to_host
 
 __all__ = ["Case", "CaseResult", "make_cases", "gpu_available", "run_case", "main"]
 
@@ -163,40 +161,27 @@ def _run_numpy(case: Case, host, do, sm_scale):
 def _run_cuda(case: Case, host, do, sm_scale):
     import cupy
 
-    from . import cupy_backend
-
     dtype = case.dtype
     dev = [to_device(x, dtype, case.transposed) for x in host]
     do_d = to_device(do, dtype, case.transposed)
     before = [a.copy() for a in dev]
     stream = cupy.cuda.get_current_stream()
     stream.synchronize()
-    if dtype == "float16":  # the public API, as a user calls it
+    # The public API on CuPy arrays, as a user calls it (bfloat16 through ml_dtypes), with
+    # outputs that start as NaN so an element a kernel forgets to write fails.
+    with poisoned_outputs():
         t0 = time.perf_counter()
         o, lse = api.attention(*dev, case.w, causal=case.causal, sm_scale=sm_scale, return_lse=True)
         grads = api.attention_backward(do_d, *dev, o, lse, case.w, causal=case.causal,
                                        sm_scale=sm_scale)
-        stream.synchronize()
-    else:  # bfloat16: bit patterns in uint16 arrays, straight to the CuPy back end
-        B, H, Hkv, M, N, D = case.B, case.H, case.Hkv, case.M, case.N, case.D
-        problem = Problem("cupy", B, H, Hkv, M, N, D, dtype, int(case.w), bool(case.causal),
-                          float(sm_scale), int(cupy.cuda.Device().id))
-        o = poisoned((B, H, M, D), dtype)
-        lse = poisoned((B, H, M), "float32")
-        grads = (poisoned((B, H, M, D), dtype), poisoned((B, Hkv, N, D), dtype),
-                 poisoned((B, H, M, D), dtype), poisoned((B, Hkv, N, D), dtype),
-                 poisoned((B, Hkv, N, D), dtype))
-        t0 = time.perf_counter()
-        cupy_backend.forward(problem, *dev, out=(o, lse))
-        cupy_backend.backward(problem, *dev, o, lse, do_d, out=grads)
         stream.synchronize()
     ms = (time.perf_counter() - t0) * 1e3
     written = [i for i, (a, b) in enumerate(zip(dev, before))
                if not bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())]
     error = "" if not written else \
         "input(s) written: " + ", ".join(("q1", "k1", "q2", "k2", "v")[i] for i in written)
-    return (to_host(o, dtype), cupy.asnumpy(lse).astype(np.float64),
-            [to_host(g, dtype) for g in grads], ms, error)
+    return (to_host(o), cupy.asnumpy(lse).astype(np.float64), [to_host(g) for g in grads], ms,
+            error)
 
 
 _BACKENDS = {"numpy": _run_numpy, "cuda": _run_cuda}
@@ -295,8 +280,8 @@ def main(argv=None) -> int:
         if backend == "cuda" and not gpu_available():
             print("check: --backend cuda asked for, but CuPy sees no CUDA GPU", file=sys.stderr)
             return 2
-    what = ("CUDA kernels (float16 via the public API on CuPy arrays, bfloat16 via "
-            "cupy_backend with uint16 bit patterns)" if backend == "cuda" else
+    what = ("CUDA kernels through the public API on CuPy arrays (float16, bfloat16)"
+            if backend == "cuda" else
             "no CUDA GPU visible to CuPy: NumPy path (cupy_piecewise.attention on float32 "
             "NumPy arrays), float32 bound; the CUDA kernels are not exercised")
     cases = make_cases(np.random.default_rng(seed), backend)

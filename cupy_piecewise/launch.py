@@ -1,6 +1,6 @@
 """Launching the CUDA kernels on raw device pointers.
 
-This layer knows nothing of CuPy arrays or torch tensors: callers (``cupy_backend``,
+This layer knows nothing of CuPy arrays or torch tensors: callers (``cupy_piecewise.core``,
 ``torch_ops``) pass :class:`ArrayRef` (pointer + element strides) for inputs and for
 outputs they allocated, and the stream to launch on. Working from pointers keeps the
 per-call host cost to a few microseconds and makes the zero-copy promise literal: the
@@ -63,6 +63,8 @@ _sm_count: dict[int, int] = {}
 DECODE_ROWS = 16
 #: Split the keys across blocks while the grid has fewer blocks than this many per SM.
 SPLIT_BLOCKS_PER_SM = 4
+#: Key tiles per split of an unsplit forward: more than any sequence has.
+UNSPLIT_TILES = 1 << 40
 
 
 def _multiprocessors(device: int) -> int:
@@ -125,17 +127,24 @@ def plan(problem, phase: str) -> Variant:
 
 
 def _kernel(device: int, variant: Variant) -> tuple[int, int]:
-    """(CUfunction handle, dynamic shared bytes) for ``variant``, loaded on ``device``."""
+    """(CUfunction handle, dynamic shared bytes) for ``variant``, loaded on ``device``.
+
+    Everything happens with ``device`` current: CuPy's ``RawKernel.kernel`` loads the
+    module into the current device's context, and a handle from another device's context
+    fails to launch (CUDA_ERROR_INVALID_HANDLE)."""
     key = (device, variant)
     hit = _kernels.get(key)
     if hit is not None:
         return hit
-    kernel = get_function(device, variant)  # a cupy.RawKernel
+    import cupy
+
     smem = 0 if variant.tiles is None else capability.shared_bytes(
         variant.phase, variant.head_dim, variant.tiles)
-    if smem > 48 * 1024:  # above 48 KB a kernel must opt in
-        kernel.max_dynamic_shared_size_bytes = smem
-    ptr = kernel.kernel.ptr  # the loaded CUfunction
+    with cupy.cuda.Device(device):
+        kernel = get_function(device, variant)  # a cupy.RawKernel
+        if smem > 48 * 1024:  # above 48 KB a kernel must opt in
+            kernel.max_dynamic_shared_size_bytes = smem
+        ptr = kernel.kernel.ptr  # the loaded CUfunction of this device
     with _lock:
         _kernels[key] = (ptr, smem)
     return ptr, smem
@@ -216,7 +225,11 @@ class Launches:
     def run(self, ptrs, stream: int, workspace: int = 0) -> None:
         """Launch every kernel on ``stream`` with the device pointers ``ptrs`` (ints, in
         the order of :attr:`arrays`) and, when :attr:`workspace_bytes` is non-zero, a
-        ``workspace`` pointer to that many bytes valid on ``stream`` until the work ends."""
+        ``workspace`` pointer to that many bytes valid on ``stream`` until the work ends.
+
+        The device's primary context is made current on the calling thread for the
+        launches (a thread that never touched CUDA has none; one working on another
+        device has that one's) and the caller's context is restored afterwards."""
         slots, args, _ = _buffers()
         ctypes.memmove(slots, self._template, _SIZE)
         for i, p in zip(self._ptr_slots, ptrs):
@@ -225,16 +238,29 @@ class Launches:
             slots[_SLOT["o_part"]] = workspace
             slots[_SLOT["lse_part"]] = workspace + self._ws_offset
         drv = _driver_mod or _driver()
-        rt = _runtime_mod
-        prev = rt.getDevice()
-        if prev != self.device:  # launch on the arrays' device, restore the caller's
-            rt.setDevice(self.device)
+        prev = drv.ctxGetCurrent()
+        if prev and prev == _primary.get(self.device):
+            for fn, gx, gy, gz, threads, smem in self._steps:
+                drv.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, args, 0)
+            return
+        _make_current(self.device)
         try:
             for fn, gx, gy, gz, threads, smem in self._steps:
                 drv.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, args, 0)
         finally:
-            if prev != self.device:
-                rt.setDevice(prev)
+            if prev:  # restore the caller's context; a thread that had none keeps ours
+                drv.ctxSetCurrent(prev)
+
+
+#: Primary context handle per device, as seen by :func:`_make_current`.
+_primary: dict[int, int] = {}
+
+
+def _make_current(device: int) -> None:
+    """Make ``device``'s primary context current on this thread (cudaSetDevice does since
+    CUDA 12, creating it if needed) and remember its handle for the cheap check in run."""
+    _runtime_mod.setDevice(device)
+    _primary[device] = _driver_mod.ctxGetCurrent()
 
 
 _driver_mod = None
@@ -257,6 +283,9 @@ def _step(problem, variant: Variant, grid) -> tuple:
 
 
 def _check_grid(problem) -> None:
+    if not (problem.B and problem.H):
+        raise ValueError("q1: no batch or no heads: nothing to launch (the core returns "
+                         "empty outputs before planning launches)")
     if problem.H > _MAX_GRID_YZ or problem.B > _MAX_GRID_YZ:
         raise ValueError(f"q1: batch ({problem.B}) and heads ({problem.H}) must each be at most "
                          f"{_MAX_GRID_YZ} for the CUDA kernels")
@@ -280,9 +309,11 @@ def forward_launches(problem, strides, *, split: bool = True) -> Launches:
     _driver()
     variant = plan(problem, "fwd_decode" if problem.M <= DECODE_ROWS else "fwd")
     tiles = variant.tiles
-    nsplit, per = 1, 1 << 40
+    nsplit, per = 1, UNSPLIT_TILES
     if split and problem.N > 0:
         nsplit, per = split_plan(problem, tiles, _multiprocessors(problem.device))
+        if nsplit == 1:
+            per = UNSPLIT_TILES
     steps = [_step(problem, variant, (math.ceil(problem.M / tiles.block_m) * nsplit,
                                       problem.H, problem.B))]
     ws_bytes = ws_offset = 0
@@ -292,8 +323,6 @@ def forward_launches(problem, strides, *, split: bool = True) -> Launches:
         ws_bytes = ws_offset + 4 * rows
         steps.append(_step(problem, plan(problem, "fwd_combine"),
                            (math.ceil(problem.H * problem.M / 8), problem.B, 1)))
-    else:
-        per = 1 << 40
     views = dict(zip(("q1", "k1", "q2", "k2", "v", "o"), map(tuple, strides)))
     template = _pack(problem, views, (nsplit, per, 0, 0))
     return Launches(problem.device, FORWARD_ARRAYS, views, steps, template, ws_bytes, ws_offset)

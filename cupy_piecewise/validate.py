@@ -37,11 +37,11 @@ GPU_DTYPES = ("float16", "bfloat16")
 GPU_HEAD_DIMS = (16, 32, 64, 128)
 
 #: dtypes each library's array may have when entering :func:`check_inputs`.
-#: NumPy has no bfloat16; CuPy 14 has none either. GPU limits are applied by
-#: :func:`check_gpu_support`, not here.
+#: NumPy has no bfloat16 of its own; CuPy 14 arrays may have ml_dtypes' bfloat16. GPU
+#: limits are applied by :func:`check_gpu_support`, not here.
 CPU_DTYPES = {
     "numpy": ("float16", "float32", "float64"),
-    "cupy": ("float16", "float32", "float64"),
+    "cupy": ("float16", "bfloat16", "float32", "float64"),
     "torch": ("float16", "bfloat16", "float32", "float64"),
 }
 
@@ -333,7 +333,7 @@ def check_gpu_support(problem: Problem) -> None:
     if problem.device is None:
         raise ValueError("q1 is on the CPU; the CUDA kernels need arrays on a CUDA device")
     if problem.dtype not in GPU_DTYPES:
-        extra = " (CuPy has no bfloat16 dtype: use float16, or torch tensors for bfloat16)" if problem.library == "cupy" else ""
+        extra = " (float32 inputs: cast to bfloat16 or float16 first)" if problem.dtype == "float32" else ""
         raise TypeError(
             f"dtype {problem.dtype} is not supported by the CUDA kernels; expected one of "
             f"{', '.join(GPU_DTYPES)}{extra}"

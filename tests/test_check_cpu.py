@@ -8,7 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from cupy_piecewise import api, check
+from cupy_piecewise import check
+from cupy_piecewise.adapters import numpy as numpy_adapter
 
 SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed$", re.M)
 
@@ -30,13 +31,13 @@ def test_quick_passes_and_prints_summary(cpu_only, capsys):
 
 
 def test_wrong_forward_result_fails(cpu_only, monkeypatch, capsys):
-    real = api._numpy_forward
+    real = numpy_adapter.attention
 
-    def off_by_a_bit(problem, *args):
-        o, lse = real(problem, *args)
+    def off_by_a_bit(*args, **kw):
+        o, lse = real(*args, **kw)
         return o * np.float32(1.01), lse
 
-    monkeypatch.setattr(api, "_numpy_forward", off_by_a_bit)
+    monkeypatch.setattr(numpy_adapter, "attention", off_by_a_bit)
     assert check.main(["--quick", "--seed", "7"]) != 0
     out = capsys.readouterr().out
     assert SUMMARY.search(out).group(2) != "0"
@@ -44,13 +45,13 @@ def test_wrong_forward_result_fails(cpu_only, monkeypatch, capsys):
 
 
 def test_wrong_gradient_fails(cpu_only, monkeypatch, capsys):
-    real = api._numpy_backward
+    real = numpy_adapter.attention_backward
 
-    def swapped(problem, *args):
-        dq1, dk1, dq2, dk2, dv = real(problem, *args)
+    def swapped(*args, **kw):
+        dq1, dk1, dq2, dk2, dv = real(*args, **kw)
         return dq1, dk1, dq2, dk2, -dv
 
-    monkeypatch.setattr(api, "_numpy_backward", swapped)
+    monkeypatch.setattr(numpy_adapter, "attention_backward", swapped)
     assert check.main(["--quick", "--seed", "7"]) == 1
     assert "FAIL dv:" in capsys.readouterr().out
 

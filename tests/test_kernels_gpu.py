@@ -1,9 +1,8 @@
-"""CUDA kernels against the float64 reference, by SPEC.md's tolerance rule.
+"""CUDA kernels against the float64 reference, by the tolerance rule (docs/semantics.md).
 
-Every output buffer is filled with NaN before the kernels run, so an element a kernel
-forgets to write fails the comparison; inputs are checked unchanged afterwards. bfloat16
-has no CuPy dtype, so bfloat16 cases hand the kernels uint16 arrays holding bfloat16 bit
-patterns through the CuPy back end directly (the public API takes bfloat16 through torch).
+Cases run through the public API on CuPy arrays (float16, and bfloat16 through
+ml_dtypes). Every output buffer is filled with NaN before the kernels run, so an element
+a kernel forgets to write fails the comparison; inputs are checked unchanged afterwards.
 """
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ import numpy as np
 import pytest
 
 from cupy_piecewise import reference, tolerance
-from cupy_piecewise.gpu_arrays import poisoned, round_to, to_device, to_host
-from cupy_piecewise.validate import Problem
+from cupy_piecewise.gpu_arrays import poisoned_outputs, round_to, to_device, to_host
 
 pytestmark = pytest.mark.gpu
 
@@ -43,7 +41,7 @@ def _ids(c):
 def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1):
     import cupy
 
-    from cupy_piecewise import cupy_backend
+    import cupy_piecewise
 
     H = Hkv * group
     big = max(M, N) >= 2048
@@ -61,12 +59,11 @@ def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1):
 
     dev = [to_device(x, dtype, transposed) for x in host]
     before = [a.copy() for a in dev]
-    problem = Problem("cupy", B, H, Hkv, M, N, D, dtype, int(w), causal, float(sm_scale), 0)
-    o = poisoned((B, H, M, D), dtype)
-    lse = poisoned((B, H, M), "float32")
-    cupy_backend.forward(problem, *dev, out=(o, lse))
-    cupy.cuda.get_current_stream().synchronize()
-    o_k, lse_k = to_host(o, dtype), cupy.asnumpy(lse).astype(np.float64)
+    with poisoned_outputs():
+        o, lse = cupy_piecewise.attention(*dev, int(w), causal=causal, sm_scale=float(sm_scale),
+                                          return_lse=True)
+    assert o.dtype == dev[0].dtype and lse.dtype == cupy.float32
+    o_k, lse_k = to_host(o), cupy.asnumpy(lse).astype(np.float64)
     for name, got, ref, low in (("o", o_k, o_ref, o_low), ("lse", lse_k, lse_ref, lse_low)):
         verdict = tolerance.compare(name, got, ref, low, dtype)
         assert verdict.passed, f"{verdict} (input seed {seed})"
@@ -80,13 +77,12 @@ def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1):
         grads_ref = [g * s for g in grads_ref]
     grads_low = reference.lowp_backward(*host, o_used, lse_k, do_h, w, causal, sm_scale, dtype=dtype)
     do_d = to_device(do_h, dtype, transposed)
-    outs = [poisoned((B, H, M, D), dtype), poisoned((B, Hkv, N, D), dtype),
-            poisoned((B, H, M, D), dtype), poisoned((B, Hkv, N, D), dtype),
-            poisoned((B, Hkv, N, D), dtype)]
-    cupy_backend.backward(problem, *dev, o, lse, do_d, out=tuple(outs))
-    cupy.cuda.get_current_stream().synchronize()
+    with poisoned_outputs():
+        outs = cupy_piecewise.attention_backward(do_d, *dev, o, lse, int(w), causal=causal,
+                                                 sm_scale=float(sm_scale))
     for name, got, ref, low in zip(("dq1", "dk1", "dq2", "dk2", "dv"), outs, grads_ref, grads_low):
-        verdict = tolerance.compare(name, to_host(got, dtype), ref, low, dtype)
+        assert got.dtype == dev[0].dtype
+        verdict = tolerance.compare(name, to_host(got), ref, low, dtype)
         assert verdict.passed, f"{verdict} (input seed {seed})"
     for a, b in zip(dev, before):
         assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), "an input was written"
@@ -137,7 +133,7 @@ def test_public_api_cupy_memo_and_lse_skip(M, N):
     import cupy
 
     import cupy_piecewise
-    from cupy_piecewise import cupy_backend
+    from cupy_piecewise.adapters import cupy as adapter
 
     seed = int(np.random.SeedSequence().entropy % 2**63)
     rng = np.random.default_rng(seed)
@@ -151,8 +147,8 @@ def test_public_api_cupy_memo_and_lse_skip(M, N):
     for name, got, ref, low in (("o", o, o_ref, o_low), ("lse", lse, lse_ref, lse_low)):
         verdict = tolerance.compare(name, cupy.asnumpy(got).astype(np.float64), ref, low, "float16")
         assert verdict.passed, f"{verdict} (input seed {seed})"
-    first = cupy_backend.prepare(*dev, w, False, None)
-    assert first is cupy_backend.prepare(*dev, w, False, None) and first[1] is not None
+    first = adapter._call(*dev, w, False, None)
+    assert first is adapter._call(*dev, w, False, None) and first.fwd is not None
     assert cupy.array_equal(cupy_piecewise.attention(*dev, w), o)
     flat = cupy.empty(dev[0].size + 8, dtype=cupy.float16)
     assert flat.data.ptr % 16 == 0
@@ -244,6 +240,7 @@ def test_other_tile_configs(tiles, D, causal, monkeypatch):
 ])
 def test_split_kv_matches_reference(M, N, D, group, causal, dtype):
     from cupy_piecewise import launch
+    from cupy_piecewise.validate import Problem
 
     run_case(D=D, dtype=dtype, causal=causal, M=M, N=N, w=N // 3, group=group, transposed=False)
     problem = Problem("cupy", 1, group, 1, M, N, D, dtype, N // 3, causal, 0.1, 0)

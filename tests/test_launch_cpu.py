@@ -83,36 +83,47 @@ def test_parameter_block_outlives_the_call():
 
 
 class _FakeDriver:
+    """Driver stand-in: records launches and the context current on the calling thread
+    (0: none, 100 + d: device d's primary context)."""
+
     def __init__(self):
         self.launches = []
+        self.ctx = 0
+
+    def ctxGetCurrent(self):
+        return self.ctx
+
+    def ctxSetCurrent(self, ctx):
+        self.ctx = ctx
 
     def launchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, args, extra):
         block_addr = ctypes.c_void_p.from_address(args).value
         block = list((ctypes.c_int64 * len(launch.PARAM_FIELDS)).from_address(block_addr))
-        self.launches.append(dict(fn=fn, grid=(gx, gy, gz), block=(bx, by, bz), smem=smem,
+        self.launches.append(dict(ctx=self.ctx, fn=fn, grid=(gx, gy, gz), block=(bx, by, bz), smem=smem,
                                   stream=stream, params=dict(zip(launch.PARAM_FIELDS, block))))
 
 
 class _FakeRuntime:
-    def __init__(self, current):
-        self.current, self.sets = current, []
+    """cudaSetDevice makes the device's primary context current (CUDA 12 and later)."""
 
-    def getDevice(self):
-        return self.current
+    def __init__(self, driver):
+        self.driver, self.sets = driver, []
 
     def setDevice(self, device):
         self.sets.append(device)
-        self.current = device
+        self.driver.ctx = 100 + device
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    drv, rt = _FakeDriver(), _FakeRuntime(0)
+    drv = _FakeDriver()
+    rt = _FakeRuntime(drv)
     monkeypatch.setattr(launch, "_driver_mod", drv)
     monkeypatch.setattr(launch, "_runtime_mod", rt)
     monkeypatch.setattr(launch, "_compute_capability", lambda device: (9, 0))
     monkeypatch.setattr(launch, "_multiprocessors", lambda device: 132)
     monkeypatch.setattr(launch, "_kernel", lambda device, variant: (variant, 1000 + device))
+    monkeypatch.setattr(launch, "_primary", {})
     monkeypatch.delenv(capability.ENV_VAR, raising=False)
     launch._launches.clear()
     return drv, rt
@@ -195,17 +206,31 @@ def test_backward_launches(fake_gpu):
             assert f[name if name in ("lse", "delta") else f"{name}.ptr"] == ptr
 
 
-def test_launch_switches_device_and_restores_it(fake_gpu):
+def test_launch_switches_context_and_restores_it(fake_gpu):
     drv, rt = fake_gpu
     p = Problem("cupy", 1, 2, 2, 64, 64, 64, "float16", 10, False, 0.3, 1)
     c = _contiguous((1, 2, 64, 64))
-    rt.current = 0
-    launch.forward_launches(p, (c,) * 6, split=False).run((0,) * 7, stream=0)
-    assert rt.sets == [1, 0] and rt.current == 0
+    run = launch.forward_launches(p, (c,) * 6, split=False)
+    drv.ctx = 100  # the caller works on device 0
+    run.run((0,) * 7, stream=0)
+    assert rt.sets == [1] and drv.launches[-1]["ctx"] == 101 and drv.ctx == 100
     rt.sets.clear()
-    rt.current = 1
-    launch.forward_launches(p, (c,) * 6, split=False).run((0,) * 7, stream=0)
-    assert rt.sets == []
+    drv.ctx = 101  # already on device 1: no switch
+    run.run((0,) * 7, stream=0)
+    assert rt.sets == [] and drv.launches[-1]["ctx"] == 101
+
+
+def test_launch_on_a_thread_without_context(fake_gpu):
+    """A thread that never touched CUDA has no current context even though
+    cudaGetDevice answers 0: the launch must make device 0's context current."""
+    drv, rt = fake_gpu
+    p = Problem("torch", 1, 2, 2, 64, 64, 64, "float16", 10, False, 0.3, 0)
+    c = _contiguous((1, 2, 64, 64))
+    run = launch.forward_launches(p, (c,) * 6, split=False)
+    drv.ctx = 0
+    run.run((0,) * 7, stream=0)
+    assert rt.sets == [0] and drv.launches[-1]["ctx"] == 100
+    assert drv.ctx == 100  # left current: the thread had none to restore
 
 
 def test_cached_launches_follow_the_tile_override(fake_gpu, monkeypatch):

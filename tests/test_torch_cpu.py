@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cupy_piecewise  # noqa: E402
-from cupy_piecewise import reference, tolerance, torch_ops  # noqa: E402
+from cupy_piecewise import reference, tolerance, torch_cpu, torch_ops  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,8 +125,8 @@ def test_chunking_gives_same_result(monkeypatch):
     do = torch.randn(1, 4, 29, 16, dtype=torch.float64)
     o, lse = torch_ops.attention(q1, k1, q2, k2, v, 4, causal=True, return_lse=True)
     g = torch_ops.attention_backward(do, q1, k1, q2, k2, v, o, lse, 4, causal=True)
-    monkeypatch.setattr(torch_ops, "_CPU_CHUNK_ELEMENTS", 4 * 23 * 3)  # 3 rows per chunk
-    assert torch_ops._chunk_rows(1, 4, 23) == 3
+    monkeypatch.setattr(torch_cpu, "_CPU_CHUNK_ELEMENTS", 4 * 23 * 3)  # 3 rows per chunk
+    assert torch_cpu._chunk_rows(1, 4, 23) == 3
     o2, lse2 = torch_ops.attention(q1, k1, q2, k2, v, 4, causal=True, return_lse=True)
     g2 = torch_ops.attention_backward(do, q1, k1, q2, k2, v, o2, lse2, 4, causal=True)
     torch.testing.assert_close(o2, o, rtol=0, atol=1e-13)
@@ -419,157 +419,3 @@ def test_example_script_runs():
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert res.returncode == 0, res.stdout + res.stderr
-
-
-# ---------------------------------------------------------------------------
-# The CUDA path's plumbing (pointers, strides, copies, argument order), exercised
-# on the CPU: a stand-in for cupy_piecewise.launch reads the ArrayRefs back as
-# host memory and computes with the CPU implementation.
-
-
-def _host_view(ptr, shape, strides, dtype):
-    import ctypes
-
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if all(shape) else 0
-    buf = (ctypes.c_char * (extent * itemsize)).from_address(ptr)
-    return torch.frombuffer(buf, dtype=dtype, count=extent).as_strided(shape, strides)
-
-
-class _FakeLaunch:
-    """Same interface as cupy_piecewise.launch, computing on host memory."""
-
-    def __init__(self):
-        from cupy_piecewise import launch
-
-        self.ArrayRef = launch.ArrayRef
-        self.kernel_ready = launch.kernel_ready
-        self.calls = []
-
-    def _views(self, problem, refs, kinds, dtype):
-        shapes = {"q": (problem.B, problem.H, problem.M, problem.D),
-                  "k": (problem.B, problem.Hkv, problem.N, problem.D)}
-        out = []
-        for r, kind in zip(refs, kinds):
-            assert isinstance(r, self.ArrayRef)
-            assert self.kernel_ready(shapes[kind], r.strides, r.ptr, 2), "not kernel_ready"
-            out.append(_host_view(r.ptr, shapes[kind], r.strides, dtype))
-        return out
-
-    def forward(self, problem, q1, k1, q2, k2, v, o, lse, *, stream, workspace=None):
-        assert isinstance(lse, int) and stream == 1234
-        self.calls.append(("fwd", (q1, k1, q2, k2, v, o, lse)))
-        dt = getattr(torch, problem.dtype)
-        Q1, K1, Q2, K2, V, O = self._views(problem, (q1, k1, q2, k2, v, o), "qkqkkq", dt)
-        oo, ll = torch_ops._fwd_cpu(Q1, K1, Q2, K2, V, problem.w, problem.causal, problem.sm_scale)
-        O.copy_(oo)
-        if lse:  # a null lse is not stored (as the kernels do)
-            _host_view(lse, (problem.B, problem.H, problem.M),
-                       (problem.H * problem.M, problem.M, 1), torch.float32).copy_(ll)
-
-    def forward_launches(self, problem, strides, *, split):
-        """Stand-in for launch.forward_launches: run() reads the pointers as host memory."""
-        assert split
-        fake = self
-
-        class Launches:
-            workspace_bytes = 0
-
-            def run(self, ptrs, stream, workspace=0):
-                refs = [fake.ArrayRef(p, s) for p, s in zip(ptrs[:6], strides)]
-                fake.forward(problem, *refs, ptrs[6], stream=stream)
-                fake.calls[-1] = ("fwd fast",) + fake.calls[-1][1:]
-
-        return Launches()
-
-    def backward(self, problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, delta, *, stream):
-        assert isinstance(lse, int) and isinstance(delta, int) and stream == 1234
-        self.calls.append(("bwd", (q1, k1, q2, k2, v, o, lse, do)))
-        dt = getattr(torch, problem.dtype)
-        views = self._views(problem, (q1, k1, q2, k2, v, o, do, dq1, dk1, dq2, dk2, dv),
-                            "qkqkkqqqkqkk", dt)
-        L = _host_view(lse, (problem.B, problem.H, problem.M),
-                       (problem.H * problem.M, problem.M, 1), torch.float32)
-        Q1, K1, Q2, K2, V, O, DO = views[:7]
-        grads = torch_ops._bwd_cpu(DO, Q1, K1, Q2, K2, V, O, L, problem.w, problem.causal,
-                                   problem.sm_scale)
-        for view, g in zip(views[7:], grads):
-            view.copy_(g)
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    fake = _FakeLaunch()
-    monkeypatch.setattr(torch_ops, "_launch", fake)
-    monkeypatch.setattr(torch_ops, "_current_stream", lambda index: 1234)
-    return fake
-
-
-@pytest.mark.parametrize("layout", ["contiguous", "transposed", "last_stride_2", "misaligned"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_plumbing_with_fake_launch(fake_cuda, layout, dtype):
-    import dataclasses
-
-    B, H, Hkv, M, N, D, w = 2, 4, 2, 19, 23, 16, 5
-    base = make_inputs(B, H, Hkv, M, N, D, dtype, seed=21)
-    if layout == "contiguous":
-        ins = base
-    elif layout == "transposed":  # (B, L, H, D) memory
-        ins = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in base]
-    elif layout == "last_stride_2":
-        ins = [torch.stack([t, -t], dim=-1).flatten(-2)[..., ::2] for t in base]
-    else:  # contiguous for torch, but the data pointer is 2 bytes off 16-byte alignment
-        ins = []
-        for t in base:
-            flat = torch.empty(t.numel() + 8, dtype=dtype)
-            start = next(i for i in range(8) if (flat.data_ptr() + 2 * i) % 16 == 2)
-            view = flat[start : start + t.numel()].view(t.shape)
-            view.copy_(t)
-            assert view.is_contiguous()
-            ins.append(view)
-    cpu_problem = torch_ops._problem(*ins, w, True, None)
-    problem = dataclasses.replace(cpu_problem, device=0)
-    want_o, want_lse = torch_ops._fwd_cpu(*base, w, True, problem.sm_scale)
-    zero_copy = layout in ("contiguous", "transposed")
-    # The memoised call's prepared launches exist for every layout the kernels read in
-    # place by strides (the misaligned pointer is only seen at run time) ...
-    launches = torch_ops._fwd_launches(problem, *ins)
-    assert (launches is None) == (layout == "last_stride_2")
-    # ... and calls run through them (fast path) or through launch.forward (copies).
-    for prepared in (launches, None):
-        o, lse = torch_ops._fwd_cuda(problem, *ins, prepared)
-        assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
-        kind, refs = fake_cuda.calls.pop()
-        assert kind == ("fwd fast" if prepared is not None and zero_copy else "fwd")
-        for r, t in zip(refs[:5], ins):
-            assert (r.ptr == t.data_ptr()) == zero_copy
-        assert refs[5].ptr == o.data_ptr() and refs[6] == lse.data_ptr()
-    assert fake_cuda.calls == []
-    # without need_lse the fast path passes a null lse and returns None for it
-    o_only, no_lse = torch_ops._fwd_cuda(problem, *ins, launches, need_lse=False)
-    assert torch.equal(o_only, want_o)
-    kind, refs = fake_cuda.calls.pop()
-    assert (no_lse is None) == (kind == "fwd fast") == (refs[6] == 0) == zero_copy
-
-    do = make_inputs(B, H, H, M, 1, D, dtype, seed=3)[0].transpose(1, 2).contiguous().transpose(1, 2)
-    grads = torch_ops._bwd_cuda(problem, do, *ins, o, lse)
-    want = torch_ops._bwd_cpu(do, *base, want_o, want_lse, w, True, problem.sm_scale)
-    for g, wg in zip(grads, want):
-        assert torch.equal(g, wg) and g.is_contiguous()
-    _, refs = fake_cuda.calls[0]
-    assert refs[7].ptr == do.data_ptr()  # transposed do is read in place
-
-
-def test_cuda_plumbing_empty_sizes(fake_cuda):
-    import dataclasses
-
-    for M, N in ((0, 5), (4, 0)):
-        ins = make_inputs(1, 2, 2, M, N, 16, torch.bfloat16)
-        problem = dataclasses.replace(torch_ops._problem(*ins, 1, False, None), device=0)
-        o, lse = torch_ops._fwd_cuda(problem, *ins)
-        assert o.shape == (1, 2, M, 16) and lse.shape == (1, 2, M)
-        assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
-        grads = torch_ops._bwd_cuda(problem, torch.ones_like(o), *ins, o, lse)
-        for g, t in zip(grads, ins):
-            assert g.shape == t.shape and torch.count_nonzero(g) == 0
-    assert fake_cuda.calls == []  # nothing to launch

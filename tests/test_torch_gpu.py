@@ -1,4 +1,4 @@
-"""torch CUDA tensors through the CUDA kernels: accuracy by SPEC.md's tolerance rule,
+"""torch CUDA tensors through the CUDA kernels: accuracy by the tolerance rule (docs/semantics.md),
 zero copy, streams, autograd, torch.compile, CUDA graphs, opcheck, autocast, a
 second device. Marked ``gpu``: skipped with a reason where there is no GPU."""
 
@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 import cupy_piecewise  # noqa: E402
 from cupy_piecewise import reference, tolerance, torch_ops  # noqa: E402
+from cupy_piecewise.adapters import torch as torch_adapter  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,7 +29,7 @@ def nan_outputs(monkeypatch):
     def empty(shape, dtype, device):
         return torch.full(shape, math.nan, dtype=dtype, device=device)
 
-    monkeypatch.setattr(torch_ops, "_empty", empty)
+    monkeypatch.setattr(torch_adapter, "_empty", empty)
 
 
 def make(B, H, Hkv, M, N, D, dtype, layout="contiguous", seed=0, scale=1.0, device="cuda"):

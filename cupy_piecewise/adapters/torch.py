@@ -1,0 +1,106 @@
+"""torch CUDA tensors for the core: pointers, strides, allocation, stream.
+
+The kernels read the tensors in place from ``data_ptr()`` and element strides (zero
+copy); outputs come from torch's caching allocator on torch's current stream of the
+tensors' device, read at every call, with no host-device synchronisation (CUDA-graph
+safe). The custom op, autograd and routing live in :mod:`cupy_piecewise.torch_ops`, the
+CPU implementation in :mod:`cupy_piecewise.torch_cpu`.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core import ArrayOps, run_backward, run_forward
+
+__all__ = ["OPS", "key", "forward", "backward"]
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+           "float64": torch.float64}
+_devices: dict = {}
+
+#: Allocator of the outputs (and of the backward's delta scratch). Tests swap in a
+#: NaN-filling version to show that the kernels write every element.
+_empty = torch.empty
+
+
+def _device(index: int) -> torch.device:
+    d = _devices.get(index)
+    if d is None:
+        d = _devices[index] = torch.device("cuda", index)
+    return d
+
+
+def _empty_out(shape, dtype: str, device: int):
+    return _empty(shape, dtype=_DTYPES[dtype], device=_device(device))
+
+
+def _scratch(nbytes: int, device: int):
+    return torch.empty(nbytes, dtype=torch.uint8, device=_device(device))
+
+
+def _fill(t, value) -> None:
+    t.fill_(value)
+
+
+def _copy(t):
+    """A fresh contiguous copy (``Tensor.contiguous()`` may return ``t`` itself even when
+    the kernels cannot read it: a storage offset breaking 16-byte alignment)."""
+    c = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    c.copy_(t)
+    return c
+
+
+def _as_f32(t):
+    if t.dtype == torch.float32 and t.is_contiguous():
+        return t
+    return t.to(torch.float32, memory_format=torch.contiguous_format)
+
+
+# torch's current raw stream without building a torch.cuda.Stream (what Inductor's
+# generated code calls); the public route is the fallback if the private name moves.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream(index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+OPS = ArrayOps(
+    library="torch",
+    ptr=torch.Tensor.data_ptr,
+    strides=torch.Tensor.stride,
+    shape=lambda t: t.shape,
+    itemsize=torch.Tensor.element_size,
+    empty=_empty_out,
+    scratch=_scratch,
+    fill=_fill,
+    copy=_copy,
+    as_f32=_as_f32,
+    stream=_stream,
+)
+
+
+def key(q1, k1, q2, k2, v, w, causal, sm_scale):
+    """The memo key of a call: everything :func:`cupy_piecewise.core.prepare` decides from
+    (data pointers excluded: the core checks their alignment at every call). The scalars'
+    types are part of it so that ``w=3.0`` (rejected) never hits the entry of ``w=3``."""
+    return (
+        "torch",
+        q1.shape, k1.shape, q2.shape, k2.shape, v.shape,
+        q1.stride(), k1.stride(), q2.stride(), k2.stride(), v.stride(),
+        q1.dtype, k1.dtype, q2.dtype, k2.dtype, v.dtype,
+        q1.device, k1.device, q2.device, k2.device, v.device,
+        type(w), w, type(causal), causal, type(sm_scale), sm_scale,
+    )
+
+
+def forward(call, q1, k1, q2, k2, v, need_lse=True):
+    """CUDA forward of a prepared call -> ``(o, lse)`` (see :func:`cupy_piecewise.core.run_forward`)."""
+    return run_forward(call, OPS, q1, k1, q2, k2, v, need_lse=need_lse)
+
+
+def backward(call, do, q1, k1, q2, k2, v, o, lse):
+    """CUDA backward of a prepared call -> ``(dq1, dk1, dq2, dk2, dv)``."""
+    return run_backward(call, OPS, do, q1, k1, q2, k2, v, o, lse)

@@ -1,0 +1,203 @@
+"""prepare / run_forward / run_backward: the one path from arrays to kernel launches.
+
+An adapter describes its array library with an :class:`ArrayOps` (pointer, strides,
+allocation, fill, copy, stream); nothing here imports CuPy or torch. The semantics of
+the empty cases follow docs/semantics.md ("Edge cases"): a row with no admissible key
+gives ``o = 0`` and ``lse = -inf``; with no query rows or no keys every gradient is 0.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Callable, NamedTuple, Optional
+
+from .. import capability, launch, validate
+from .memo import Memo
+
+__all__ = ["ArrayOps", "Call", "prepare", "run_forward", "run_backward", "clamp_w", "MEMO"]
+
+
+class ArrayOps(NamedTuple):
+    """What the core needs from one array library (an adapter builds one).
+
+    Every field is a plain callable, so the hot path pays one call per use:
+
+    - ``ptr(a) -> int``: device address of ``a``'s first element;
+    - ``strides(a) -> tuple``: strides in elements; ``shape(a) -> tuple``;
+      ``itemsize(a) -> int``;
+    - ``empty(shape, dtype, device) -> array``: an uninitialised output (``dtype`` a name:
+      the inputs' dtype or ``'float32'``), contiguous, 16-byte aligned;
+    - ``scratch(nbytes, device) -> array``: bytes of workspace, stream-ordered;
+    - ``fill(a, value)``: set every element (0.0 or -inf);
+    - ``copy(a) -> array``: a fresh contiguous, 16-byte aligned copy of ``a``;
+    - ``as_f32(a) -> array``: ``a`` as a contiguous float32 array (``a`` itself when it is);
+    - ``stream(device) -> int``: the library's current ``cudaStream_t`` on ``device``.
+    """
+
+    library: str
+    ptr: Callable
+    strides: Callable
+    shape: Callable
+    itemsize: Callable
+    empty: Callable
+    scratch: Callable
+    fill: Callable
+    copy: Callable
+    as_f32: Callable
+    stream: Callable
+
+
+class Call(NamedTuple):
+    """One checked call signature: the problem (``w`` clamped) and, when the kernels can
+    read inputs with these strides in place and there is work, the prepared forward
+    launches (``None`` otherwise: the general path, which copies what it must)."""
+
+    problem: validate.Problem
+    fwd: Optional[launch.Launches]
+
+
+#: Every prepared signature of every adapter (the key starts with the library's name).
+MEMO = Memo(4096)
+
+
+def clamp_w(problem: validate.Problem) -> validate.Problem:
+    """``problem`` with ``w`` clamped to ``[-(M + N + 1), M + N + 1]``.
+
+    Every distance ``d = i + N - M - j`` lies in ``[1 - M, N - 1]``, so the clamp changes
+    no comparison ``d >= w`` and keeps ``w`` inside 64-bit integers for the kernels and
+    for ``torch.library`` schemas (``int`` there is int64)."""
+    bound = problem.M + problem.N + 1
+    w = max(-bound, min(bound, problem.w))
+    return problem if w == problem.w else replace(problem, w=w)
+
+
+def _contiguous(shape) -> tuple:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
+def _has_work(p) -> bool:
+    return bool(p.B and p.H and p.M and p.N)
+
+
+def prepare(ops: ArrayOps, key, q1, k1, q2, k2, v, w, causal, sm_scale) -> Call:
+    """Check a forward call and plan it, memoised per signature.
+
+    ``key``: the adapter's hashable signature of the call (shapes, strides, dtypes,
+    devices, the scalars with their types), or ``None`` to skip the memo; the tile
+    override (``CUPY_PIECEWISE_TILES``) is added here. Raises what
+    :func:`~cupy_piecewise.validate.check_inputs` and, for GPU arrays,
+    :func:`~cupy_piecewise.validate.check_gpu_support` raise, and TypeError when the
+    arrays are not of ``ops``' library.
+    """
+    if key is not None:
+        key = (key, capability.env_override())
+        try:
+            hit = MEMO.get(key)
+        except TypeError:  # an unhashable scalar: checked (and rejected) below
+            key = hit = None
+        if hit is not None:
+            return hit
+    problem = validate.check_inputs(q1, k1, q2, k2, v, w, causal, sm_scale)
+    if problem.library != ops.library:
+        raise TypeError(f"q1 is a {problem.library} array; expected {ops.library} arrays here")
+    fwd = None
+    problem = clamp_w(problem)
+    if problem.device is not None:
+        validate.check_gpu_support(problem)
+        ins = (q1, k1, q2, k2, v)
+        if _has_work(problem) and all(
+                launch.kernel_ready(ops.shape(a), ops.strides(a), 0, ops.itemsize(a)) for a in ins):
+            strides = tuple(ops.strides(a) for a in ins) + (
+                _contiguous((problem.B, problem.H, problem.M, problem.D)),)
+            fwd = launch.forward_launches(problem, strides, split=True)
+    call = Call(problem, fwd)
+    if key is not None:
+        MEMO.put(key, call)
+    return call
+
+
+def _readable(ops: ArrayOps, a):
+    """``a`` when the kernels can read it in place, else a fresh contiguous copy."""
+    if launch.kernel_ready(ops.shape(a), ops.strides(a), ops.ptr(a), ops.itemsize(a)):
+        return a
+    return ops.copy(a)
+
+
+def _ref(ops: ArrayOps, a) -> launch.ArrayRef:
+    return launch.ArrayRef(ops.ptr(a), ops.strides(a))
+
+
+def run_forward(call: Call, ops: ArrayOps, q1, k1, q2, k2, v, *, need_lse: bool = True):
+    """Forward of a prepared call -> ``(o, lse)`` in the adapter's array type.
+
+    ``o``: (B, H, M, D), the inputs' dtype, contiguous; ``lse``: (B, H, M) float32, or
+    ``None`` when ``need_lse`` is False and the prepared launches ran (the kernels skip a
+    null lse). Launched on the library's current stream of the inputs' device; no
+    host-device synchronisation.
+    """
+    p = call.problem
+    dev = p.device
+    o = ops.empty((p.B, p.H, p.M, p.D), p.dtype, dev)
+    launches = call.fwd
+    ptr = ops.ptr
+    if launches is not None:
+        ptrs = (ptr(q1), ptr(k1), ptr(q2), ptr(k2), ptr(v))
+        if not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) & 15:
+            lse = ops.empty((p.B, p.H, p.M), "float32", dev) if need_lse else None
+            ptrs += (ptr(o), 0 if lse is None else ptr(lse))
+            if launches.workspace_bytes:
+                # freed on return: stream-ordered allocators reuse it only for work queued
+                # after these kernels
+                ws = ops.scratch(launches.workspace_bytes, dev)
+                launches.run(ptrs, ops.stream(dev), ptr(ws))
+            else:
+                launches.run(ptrs, ops.stream(dev))
+            return o, lse
+    lse = ops.empty((p.B, p.H, p.M), "float32", dev)
+    if not (p.B and p.H and p.M):
+        return o, lse
+    if p.N == 0:  # no keys: every row is empty
+        ops.fill(o, 0.0)
+        ops.fill(lse, -math.inf)
+        return o, lse
+    # `keep` holds any copies until the launch is enqueued: a copy freed earlier could be
+    # handed out again (as o, say) before the kernel has read it.
+    keep = [_readable(ops, a) for a in (q1, k1, q2, k2, v)]
+    refs = [_ref(ops, a) for a in keep]
+
+    def workspace(nbytes):
+        buf = ops.scratch(nbytes, dev)
+        return buf, ptr(buf)
+
+    launch.forward(p, *refs, _ref(ops, o), ptr(lse), stream=ops.stream(dev), workspace=workspace)
+    del keep
+    return o, lse
+
+
+def run_backward(call: Call, ops: ArrayOps, do, q1, k1, q2, k2, v, o, lse):
+    """Gradients of a prepared call -> ``(dq1, dk1, dq2, dk2, dv)``, the inputs' dtype,
+    contiguous: dq of shape (B, H, M, D), dk/dv (B, Hkv, N, D) summed over each group's
+    query heads. ``o``, ``lse``: the forward's outputs (``lse`` float32 (B, H, M)); ``do``:
+    the gradient of ``o``. Shapes and dtypes must already be checked
+    (:func:`~cupy_piecewise.validate.check_backward_inputs`)."""
+    p = call.problem
+    dev, dt = p.device, p.dtype
+    q_shape, k_shape = (p.B, p.H, p.M, p.D), (p.B, p.Hkv, p.N, p.D)
+    grads = (ops.empty(q_shape, dt, dev), ops.empty(k_shape, dt, dev), ops.empty(q_shape, dt, dev),
+             ops.empty(k_shape, dt, dev), ops.empty(k_shape, dt, dev))
+    if not _has_work(p):  # nothing attends: every gradient is zero
+        for g in grads:
+            ops.fill(g, 0.0)
+        return grads
+    delta = ops.empty((p.B, p.H, p.M), "float32", dev)
+    keep = [_readable(ops, a) for a in (q1, k1, q2, k2, v, o, do)]
+    lse = ops.as_f32(lse)
+    refs = [_ref(ops, a) for a in keep]
+    launch.backward(p, *refs[:6], ops.ptr(lse), refs[6], *[_ref(ops, g) for g in grads],
+                    ops.ptr(delta), stream=ops.stream(dev))
+    del keep
+    return grads
