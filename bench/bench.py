@@ -10,7 +10,7 @@ On a machine without a GPU, ``--dry-run`` runs every code path with tiny sizes o
 tensors (timing with time.perf_counter instead of CUDA events).
 
 Sections (``--sections``, all on by default):
-  main    TFLOP/s per provider x phase over the SPEC.md sweep, plus a correctness spot check
+  main    TFLOP/s per provider x phase over the default sweep (bench/README.md), plus a correctness spot check
   wsweep  sensitivity of our kernels to the distance threshold w
   decode  small-M shapes, effective GB/s against the measured device copy bandwidth
   memory  peak GPU memory of forward+backward, ours vs plain PyTorch (and SDPA flash)
@@ -26,7 +26,7 @@ Phases:
            accumulation kernels are timed)
   fwd_bwd  forward (with autograd) followed by torch.autograd.grad, timed together
 
-FLOP convention (SPEC.md, as FlashAttention counts): forward 4*B*H*M*N*D, halved when causal
+FLOP convention (docs/semantics.md, as FlashAttention counts): forward 4*B*H*M*N*D, halved when causal
 with M == N; backward 2.5x forward; forward+backward 3.5x forward.  Piecewise attention is
 counted like standard attention, so TFLOP/s compare directly.
 """
@@ -78,7 +78,7 @@ REF_PROVIDERS = ("sdpa_flash", "sdpa_cudnn")
 
 # ----------------------------------------------------------------------------- FLOPs / bytes
 def attn_flops(B, H, M, N, D, causal, phase="fwd"):
-    """FLOPs by SPEC.md's convention (FlashAttention's count)."""
+    """FLOPs by the convention of docs/semantics.md (FlashAttention's count)."""
     f = 4.0 * B * H * M * N * D
     if causal and M == N:
         f /= 2.0
@@ -1135,7 +1135,7 @@ def render_header(res):
     ])
 
 
-LEGEND = ("Cells: TFLOP/s (effective, SPEC.md convention). `n/i` not installed, `skip:mem` plain PyTorch would "
+LEGEND = ("Cells: TFLOP/s (effective, FlashAttention's FLOP count). `n/i` not installed, `skip:mem` plain PyTorch would "
           "need too much memory, `skip:time` time budget spent, `err` the provider failed (see Errors). "
           "ours/flash, ours/cudnn = time of SDPA / time of ours on the same shape and phase (> 1: ours faster).")
 

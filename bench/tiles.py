@@ -4,7 +4,7 @@
 
 Each candidate TileConfig is forced through CUPY_PIECEWISE_TILES and timed on the launch
 layer directly (torch-allocated tensors, CUDA events, median after warm-up), so the numbers
-compare kernels, not Python. FLOPs by SPEC.md: forward 4·B·H·M·N·D (half when causal),
+compare kernels, not Python. FLOPs as in docs/semantics.md: forward 4·B·H·M·N·D (half when causal),
 backward 2.5x that. Results feed cupy_piecewise/capability.py (sm_90 entries).
 """
 from __future__ import annotations

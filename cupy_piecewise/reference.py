@@ -1,6 +1,7 @@
 """Float64 NumPy reference for piecewise attention, plus a "lowp" plain implementation.
 
-Written from the formulas in SPEC.md, independent of the rest of the package
+Written from the formulas of docs/semantics.md (The function, Backward), independent of
+the rest of the package
 (imports only NumPy).
 
 Layout: queries ``(B, H, M, D)``, keys/values ``(B, Hkv, N, D)``; ``H`` is a multiple of

@@ -1,4 +1,4 @@
-"""The tolerance rule of SPEC.md, as a function.
+"""The tolerance rule (docs/semantics.md, Tolerance), as a function.
 
 A result ``impl`` (o, lse or one gradient) passes against the float64 reference ``ref``
 and the plain low-precision implementation ``lowp`` (see ``reference.lowp_forward`` /
@@ -6,8 +6,8 @@ and the plain low-precision implementation ``lowp`` (see ``reference.lowp_forwar
 
 1. ``max|impl - ref| <= 2 * max|lowp - ref| + 1e-5``,
 2. ``||impl - ref||_2 / ||ref||_2 <= rel_bound(dtype)`` -- 2e-3 for float16, 1e-2 for
-   bfloat16 (SPEC.md); 1e-4 for float32 and 1e-10 for float64 (this project's choice:
-   SPEC.md names no bound for them; float32 kernels use float32 throughout, so 1e-4
+   bfloat16; 1e-4 for float32 and 1e-10 for float64 (bounds for the CPU paths, chosen by
+   this project: float32 kernels use float32 throughout, so 1e-4
    leaves room for reduction order over long rows, and float64 is the reference's own
    precision). When ``||ref|| == 0`` the absolute norm ``||impl - ref||`` is used.
 3. no NaN or Inf in ``impl`` where ``ref`` is finite, and
@@ -42,8 +42,8 @@ __all__ = ["Verdict", "compare", "assert_close", "rel_bound", "float16_loss_scal
 #: Absolute slack added to twice the low-precision error.
 ABS_SLACK = 1e-5
 
-#: Relative (L2) bounds by input dtype.  float16 / bfloat16 from SPEC.md; float32 and
-#: float64 chosen by this project (SPEC.md gives none).
+#: Relative (L2) bounds by input dtype (docs/semantics.md, Tolerance): float16 / bfloat16
+#: for the GPU kernels, float32 and float64 for the CPU paths.
 REL_BOUNDS = {
     "float16": 2e-3,
     "bfloat16": 1e-2,
@@ -102,7 +102,7 @@ class Verdict:
 
 
 def compare(name, impl, ref, lowp, dtype, *, inputs_finite=True) -> Verdict:
-    """Apply SPEC.md's tolerance rule to one output; see the module docstring."""
+    """Apply the tolerance rule (docs/semantics.md, Tolerance) to one output; see the module docstring."""
     rb = rel_bound(dtype)
     impl = np.asarray(impl, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)

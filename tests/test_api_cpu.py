@@ -2,7 +2,7 @@
 output dtypes and shapes, errors before any work. CPU only.
 
 The expected values come from a dense torch float64 implementation written here
-from SPEC.md, with autograd for the gradients, so a swapped argument on the way
+from docs/semantics.md, with autograd for the gradients, so a swapped argument on the way
 to the reference shows up.
 """
 

@@ -1,5 +1,5 @@
 """CPU checks of bench/bench.py: the --dry-run end to end (tiny sizes, CPU tensors,
-perf_counter timing) and the FLOP/byte conventions of SPEC.md.
+perf_counter timing) and the FLOP/byte conventions of docs/semantics.md (FLOP convention).
 
 Needs torch (CPU build). tqdm and matplotlib are optional: without tqdm the bench prints a
 plain progress line; without matplotlib the PNG check is skipped with a printed reason.
@@ -42,7 +42,7 @@ def test_forward_flops_match_spec(bench):
 
 def test_causal_halves_only_when_square(bench):
     assert bench.attn_flops(2, 4, 128, 128, 64, True, "fwd") == 4 * 2 * 4 * 128 * 128 * 64 / 2
-    # M != N: no halving by the SPEC.md convention
+    # M != N: no halving (docs/semantics.md, FLOP convention)
     assert bench.attn_flops(2, 4, 16, 128, 64, True, "fwd") == 4 * 2 * 4 * 16 * 128 * 64
 
 

@@ -305,7 +305,7 @@ def test_lowp_close_to_reference(dtype, fwd_rel, bwd_rel, causal):
     # Inputs already hold values of the low-precision type, as a kernel's inputs do; the
     # reference then sees the same numbers and only the kernel-internal roundings count.
     # (From unrounded float64 inputs at ~3 std, the bfloat16 gradients of lowp itself
-    # reach ~1.6e-2, beyond SPEC's 1e-2: the rounding of the inputs dominates.)
+    # reach ~1.6e-2, beyond the 1e-2 bound of docs/semantics.md, Tolerance: the rounding of the inputs dominates.)
     rnd = {"float32": lambda a: a.astype(np.float32),
            "float16": lambda a: a.astype(np.float16),
            "bfloat16": R.round_to_bf16}[dtype]
