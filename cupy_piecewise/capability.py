@@ -33,12 +33,15 @@ Override, for tuning: the ``override=`` argument of :func:`lookup`
 e.g. ``"fwd=128x64x8,bwd_dq=64x64x4"`` (``block_m x block_n x num_warps``, an
 optional fourth field for stages, ``128x64x8x2``; see :data:`STAGES`). The argument wins over the
 variable, the variable over the table. Overrides obey the same constraints;
-a bad one raises ValueError naming ``CUPY_PIECEWISE_TILES``.
+a bad one raises ValueError naming ``CUPY_PIECEWISE_TILES``. The variable is read
+through :func:`env_override`, which follows changes made from Python at no cost per call
+(see the comment above it).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -49,6 +52,8 @@ __all__ = [
     "SHARED_LIMIT",
     "TABLE",
     "ENV_VAR",
+    "env_override",
+    "refresh_env_override",
     "shared_bytes",
     "check_config",
     "lookup",
@@ -77,21 +82,64 @@ PHASES = ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv")
 LISTED_ARCHS = ((8, 0), (8, 6), (8, 9), (9, 0))
 ENV_VAR = "CUPY_PIECEWISE_TILES"
 
-# The launch caches put the override's text in their keys, so it is read on every call.
-# os.environ.get costs ~0.5 us (it encodes the key and decodes the value); the mapping it
-# wraps answers the same question in ~0.05 us and sees every change made through
-# os.environ (monkeypatch.setenv included).
-try:
-    _ENV_DATA, _ENV_KEY = os.environ._data, os.environ.encodekey(ENV_VAR)
-except AttributeError:  # pragma: no cover - not CPython's os.environ
-    _ENV_DATA, _ENV_KEY = None, None
+# The launch caches put the override's text in their keys, so it is read on every call and
+# must cost next to nothing. os.environ.get costs 0.3-1.2 us (it encodes the key, decodes the
+# value, and an unset variable, the usual case, goes through two KeyErrors), so the value is
+# kept here and updated when the environment changes: os.environ.__setitem__/__delitem__
+# (monkeypatch.setenv and delenv included) go through os.putenv/os.unsetenv, which raise the
+# documented audit events "os.putenv" (key, value) and "os.unsetenv" (key) before the change.
+# The hook below keeps the value from those events: env_override() then costs one global read.
+# The price is paid elsewhere: an audit hook runs for every audit event of the process
+# (id(), sys._getframe, open, import...), ~0.13 us each. Where the hook cannot be installed
+# (another hook refuses it), env_override() reads os.environ on every call instead.
+_ENV_KEY_BYTES = os.fsencode(ENV_VAR)
+_ENV_EVENTS = frozenset(("os.putenv", "os.unsetenv"))
+_PROBE_EVENT = "cupy_piecewise.capability.watch"
+_env_value = os.environ.get(ENV_VAR)
+_env_watched = False  # True once the hook is seen to run
+
+
+def _on_audit(event, args):
+    global _env_value, _env_watched
+    if event in _ENV_EVENTS:
+        # On POSIX both functions receive the key (and value) as file-system-encoded bytes;
+        # os.environ decodes values the same way (os.fsdecode: surrogateescape).
+        try:
+            key = os.fsencode(args[0])
+            if key == _ENV_KEY_BYTES:
+                _env_value = None if event == "os.unsetenv" else os.fsdecode(args[1])
+        except Exception:  # pragma: no cover - an audit hook must not raise
+            _env_watched = False  # fall back to reading os.environ on every call
+    elif event == _PROBE_EVENT:
+        _env_watched = True
+
+
+sys.addaudithook(_on_audit)
+sys.audit(_PROBE_EVENT)  # sets _env_watched unless another hook kept ours from being added
 
 
 def env_override():
-    """The raw value of ``CUPY_PIECEWISE_TILES`` (``None`` when unset), cheap to call."""
-    if _ENV_DATA is None:  # pragma: no cover
-        return os.environ.get(ENV_VAR)
-    return _ENV_DATA.get(_ENV_KEY)
+    """The raw value of ``CUPY_PIECEWISE_TILES`` (``None`` when unset), cheap to call.
+
+    Follows every change made through ``os.environ`` (``monkeypatch.setenv`` too),
+    ``os.putenv`` and ``os.unsetenv``; see :func:`refresh_env_override` for the rest.
+    """
+    if _env_watched:
+        return _env_value
+    return os.environ.get(ENV_VAR)  # pragma: no cover - audit hook refused
+
+
+def refresh_env_override():
+    """Re-read ``CUPY_PIECEWISE_TILES`` from ``os.environ`` and return it.
+
+    Only needed after the process environment changed without Python seeing it (a C
+    library calling ``setenv``); changes made from Python are picked up by themselves.
+    """
+    global _env_value
+    _env_value = os.environ.get(ENV_VAR)
+    return _env_value
+
+
 BLOCK_SIZES = (16, 32, 64, 128)
 STAGES = (2,)  # the kernels are double-buffered; deeper pipelines are future work
 #: dtypes the table is written for (2-byte elements in shared memory).
@@ -327,7 +375,7 @@ def lookup(
         if not isinstance(chosen, TileConfig):
             raise ValueError(f"{source} must be a TileConfig, got {type(chosen).__qualname__}")
     else:
-        env = os.environ.get(ENV_VAR, "").strip()
+        env = (env_override() or "").strip()
         if env:
             parsed = parse_override(env)
             if phase in parsed:

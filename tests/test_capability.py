@@ -3,6 +3,8 @@ on every listed architecture; lookups, fallback and overrides behave. CPU only."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from cupy_piecewise import capability as cap
@@ -176,6 +178,25 @@ def test_env_override(monkeypatch):
     # phases the variable does not name keep the table
     assert lookup((9, 0), "bwd_dkv", 128, "float16", False) == cap._refine(
         TABLE[(9, 0)]["bwd_dkv"][128], "float16", False)
+
+
+def test_env_override_follows_environment_changes(monkeypatch):
+    """env_override() is cached (the launch caches read it on every call) yet sees every
+    change made through os.environ: monkeypatch.setenv/delenv, a new value of a set
+    variable, pop, update."""
+    assert cap.env_override() is None
+    monkeypatch.setenv(cap.ENV_VAR, "fwd=64x64x4")
+    assert cap.env_override() == "fwd=64x64x4"
+    monkeypatch.setenv(cap.ENV_VAR, "fwd=32x64x2")  # same length of os.environ, new value
+    assert cap.env_override() == "fwd=32x64x2"
+    assert lookup((9, 0), "fwd", 64, "float16", False) == TileConfig(32, 64, 2)
+    os.environ.pop(cap.ENV_VAR)
+    assert cap.env_override() is None
+    os.environ.update({cap.ENV_VAR: "fwd=16x16x1"})
+    assert cap.env_override() == "fwd=16x16x1"
+    monkeypatch.delenv(cap.ENV_VAR)
+    assert cap.env_override() is None
+    assert cap.refresh_env_override() is None
 
 
 def test_argument_override_wins_over_env(monkeypatch):
