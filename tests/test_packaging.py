@@ -105,3 +105,64 @@ def test_installed_wheel_finds_kernels_from_another_folder(wheel, tmp_path):
 
     info = _run([str(py), "-m", "cupy_piecewise", "info"], cwd=elsewhere, env=env).stdout
     assert "kernels_cu" in info and "cupy-piecewise" in info
+
+
+def _requirements_by_extra(wheel: Path) -> dict[str, list]:
+    """Requires-Dist of the wheel's METADATA -> {extra name ('' for none): [Requirement]}."""
+    from email.parser import Parser
+
+    from packaging.requirements import Requirement
+
+    with zipfile.ZipFile(wheel) as zf:
+        (meta_name,) = [m for m in zf.namelist() if m.endswith(".dist-info/METADATA")]
+        meta = Parser().parsestr(zf.read(meta_name).decode())
+    extras = meta.get_all("Provides-Extra") or []
+    out: dict[str, list] = {"": []}
+    for line in meta.get_all("Requires-Dist") or []:
+        req = Requirement(line)
+        for extra in ("", *extras):
+            if req.marker is None and extra == "":
+                out[""].append(req)
+            elif req.marker is not None and extra and req.marker.evaluate({"extra": extra}):
+                out.setdefault(extra, []).append(req)
+    return out
+
+
+def test_wheel_metadata_cuda_extras_need_no_local_toolkit(wheel):
+    """The README promises that `pip install ".[cuda13,torch]"` runs the kernels on a machine with only the NVIDIA driver: each CUDA extra must bring CuPy
+    (>= 14, which finds NVRTC in the pip wheel), an NVRTC wheel of the same CUDA major
+    version, ml_dtypes (bfloat16 CuPy arrays) and cuda-bindings (driver API for the Hopper
+    path); the torch extra must not pin a CUDA build of torch."""
+    from packaging.version import Version
+
+    wheel_path, names = wheel
+    reqs = _requirements_by_extra(wheel_path)
+    assert [r.name for r in reqs[""]] == ["numpy"], reqs[""]
+    for extra, major, cupy, nvrtc in (("cuda12", 12, "cupy-cuda12x", "nvidia-cuda-nvrtc-cu12"),
+                                      ("cuda13", 13, "cupy-cuda13x", "nvidia-cuda-nvrtc")):
+        assert extra in reqs, f"extra {extra!r} missing; extras: {sorted(reqs)}"
+        by_name = {r.name.lower().replace("_", "-"): r for r in reqs[extra]}
+        assert set(by_name) >= {cupy, nvrtc, "ml-dtypes", "cuda-bindings"}, (extra, sorted(by_name))
+        # CuPy 13 finds NVRTC only in a local toolkit; 14 loads the pip wheel.
+        assert not by_name[cupy].specifier.contains("13.6.0"), by_name[cupy]
+        assert by_name[cupy].specifier.contains("14.2.0"), by_name[cupy]
+        # NVRTC and the driver bindings of the extra's CUDA major version, no other.
+        for name in (nvrtc, "cuda-bindings"):
+            spec = by_name[name].specifier
+            assert spec.contains(f"{major}.9.0"), (name, spec)
+            assert not spec.contains(f"{major + 1}.0.0") and not spec.contains(f"{major - 1}.9.0"), (name, spec)
+        assert by_name["ml-dtypes"].specifier.contains("0.6.0"), by_name["ml-dtypes"]
+    # torch: a floor only, so the CPU build CI installs first (or a user's CUDA build) is kept.
+    (torch_req,) = reqs["torch"]
+    assert torch_req.name == "torch" and not torch_req.url and not torch_req.extras, torch_req
+    assert all(s.operator == ">=" for s in torch_req.specifier), torch_req
+    assert "+" not in str(torch_req.specifier) and "cu1" not in str(torch_req), torch_req
+    assert Version("2.13.0+cpu") in torch_req.specifier
+    # every kernel source ships, subfolders (kernels_cu/sm90/) included
+    with zipfile.ZipFile(wheel_path) as zf:
+        shipped = {m.removeprefix("cupy_piecewise/kernels_cu/") for m in zf.namelist()
+                   if m.startswith("cupy_piecewise/kernels_cu/")}
+    sources = {p.relative_to(ROOT / "kernels_cu").as_posix() for p in (ROOT / "kernels_cu").rglob("*")
+               if p.is_file() and p.suffix in KERNEL_SUFFIXES}
+    assert set(names) <= sources
+    assert sources <= shipped, f"missing from the wheel: {sorted(sources - shipped)}"
