@@ -164,6 +164,14 @@ def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2
     q1, q2 and ``stages`` copies of k1, k2, v; bwd_dq adds do (and 8 bytes per
     row for lse and delta); bwd_dkv keeps the key tile (k1, k2, v) and
     ``stages`` copies of the query-side tiles (q1, q2, do) plus lse/delta.
+
+    This is the Python figure of the layout: the launch passes it as the dynamic
+    shared-memory size. The kernels carve their shared memory with the traits
+    structs of ``kernels_cu/traits.cuh`` (``FwdTraits``, ``BwdDqTraits``,
+    ``BwdDkvTraits``), whose ``smem_bytes`` must agree with this function for
+    every variant the table can select; ``tests/test_traits_cpu.py`` checks that
+    with NVRTC (a ``static_assert`` per variant, no GPU needed). Change both
+    together. (bwd_dq's 8 bytes per row are reserved there, not read.)
     """
     stride = head_dim + 8  # padded rows, elements
     if phase in ("fwd", "fwd_decode"):

@@ -11,6 +11,7 @@
 // over the tiles that touch pair 1, one over those that touch pair 2, recomputing only the
 // straddling tiles twice.
 #include "params.cuh"
+#include "traits.cuh"
 
 // delta[b, h, i] = sum_d dO[i, d] * O[i, d], one warp per row, 16-byte loads.
 template <typename T, int D>
@@ -39,15 +40,14 @@ __global__ void __launch_bounds__(256) pw_backward_delta(const Params p) {
 
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) {
-  constexpr int MW = BM / (16 * WARPS);  // 16-row blocks per warp
-  static_assert(BM == 16 * MW * WARPS && (MW == 1 || MW == 2), "warps own 16 or 32 query rows");
-  constexpr int THREADS = WARPS * 32;
-  constexpr int TILE_Q = BM * Pitch<D>::elems, TILE_K = BN * Pitch<D>::elems;
+  using L = BwdDqTraits<D, BM, BN, WARPS>;  // shared-memory layout and warp split (traits.cuh)
+  constexpr int MW = L::MW;                 // 16-row blocks per warp (1 or 2, checked there)
+  constexpr int THREADS = L::threads;
   extern __shared__ __align__(16) unsigned char smem[];
-  u16* sQ1 = reinterpret_cast<u16*>(smem);
-  u16* sQ2 = sQ1 + TILE_Q;
-  u16* sDO = sQ2 + TILE_Q;
-  u16* sKV = sDO + TILE_Q;  // per stage: K1, K2, V
+  u16* sQ1 = reinterpret_cast<u16*>(smem + L::q1_offset);
+  u16* sQ2 = reinterpret_cast<u16*>(smem + L::q2_offset);
+  u16* sDO = reinterpret_cast<u16*>(smem + L::do_offset);
+  u16* sKV = reinterpret_cast<u16*>(smem + L::kv_offset);  // per stage: K1, K2, V
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const i64 mt = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
@@ -83,12 +83,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
   auto issue = [&](int t, int stage) {
     const i64 n0 = (i64)t * BN;
     const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
-    u16* st = sKV + stage * 3 * TILE_K;
-    if (mode & 1) load_rows<BN, D, THREADS>(smem_addr(st), k1, p.k1.sr, n0, N);
-    if (mode & 2) load_rows<BN, D, THREADS>(smem_addr(st + TILE_K), k2, p.k2.sr, n0, N);
-    load_rows<BN, D, THREADS>(smem_addr(st + 2 * TILE_K), vv, p.v.sr, n0, N);
+    u16* st = sKV + stage * L::stage_elems;
+    if (mode & 1) load_rows<BN, D, THREADS>(smem_addr(st + L::k1_in_stage), k1, p.k1.sr, n0, N);
+    if (mode & 2) load_rows<BN, D, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
+    load_rows<BN, D, THREADS>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
   };
-  const int warp_off = warp * 16 * MW * Pitch<D>::elems;
+  const int warp_off = warp * L::warp_rows * L::pitch;
   const u32 aQ1 = smem_addr(sQ1 + warp_off), aQ2 = smem_addr(sQ2 + warp_off);
   const u32 aDO = smem_addr(sDO + warp_off);
 
@@ -103,15 +103,16 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
       const i64 n0 = (i64)t * BN;
       const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
       const bool masked = tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), n0 + BN, N);
-      const u16* st = sKV + stage * 3 * TILE_K;
+      const u16* st = sKV + stage * L::stage_elems;
       const Geom g = make_geom<false>(row0, n0, P, p.w, N);
 
       float s[MW][BN / 8][4];
-      score_tile<T, D, BN, MW, CAUSAL, false>(s, aQ1, aQ2, smem_addr(st), smem_addr(st + TILE_K),
-                                              mode, masked, g, p.scale_log2, lane);
+      score_tile<T, D, BN, MW, CAUSAL, false>(s, aQ1, aQ2, smem_addr(st + L::k1_in_stage),
+                                              smem_addr(st + L::k2_in_stage), mode, masked, g,
+                                              p.scale_log2, lane);
       float dp[MW][BN / 8][4];
       zero_n<MW * BN / 2>(&dp[0][0][0]);
-      mma_abt<T, D, BN, MW>(dp, aDO, smem_addr(st + 2 * TILE_K), lane);
+      mma_abt<T, D, BN, MW>(dp, aDO, smem_addr(st + L::v_in_stage), lane);
 #pragma unroll
       for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
@@ -123,7 +124,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
           }
       if (mode == 3) keep_pair<BN, MW, false>(s, pair, g, lane);
       fit_rows<T, BN / 8, D / 8, MW>(s, acc, ex);
-      mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + (pair - 1) * TILE_K), lane);
+      // dq_pair = dS_pair k_pair: k2 follows k1 in a stage (traits.cuh).
+      mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + L::k1_in_stage + (pair - 1) * L::k_tile_elems),
+                           lane);
     });
     float scale[MW][2];
     unscale_rows<MW>(scale, ex, p.sm_scale);
@@ -134,16 +137,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
 
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p) {
-  constexpr int MW = BN / (16 * WARPS);  // 16-row (key) blocks per warp
-  static_assert(BN == 16 * MW * WARPS && (MW == 1 || MW == 2), "warps own 16 or 32 key rows");
-  constexpr int THREADS = WARPS * 32;
-  constexpr int TILE_K = BN * Pitch<D>::elems, TILE_Q = BM * Pitch<D>::elems;
+  using L = BwdDkvTraits<D, BM, BN, WARPS>;  // shared-memory layout and warp split (traits.cuh)
+  constexpr int MW = L::MW;                  // 16-row (key) blocks per warp (1 or 2)
+  constexpr int THREADS = L::threads;
   extern __shared__ __align__(16) unsigned char smem[];
-  u16* sK1 = reinterpret_cast<u16*>(smem);
-  u16* sK2 = sK1 + TILE_K;
-  u16* sV = sK2 + TILE_K;
-  u16* sQ = sV + TILE_K;                                         // per stage: Q1, Q2, dO
-  float* sStat = reinterpret_cast<float*>(sQ + 2 * 3 * TILE_Q);  // per stage: lse, delta
+  u16* sK1 = reinterpret_cast<u16*>(smem + L::k1_offset);
+  u16* sK2 = reinterpret_cast<u16*>(smem + L::k2_offset);
+  u16* sV = reinterpret_cast<u16*>(smem + L::v_offset);
+  u16* sQ = reinterpret_cast<u16*>(smem + L::q_offset);  // per stage: Q1, Q2, dO
+  float* sStat = reinterpret_cast<float*>(smem + L::stats_offset);  // per stage: lse, delta
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const i64 nt = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
@@ -162,7 +164,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
   const int first2 = (int)clamp64(ceil_div(p.w - P + n0 - BM + 1, BM), t_lo, t_hi);
   const int group = (int)p.group;
 
-  const int warp_off = warp * 16 * MW * Pitch<D>::elems;
+  const int warp_off = warp * L::warp_rows * L::pitch;
   const u32 aK1 = smem_addr(sK1 + warp_off), aK2 = smem_addr(sK2 + warp_off);
   const u32 aV = smem_addr(sV + warp_off);
 
@@ -184,15 +186,16 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
       i64 h, m0;
       tile_of(it, h, m0);
       const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
-      u16* st = sQ + stage * 3 * TILE_Q;
-      if (mode & 1) load_rows<BM, D, THREADS>(smem_addr(st), p.q1.at(b, h), p.q1.sr, m0, M);
+      u16* st = sQ + stage * L::stage_elems;
+      if (mode & 1)
+        load_rows<BM, D, THREADS>(smem_addr(st + L::q1_in_stage), p.q1.at(b, h), p.q1.sr, m0, M);
       if (mode & 2)
-        load_rows<BM, D, THREADS>(smem_addr(st + TILE_Q), p.q2.at(b, h), p.q2.sr, m0, M);
-      load_rows<BM, D, THREADS>(smem_addr(st + 2 * TILE_Q), p.dout.at(b, h), p.dout.sr, m0, M);
+        load_rows<BM, D, THREADS>(smem_addr(st + L::q2_in_stage), p.q2.at(b, h), p.q2.sr, m0, M);
+      load_rows<BM, D, THREADS>(smem_addr(st + L::do_in_stage), p.dout.at(b, h), p.dout.sr, m0, M);
       const i64 base = (b * p.H + h) * M;
-      float* ss = sStat + stage * 2 * BM;
-      load_f32<BM, THREADS>(smem_addr(ss), p.lse + base, m0, M);
-      load_f32<BM, THREADS>(smem_addr(ss + BM), p.delta + base, m0, M);
+      float* ss = sStat + stage * L::stats_stage_floats;
+      load_f32<BM, THREADS>(smem_addr(ss + L::lse_in_stage), p.lse + base, m0, M);
+      load_f32<BM, THREADS>(smem_addr(ss + L::delta_in_stage), p.delta + base, m0, M);
     };
 
     float dk[MW][D / 8][4];
@@ -205,30 +208,32 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
       const int t = (int)(m0 / BM);
       const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
       const bool masked = tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), m0 + BM, M);
-      const u16* st = sQ + stage * 3 * TILE_Q;
-      const float* ss = sStat + stage * 2 * BM;
+      const u16* st = sQ + stage * L::stage_elems;
+      const float* ss = sStat + stage * L::stats_stage_floats;
       const Geom g = make_geom<true>(row0, m0, P, p.w, M);
 
       float s[MW][BM / 8][4];
-      score_tile<T, D, BM, MW, CAUSAL, true>(s, aK1, aK2, smem_addr(st), smem_addr(st + TILE_Q),
-                                             mode, masked, g, p.scale_log2, lane);
+      score_tile<T, D, BM, MW, CAUSAL, true>(s, aK1, aK2, smem_addr(st + L::q1_in_stage),
+                                             smem_addr(st + L::q2_in_stage), mode, masked, g,
+                                             p.scale_log2, lane);
 #pragma unroll
       for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
         for (int nb = 0; nb < BM / 8; ++nb)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            s[mi][nb][e] = fast_exp2(s[mi][nb][e] - lse_to_log2(ss[frag_col(nb, e, lane)]));
+            s[mi][nb][e] =
+                fast_exp2(s[mi][nb][e] - lse_to_log2(ss[L::lse_in_stage + frag_col(nb, e, lane)]));
       // dV takes every tile once: pass 2 skips the straddling tiles pass 1 already counted.
       float dp[MW][BM / 8][4];
       zero_n<MW * BM / 2>(&dp[0][0][0]);
-      mma_abt<T, D, BM, MW>(dp, aV, smem_addr(st + 2 * TILE_Q), lane);
+      mma_abt<T, D, BM, MW>(dp, aV, smem_addr(st + L::do_in_stage), lane);
       // dV takes every tile once: pass 2 skips the straddling tiles pass 1 already counted.
       // P is scaled per row for float16 (fit_rows) and unscaled exactly for dS below.
       const bool count_dv = pair == 1 || t >= end1;
       if (count_dv) {
         fit_rows<T, BM / 8, D / 8, MW>(s, dv, ex_v);
-        mma_xb<T, D, BM, MW>(dv, s, smem_addr(st + 2 * TILE_Q), lane);
+        mma_xb<T, D, BM, MW>(dv, s, smem_addr(st + L::do_in_stage), lane);
       }
       float unscale[MW][2];
 #pragma unroll
@@ -241,10 +246,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
         for (int nb = 0; nb < BM / 8; ++nb)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            s[mi][nb][e] *= unscale[mi][e / 2] * (dp[mi][nb][e] - ss[BM + frag_col(nb, e, lane)]);
+            s[mi][nb][e] *= unscale[mi][e / 2] *
+                            (dp[mi][nb][e] - ss[L::delta_in_stage + frag_col(nb, e, lane)]);
       if (mode == 3) keep_pair<BM, MW, true>(s, pair, g, lane);
       fit_rows<T, BM / 8, D / 8, MW>(s, dk, ex_k);
-      mma_xb<T, D, BM, MW>(dk, s, smem_addr(st + (pair - 1) * TILE_Q), lane);
+      // dk_pair = dS_pair^T q_pair: q2 follows q1 in a stage (traits.cuh).
+      mma_xb<T, D, BM, MW>(dk, s, smem_addr(st + L::q1_in_stage + (pair - 1) * L::q_tile_elems),
+                           lane);
     });
     float scale[MW][2];
     unscale_rows<MW>(scale, ex_k, p.sm_scale);

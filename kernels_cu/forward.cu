@@ -2,17 +2,17 @@
 // (query tile, head, batch); each warp owns 16*MW query rows of the tile; key tiles stream
 // through shared memory double-buffered with cp.async; scores never leave registers.
 #include "params.cuh"
+#include "traits.cuh"
 
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
-  constexpr int MW = BM / (16 * WARPS);  // 16-row blocks per warp
-  static_assert(BM == 16 * MW * WARPS && (MW == 1 || MW == 2), "warps own 16 or 32 query rows");
-  constexpr int THREADS = WARPS * 32;
-  constexpr int TILE_Q = BM * Pitch<D>::elems, TILE_K = BN * Pitch<D>::elems;
+  using L = FwdTraits<D, BM, BN, WARPS>;  // shared-memory layout and warp split (traits.cuh)
+  constexpr int MW = L::MW;               // 16-row blocks per warp (1 or 2, checked there)
+  constexpr int THREADS = L::threads;
   extern __shared__ __align__(16) unsigned char smem[];
-  u16* sQ1 = reinterpret_cast<u16*>(smem);
-  u16* sQ2 = sQ1 + TILE_Q;
-  u16* sKV = sQ2 + TILE_Q;  // per stage: K1, K2, V
+  u16* sQ1 = reinterpret_cast<u16*>(smem + L::q1_offset);
+  u16* sQ2 = reinterpret_cast<u16*>(smem + L::q2_offset);
+  u16* sKV = reinterpret_cast<u16*>(smem + L::kv_offset);  // per stage: K1, K2, V
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const i64 split = blockIdx.x % p.nsplit, mtiles = gridDim.x / p.nsplit;
@@ -37,10 +37,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   auto issue = [&](int t, int stage) {
     const i64 n0 = (i64)t * BN;
     const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
-    u16* st = sKV + stage * 3 * TILE_K;
-    if (mode & 1) load_rows<BN, D, THREADS>(smem_addr(st), k1, p.k1.sr, n0, N);
-    if (mode & 2) load_rows<BN, D, THREADS>(smem_addr(st + TILE_K), k2, p.k2.sr, n0, N);
-    load_rows<BN, D, THREADS>(smem_addr(st + 2 * TILE_K), vv, p.v.sr, n0, N);
+    u16* st = sKV + stage * L::stage_elems;
+    if (mode & 1) load_rows<BN, D, THREADS>(smem_addr(st + L::k1_in_stage), k1, p.k1.sr, n0, N);
+    if (mode & 2) load_rows<BN, D, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
+    load_rows<BN, D, THREADS>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
   };
 
   float acc[MW][D / 8][4];
@@ -50,19 +50,20 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   for (int mi = 0; mi < MW; ++mi)
     row_max[mi][0] = row_max[mi][1] = PW_NEG_INF, row_sum[mi][0] = row_sum[mi][1] = 0.f;
   const i64 row0 = m0 + warp * 16 * MW;
-  const u32 aQ1 = smem_addr(sQ1 + warp * 16 * MW * Pitch<D>::elems);
-  const u32 aQ2 = smem_addr(sQ2 + warp * 16 * MW * Pitch<D>::elems);
+  const u32 aQ1 = smem_addr(sQ1 + warp * L::warp_rows * L::pitch);
+  const u32 aQ2 = smem_addr(sQ2 + warp * L::warp_rows * L::pitch);
 
   pipelined_tiles(t_begin, ntiles, issue, [&](int t, int stage) {
     const i64 n0 = (i64)t * BN;
     const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
     const bool masked = tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), n0 + BN, N);
-    const u16* st = sKV + stage * 3 * TILE_K;
+    const u16* st = sKV + stage * L::stage_elems;
     const Geom g = make_geom<false>(row0, n0, P, p.w, N);
 
     float s[MW][BN / 8][4];
-    score_tile<T, D, BN, MW, CAUSAL, false>(s, aQ1, aQ2, smem_addr(st), smem_addr(st + TILE_K),
-                                            mode, masked, g, p.scale_log2, lane);
+    score_tile<T, D, BN, MW, CAUSAL, false>(s, aQ1, aQ2, smem_addr(st + L::k1_in_stage),
+                                            smem_addr(st + L::k2_in_stage), mode, masked, g,
+                                            p.scale_log2, lane);
 
     // Online softmax: a row's running max is shared by the four lanes that hold it.
 #pragma unroll
@@ -93,7 +94,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
           acc[mi][nb][2 * hh + 1] *= alpha;
         }
       }
-    mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + 2 * TILE_K), lane);
+    mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + L::v_in_stage), lane);
   });
 
   float inv[MW][2];

@@ -1,0 +1,139 @@
+// Shared-memory layout of the tiled kernels: one traits struct per kernel family, the one
+// place in the CUDA sources where tile sizes, warps, pipeline stages and buffer offsets are
+// worked out. The kernels carve `extern __shared__ smem[]` with these offsets only.
+//
+// The launch passes cupy_piecewise/capability.py `shared_bytes(phase, D, tiles)` as the dynamic
+// shared-memory size; `smem_bytes` below must equal it for every variant the tile table can
+// select (tests/test_traits_cpu.py compiles a static_assert per variant with NVRTC, no GPU).
+//
+// Units: `*_offset` and `*_bytes` are bytes (offsets from the start of dynamic shared memory),
+// `*_elems` 16-bit elements, `*_floats` float32 entries. Positions inside a pipeline stage
+// (`*_in_stage`) count elements of the stage's type (u16 tiles; floats for lse and delta)
+// because the kernels step through stages with typed pointers, as they always have: the same
+// pointer arithmetic keeps the generated code, and so ptxas's register counts, unchanged.
+// Every buffer starts on a 16-byte boundary: cp.async.cg copies 16 bytes and ldmatrix reads
+// 16-byte rows, both aligned.
+#pragma once
+#include "common.cuh"
+
+// Threads per warp.
+constexpr int PW_WARP_SIZE = 32;
+// Rows of one m16n8k16 row block: a warp owns PW_MMA_ROWS * MW rows of its tile.
+constexpr int PW_MMA_ROWS = 16;
+// Most row blocks a warp owns: MW = 2 makes each shared-memory B fragment feed two mma.
+constexpr int PW_MAX_MW = 2;
+// cp.async pipeline depth: pipelined_tiles (common.cuh) alternates two stages (stage ^ 1).
+constexpr int PW_STAGES = 2;
+// Bytes of a tile element in shared memory: float16 and bfloat16 travel as raw u16.
+constexpr int PW_ELEM_BYTES = (int)sizeof(u16);
+// Float32 row statistics staged per query row: the log-sum-exp and delta = rowsum(dO * O).
+constexpr int PW_STATS_PER_ROW = 2;
+// Alignment every buffer keeps (cp.async 16-byte copies, ldmatrix 16-byte rows).
+constexpr int PW_SMEM_ALIGN = 16;
+
+// What all three families share: the warp split of the tile whose rows the warps own
+// (OWN_ROWS: query rows in the forward and dq kernels, key rows in the dk/dv kernel) and the
+// row geometry of an (ROWS x D) tile. Rows are padded to Pitch<D> (common.cuh: D + 8 elements,
+// so the eight 16-byte rows an ldmatrix phase reads fall in distinct banks).
+template <int D, int OWN_ROWS, int WARPS> struct TileTraitsBase {
+  static constexpr int warps = WARPS;
+  static constexpr int threads = WARPS * PW_WARP_SIZE;
+  static constexpr int MW = OWN_ROWS / (PW_MMA_ROWS * WARPS);  // 16-row blocks per warp
+  static_assert(OWN_ROWS == PW_MMA_ROWS * MW * WARPS && MW >= 1 && MW <= PW_MAX_MW,
+                "warps own 16 or 32 rows of the tile");
+  static constexpr int warp_rows = PW_MMA_ROWS * MW;    // rows of the tile one warp owns
+  static constexpr int stages = PW_STAGES;
+  static constexpr int pitch = Pitch<D>::elems;          // padded row, elements
+  static constexpr int row_bytes = Pitch<D>::bytes;      // padded row, bytes
+  static_assert(row_bytes == pitch * PW_ELEM_BYTES, "Pitch<D> counts 2-byte elements");
+  static_assert(row_bytes % PW_SMEM_ALIGN == 0, "padded rows keep 16-byte alignment");
+  // A warp's rows start at element warp * warp_rows * pitch of the tile it owns.
+};
+
+// pw_forward (phases fwd and fwd_decode; forward.cu). Rows of the block are queries.
+//   [q1 tile | q2 tile | stage 0: k1, k2, v | stage 1: k1, k2, v]
+template <int D, int BM, int BN, int WARPS> struct FwdTraits : TileTraitsBase<D, BM, WARPS> {
+  using Base = TileTraitsBase<D, BM, WARPS>;
+  static constexpr int block_m = BM, block_n = BN;
+  static constexpr int q_tile_elems = BM * Base::pitch;   // one (BM x D) query-side tile
+  static constexpr int k_tile_elems = BN * Base::pitch;   // one (BN x D) key-side tile
+  static constexpr int q_tile_bytes = q_tile_elems * PW_ELEM_BYTES;
+  static constexpr int k_tile_bytes = k_tile_elems * PW_ELEM_BYTES;
+  static constexpr int q1_offset = 0;
+  static constexpr int q2_offset = q1_offset + q_tile_bytes;
+  static constexpr int kv_offset = q2_offset + q_tile_bytes;  // stage 0 of the key tiles
+  // Within a stage (elements from the stage's start): k1, k2, v.
+  static constexpr int k1_in_stage = 0;
+  static constexpr int k2_in_stage = k1_in_stage + k_tile_elems;
+  static constexpr int v_in_stage = k2_in_stage + k_tile_elems;
+  static constexpr int stage_elems = v_in_stage + k_tile_elems;
+  static constexpr int stage_bytes = stage_elems * PW_ELEM_BYTES;
+  static constexpr int smem_bytes = kv_offset + Base::stages * stage_bytes;
+  static_assert(kv_offset % PW_SMEM_ALIGN == 0 && stage_bytes % PW_SMEM_ALIGN == 0,
+                "buffers start on 16-byte boundaries");
+};
+
+// pw_backward_dq (phase bwd_dq; backward.cu). Rows of the block are queries.
+//   [q1 | q2 | dO | stage 0: k1, k2, v | stage 1: k1, k2, v | lse, delta (reserved)]
+// The last region (PW_STATS_PER_ROW floats per query row) is part of the launch size that
+// capability.shared_bytes has always given this kernel, but the kernel reads each thread's
+// lse and delta from global memory straight into registers and never touches it. It is kept
+// so the layout and launch size stay as they were; drop it here and in shared_bytes together.
+template <int D, int BM, int BN, int WARPS> struct BwdDqTraits : TileTraitsBase<D, BM, WARPS> {
+  using Base = TileTraitsBase<D, BM, WARPS>;
+  static constexpr int block_m = BM, block_n = BN;
+  static constexpr int q_tile_elems = BM * Base::pitch;
+  static constexpr int k_tile_elems = BN * Base::pitch;
+  static constexpr int q_tile_bytes = q_tile_elems * PW_ELEM_BYTES;
+  static constexpr int k_tile_bytes = k_tile_elems * PW_ELEM_BYTES;
+  static constexpr int q1_offset = 0;
+  static constexpr int q2_offset = q1_offset + q_tile_bytes;
+  static constexpr int do_offset = q2_offset + q_tile_bytes;
+  static constexpr int kv_offset = do_offset + q_tile_bytes;  // stage 0 of the key tiles
+  // Within a stage (elements from the stage's start): k1, k2, v. Pass `pair` of the kernel
+  // reads k_pair at k1_in_stage + (pair - 1) * k_tile_elems.
+  static constexpr int k1_in_stage = 0;
+  static constexpr int k2_in_stage = k1_in_stage + k_tile_elems;
+  static constexpr int v_in_stage = k2_in_stage + k_tile_elems;
+  static constexpr int stage_elems = v_in_stage + k_tile_elems;
+  static constexpr int stage_bytes = stage_elems * PW_ELEM_BYTES;
+  static constexpr int stats_offset = kv_offset + Base::stages * stage_bytes;  // reserved
+  static constexpr int stats_bytes = PW_STATS_PER_ROW * BM * (int)sizeof(float);
+  static constexpr int smem_bytes = stats_offset + stats_bytes;
+  static_assert(kv_offset % PW_SMEM_ALIGN == 0 && stage_bytes % PW_SMEM_ALIGN == 0 &&
+                    stats_offset % PW_SMEM_ALIGN == 0,
+                "buffers start on 16-byte boundaries");
+};
+
+// pw_backward_dkv (phase bwd_dkv; backward.cu). Rows of the block are keys; query tiles and
+// their row statistics stream through the stages.
+//   [k1 | k2 | v | stage 0: q1, q2, dO | stage 1: q1, q2, dO | stage 0: lse, delta | stage 1: ...]
+template <int D, int BM, int BN, int WARPS> struct BwdDkvTraits : TileTraitsBase<D, BN, WARPS> {
+  using Base = TileTraitsBase<D, BN, WARPS>;
+  static constexpr int block_m = BM, block_n = BN;
+  static constexpr int k_tile_elems = BN * Base::pitch;
+  static constexpr int q_tile_elems = BM * Base::pitch;
+  static constexpr int k_tile_bytes = k_tile_elems * PW_ELEM_BYTES;
+  static constexpr int q_tile_bytes = q_tile_elems * PW_ELEM_BYTES;
+  static constexpr int k1_offset = 0;
+  static constexpr int k2_offset = k1_offset + k_tile_bytes;
+  static constexpr int v_offset = k2_offset + k_tile_bytes;
+  static constexpr int q_offset = v_offset + k_tile_bytes;  // stage 0 of the query-side tiles
+  // Within a stage (elements from the stage's start): q1, q2, dO. Pass `pair` of the kernel
+  // reads q_pair at q1_in_stage + (pair - 1) * q_tile_elems.
+  static constexpr int q1_in_stage = 0;
+  static constexpr int q2_in_stage = q1_in_stage + q_tile_elems;
+  static constexpr int do_in_stage = q2_in_stage + q_tile_elems;
+  static constexpr int stage_elems = do_in_stage + q_tile_elems;
+  static constexpr int stage_bytes = stage_elems * PW_ELEM_BYTES;
+  // Row statistics of the streamed query tile, float32, per stage: lse[BM] then delta[BM].
+  static constexpr int stats_offset = q_offset + Base::stages * stage_bytes;
+  static constexpr int lse_in_stage = 0;     // floats: lse of the tile's BM rows
+  static constexpr int delta_in_stage = BM;  // floats: delta of the tile's BM rows
+  static constexpr int stats_stage_floats = PW_STATS_PER_ROW * BM;
+  static constexpr int stats_stage_bytes = stats_stage_floats * (int)sizeof(float);
+  static constexpr int smem_bytes = stats_offset + Base::stages * stats_stage_bytes;
+  static_assert(q_offset % PW_SMEM_ALIGN == 0 && stage_bytes % PW_SMEM_ALIGN == 0 &&
+                    stats_offset % PW_SMEM_ALIGN == 0 && stats_stage_bytes % PW_SMEM_ALIGN == 0,
+                "buffers start on 16-byte boundaries");
+};

@@ -1,0 +1,132 @@
+"""The shared-memory layout has one source per kernel: the traits structs of
+``kernels_cu/traits.cuh``. The launch passes ``capability.shared_bytes`` as the dynamic
+shared-memory size, so the two must agree for every variant the tile table can select.
+
+For each listed architecture and each kernel source file, one NVRTC program is the kernel
+source (``compile.source``) followed by a ``static_assert(XTraits<D, BM, BN, WARPS>::smem_bytes
+== <Python figure>)`` per distinct (traits, head dim, tiles) the table can select there. No
+kernel is instantiated (no name expressions), so this is front-end work only, no GPU needed.
+
+Needs NVRTC (the ``nvidia-cuda-nvrtc`` wheel in the ``test`` extra, loaded through CuPy);
+where it cannot be loaded the tests are skipped with the reason.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from cupy_piecewise import capability
+from cupy_piecewise.compile import BASE_OPTIONS, SOURCE_FILE, source
+
+#: traits struct per tiled phase (kernels_cu/traits.cuh); fwd_decode runs pw_forward.
+TRAITS = {"fwd": "FwdTraits", "fwd_decode": "FwdTraits", "bwd_dq": "BwdDqTraits",
+          "bwd_dkv": "BwdDkvTraits"}
+_TAG = re.compile(r"error: static assertion failed.*pw-traits#(\d+)")
+_FINAL = re.compile(r"final comparison was (-?\d+) == (-?\d+)")  # NVRTC's note on a failed ==
+
+
+def _nvrtc_reason() -> str | None:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as exc:  # ImportError, or the library itself missing
+        return f"NVRTC cannot be loaded ({type(exc).__name__}: {exc})"
+    return None
+
+
+@pytest.fixture(scope="module")
+def nvrtc():
+    reason = _nvrtc_reason()
+    if reason:
+        print(reason)
+        pytest.skip(reason)
+    from cupy_backends.cuda.libs import nvrtc
+
+    return nvrtc
+
+
+def _arch(cc) -> str:
+    return f"sm_{cc[0]}{cc[1]}"
+
+
+def _checks(cc) -> dict[str, dict[tuple[str, int], list[str]]]:
+    """{source file: {(traits expression, Python figure): [variants it stands for]}}."""
+    out: dict[str, dict[tuple[str, int], list[str]]] = {}
+    for phase, head_dim, dtype, causal, t in sorted(capability.selectable_configs(cc), key=str):
+        expr = f"{TRAITS[phase]}<{head_dim}, {t.block_m}, {t.block_n}, {t.num_warps}>"
+        figure = capability.shared_bytes(phase, head_dim, t)  # what launch.py passes
+        label = f"{phase} D={head_dim} tiles {t} {dtype} causal={causal} on {_arch(cc)}"
+        out.setdefault(SOURCE_FILE[phase], {}).setdefault((expr, figure), []).append(label)
+    return out
+
+
+def _assert_lines(checks: list[tuple[str, int, str]]) -> str:
+    lines = ["", "// ---- tests/test_traits_cpu.py: kernel layout == capability.shared_bytes"]
+    for i, (expr, figure, label) in enumerate(checks):
+        msg = f"pw-traits#{i}: {expr}::smem_bytes != capability.shared_bytes = {figure} ({label})"
+        lines.append(f'static_assert({expr}::smem_bytes == {figure}, "{msg}");')
+    return "\n".join(lines) + "\n"
+
+
+def _failed_asserts(nvrtc, cc, filename: str, checks: list[tuple[str, int, str]]) -> tuple[list[str], str]:
+    """Compiles ``filename`` plus one static_assert per check for ``cc``. Returns one line per
+    check that fired (empty when all hold: both figures and the variant) and the compiler log."""
+    prog = nvrtc.createProgram(source(filename) + _assert_lines(checks), filename, [], [])
+    try:
+        opts = list(BASE_OPTIONS) + [f"-arch=compute_{cc[0]}{cc[1]}"]  # PTX only: no ptxas
+        try:
+            nvrtc.compileProgram(prog, opts)
+            return [], nvrtc.getProgramLog(prog)
+        except nvrtc.NVRTCError:
+            log = nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    kernel: dict[int, str] = {}  # check index -> the traits' figure, when NVRTC prints it
+    current = None
+    for line in log.splitlines():
+        m = _TAG.search(line)
+        if m:
+            current = int(m.group(1))
+            kernel.setdefault(current, "?")
+        elif current is not None and (f := _FINAL.search(line)):
+            kernel[current] = f.group(1)
+            current = None
+    if not kernel:  # some other compile error: report it whole
+        raise AssertionError(f"NVRTC failed for {filename} on {_arch(cc)} (not a traits check):\n{log}")
+    return [f"{checks[i][0]}::smem_bytes = {kernel[i]} but capability.shared_bytes = {checks[i][1]}, "
+            f"for {checks[i][2]}" for i in sorted(kernel)], log
+
+
+def test_every_tiled_phase_has_traits():
+    assert set(TRAITS) == set(capability.PHASES)
+
+
+@pytest.mark.parametrize("filename", sorted(set(SOURCE_FILE[p] for p in TRAITS)))
+@pytest.mark.parametrize("cc", capability.LISTED_ARCHS, ids=_arch)
+def test_kernel_traits_match_python_shared_bytes(nvrtc, cc, filename):
+    t0 = time.perf_counter()
+    by_expr = _checks(cc)[filename]
+    assert by_expr, f"no selectable variant uses {filename} on {_arch(cc)}"
+    # One assert per distinct (traits, figure); its label names the first variant and the count.
+    checks = [(expr, figure, labels[0] + (f" and {len(labels) - 1} more" if len(labels) > 1 else ""))
+              for (expr, figure), labels in sorted(by_expr.items())]
+    fired, log = _failed_asserts(nvrtc, cc, filename, checks)
+    assert not fired, (
+        f"kernels_cu/traits.cuh and capability.shared_bytes disagree for {len(fired)} variant(s) "
+        f"of {filename} on {_arch(cc)}:\n  " + "\n  ".join(fired)
+        + "\n(the launch passes shared_bytes; the kernel carves smem with the traits: change both)")
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 30, f"front-end compile of {filename} took {elapsed:.1f} s"
+
+
+def test_a_wrong_figure_fails_to_compile_and_names_the_variant(nvrtc):
+    cc = (9, 0)
+    (expr, figure), labels = sorted(_checks(cc)["backward.cu"].items())[0]
+    checks = [(expr, figure, "right figure"), (expr, figure + 16, "wrong figure on purpose")]
+    fired, log = _failed_asserts(nvrtc, cc, "backward.cu", checks)
+    assert len(fired) == 1 and "wrong figure on purpose" in fired[0], (fired, log)
+    assert f"smem_bytes = {figure} but capability.shared_bytes = {figure + 16}" in fired[0], fired
+    assert "static assert" in log.lower() or "static_assert" in log.lower(), log
