@@ -41,7 +41,6 @@ through :func:`env_override`, which follows changes made from Python at no cost 
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -82,62 +81,22 @@ PHASES = ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv")
 LISTED_ARCHS = ((8, 0), (8, 6), (8, 9), (9, 0))
 ENV_VAR = "CUPY_PIECEWISE_TILES"
 
-# The launch caches put the override's text in their keys, so it is read on every call and
-# must cost next to nothing. os.environ.get costs 0.3-1.2 us (it encodes the key, decodes the
-# value, and an unset variable, the usual case, goes through two KeyErrors), so the value is
-# kept here and updated when the environment changes: os.environ.__setitem__/__delitem__
-# (monkeypatch.setenv and delenv included) go through os.putenv/os.unsetenv, which raise the
-# documented audit events "os.putenv" (key, value) and "os.unsetenv" (key) before the change.
-# The hook below keeps the value from those events: env_override() then costs one global read.
-# The price is paid elsewhere: an audit hook runs for every audit event of the process
-# (id(), sys._getframe, open, import...), ~0.13 us each. Where the hook cannot be installed
-# (another hook refuses it), env_override() reads os.environ on every call instead.
-_ENV_KEY_BYTES = os.fsencode(ENV_VAR)
-_ENV_EVENTS = frozenset(("os.putenv", "os.unsetenv"))
-_PROBE_EVENT = "cupy_piecewise.capability.watch"
-_env_value = os.environ.get(ENV_VAR)
-_env_watched = False  # True once the hook is seen to run
-
-
-def _on_audit(event, args):
-    global _env_value, _env_watched
-    if event in _ENV_EVENTS:
-        # On POSIX both functions receive the key (and value) as file-system-encoded bytes;
-        # os.environ decodes values the same way (os.fsdecode: surrogateescape).
-        try:
-            key = os.fsencode(args[0])
-            if key == _ENV_KEY_BYTES:
-                _env_value = None if event == "os.unsetenv" else os.fsdecode(args[1])
-        except Exception:  # pragma: no cover - an audit hook must not raise
-            _env_watched = False  # fall back to reading os.environ on every call
-    elif event == _PROBE_EVENT:
-        _env_watched = True
-
-
-sys.addaudithook(_on_audit)
-sys.audit(_PROBE_EVENT)  # sets _env_watched unless another hook kept ours from being added
+# The launch caches put the override's text in their keys, so it is read on every call:
+# through the public os.environ (0.3-0.7 us). Faster reads were tried and dropped: the
+# mapping behind os.environ is a CPython detail, and an audit hook on os.putenv would tax
+# every audited event of the whole process.
 
 
 def env_override():
-    """The raw value of ``CUPY_PIECEWISE_TILES`` (``None`` when unset), cheap to call.
-
-    Follows every change made through ``os.environ`` (``monkeypatch.setenv`` too),
-    ``os.putenv`` and ``os.unsetenv``; see :func:`refresh_env_override` for the rest.
-    """
-    if _env_watched:
-        return _env_value
-    return os.environ.get(ENV_VAR)  # pragma: no cover - audit hook refused
+    """The raw value of ``CUPY_PIECEWISE_TILES`` (``None`` when unset), read at each call
+    so a change made between calls (``monkeypatch.setenv``, a tuning loop) takes effect."""
+    return os.environ.get(ENV_VAR)
 
 
 def refresh_env_override():
-    """Re-read ``CUPY_PIECEWISE_TILES`` from ``os.environ`` and return it.
-
-    Only needed after the process environment changed without Python seeing it (a C
-    library calling ``setenv``); changes made from Python are picked up by themselves.
-    """
-    global _env_value
-    _env_value = os.environ.get(ENV_VAR)
-    return _env_value
+    """The current value of ``CUPY_PIECEWISE_TILES`` (kept for callers of the cached
+    version: every read is fresh now)."""
+    return os.environ.get(ENV_VAR)
 
 
 BLOCK_SIZES = (16, 32, 64, 128)
