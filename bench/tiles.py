@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 
@@ -85,7 +84,7 @@ def main(argv=None):
                             *map(ref, grads), delta.data_ptr(), stream=stream)
                         fl = 2.5 * flops
                     other = {"bwd_dq": "bwd_dkv", "bwd_dkv": "bwd_dq"}.get(phase)
-                    os.environ[capability.ENV_VAR] = f"{phase}={spec}"
+                    capability.set_tile_override(f"{phase}={spec}")
                     try:
                         ms = _time(fn)
                         rec = dict(phase=phase, D=D, causal=causal, tiles=spec, ms=ms,
@@ -95,7 +94,7 @@ def main(argv=None):
                     except Exception as e:  # a config that fails to compile or launch
                         rec = dict(phase=phase, D=D, causal=causal, tiles=spec, error=repr(e)[:200])
                     finally:
-                        del os.environ[capability.ENV_VAR]
+                        capability.set_tile_override(None)
                     rows.append(rec)
                     print(f"{phase:8} D={D:3} causal={int(causal)} {spec:10} "
                           + (f"{rec['ms']:8.3f} ms {rec['tflops']:6.1f} TFLOP/s" if "ms" in rec

@@ -34,8 +34,8 @@ e.g. ``"fwd=128x64x8,bwd_dq=64x64x4"`` (``block_m x block_n x num_warps``, an
 optional fourth field for stages, ``128x64x8x2``; see :data:`STAGES`). The argument wins over the
 variable, the variable over the table. Overrides obey the same constraints;
 a bad one raises ValueError naming ``CUPY_PIECEWISE_TILES``. The variable is read
-through :func:`env_override`, which follows changes made from Python at no cost per call
-(see the comment above it).
+once, at import: after changing it in a running process call
+:func:`refresh_env_override`, or use :func:`set_tile_override`.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ __all__ = [
     "ENV_VAR",
     "env_override",
     "refresh_env_override",
+    "set_tile_override",
     "shared_bytes",
     "check_config",
     "lookup",
@@ -81,22 +82,40 @@ PHASES = ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv")
 LISTED_ARCHS = ((8, 0), (8, 6), (8, 9), (9, 0))
 ENV_VAR = "CUPY_PIECEWISE_TILES"
 
-# The launch caches put the override's text in their keys, so it is read on every call:
-# through the public os.environ (0.3-0.7 us). Faster reads were tried and dropped: the
-# mapping behind os.environ is a CPython detail, and an audit hook on os.putenv would tax
-# every audited event of the whole process.
+# The launch caches put the override's text in their keys, so it is read on every call and
+# must cost nothing: the value is read from the environment once, at import, and again
+# only when refresh_env_override() or set_tile_override() says so (a public os.environ
+# read costs 0.3-0.7 us, 5% of a small call; the faster private routes were dropped).
+_override = os.environ.get(ENV_VAR)
 
 
 def env_override():
-    """The raw value of ``CUPY_PIECEWISE_TILES`` (``None`` when unset), read at each call
-    so a change made between calls (``monkeypatch.setenv``, a tuning loop) takes effect."""
-    return os.environ.get(ENV_VAR)
+    """The value of ``CUPY_PIECEWISE_TILES`` in effect (``None`` when unset): the
+    environment at import, or at the last :func:`refresh_env_override` /
+    :func:`set_tile_override`. Costs one global read."""
+    return _override
 
 
 def refresh_env_override():
-    """The current value of ``CUPY_PIECEWISE_TILES`` (kept for callers of the cached
-    version: every read is fresh now)."""
-    return os.environ.get(ENV_VAR)
+    """Re-read ``CUPY_PIECEWISE_TILES`` from ``os.environ`` after changing it in this
+    process, and return it. Later calls plan with it (plans are cached per value)."""
+    global _override
+    _override = os.environ.get(ENV_VAR)
+    return _override
+
+
+def set_tile_override(text):
+    """Set (``text``, e.g. ``"fwd=128x64x8"``) or clear (``None``) the tile override for
+    later calls of this process and of child processes (``os.environ`` is updated too).
+    Raises ValueError for text :func:`parse_override` cannot read. Returns the old value."""
+    global _override
+    if text is not None:
+        parse_override(text)
+        os.environ[ENV_VAR] = text
+    else:
+        os.environ.pop(ENV_VAR, None)
+    old, _override = _override, text
+    return old
 
 
 BLOCK_SIZES = (16, 32, 64, 128)

@@ -56,19 +56,25 @@ from torch.autograd.function import once_differentiable
 
 from . import core, torch_cpu, validate
 from .adapters import torch as _adapter
+from .capability import env_override as _env_override
 
 __all__ = ["attention", "attention_backward", "fwd_op", "bwd_op"]
 
 Tensor = torch.Tensor
+_memo_get = core.MEMO.get
 
 
 def _call(q1, k1, q2, k2, v, w, causal, sm_scale) -> core.Call:
-    """:func:`cupy_piecewise.core.prepare` for torch tensors (memoised per signature).
-    Raises what :func:`~cupy_piecewise.validate.check_inputs` raises."""
+    """:func:`cupy_piecewise.core.prepare` for torch tensors (memoised per signature; a hit
+    is looked up here, saving the call). Raises what
+    :func:`~cupy_piecewise.validate.check_inputs` raises."""
     try:
         key = _adapter.key(q1, k1, q2, k2, v, w, causal, sm_scale)
-    except (AttributeError, TypeError):  # not tensors
-        key = None
+        hit = _memo_get((key, _env_override()))
+    except (AttributeError, TypeError):  # not tensors, or an unhashable scalar
+        key = hit = None
+    if hit is not None:
+        return hit
     return core.prepare(_adapter.OPS, key, q1, k1, q2, k2, v, w, causal, sm_scale)
 
 

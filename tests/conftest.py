@@ -30,3 +30,13 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason=NO_GPU_REASON)
         for item in gpu_items:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _tile_override_follows_the_environment():
+    """capability reads CUPY_PIECEWISE_TILES once; re-read it after each test so that a
+    monkeypatched environment, restored at teardown, leaves no override behind."""
+    yield
+    from cupy_piecewise import capability
+
+    capability.refresh_env_override()

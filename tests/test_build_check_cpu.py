@@ -56,6 +56,7 @@ def test_one_forward_and_one_backward_variant_compile_for_sm90_without_spills():
 
 def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatch):
     monkeypatch.delenv(capability.ENV_VAR, raising=False)
+    capability.refresh_env_override()
     variants = build_check.variants_for(SM90)
     assert len(set(variants)) == len(variants)
     got = {(v.phase, v.head_dim, v.dtype, v.causal): v.tiles for v in variants

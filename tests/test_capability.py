@@ -26,6 +26,7 @@ DTYPES = ("float16", "bfloat16")
 @pytest.fixture(autouse=True)
 def _no_env_override(monkeypatch):
     monkeypatch.delenv(cap.ENV_VAR, raising=False)
+    cap.refresh_env_override()
 
 
 def _all_entries():
@@ -105,6 +106,7 @@ def test_selectable_configs_cover_lookup(cc):
 def test_selectable_configs_ignore_env(monkeypatch):
     before = selectable_configs((9, 0))
     monkeypatch.setenv(cap.ENV_VAR, "fwd=64x64x4")
+    cap.refresh_env_override()
     assert selectable_configs((9, 0)) == before
 
 
@@ -173,6 +175,7 @@ def test_dtype_causal_refinement(monkeypatch):
 def test_env_override(monkeypatch):
     stages = cap.STAGES[-1]
     monkeypatch.setenv(cap.ENV_VAR, f"fwd=64x64x4, bwd_dq=32x64x2x{stages}")
+    cap.refresh_env_override()
     assert lookup((9, 0), "fwd", 128, "float16", False) == TileConfig(64, 64, 4)
     assert lookup((9, 0), "bwd_dq", 64, "float16", False) == TileConfig(32, 64, 2, stages)
     # phases the variable does not name keep the table
@@ -180,27 +183,27 @@ def test_env_override(monkeypatch):
         TABLE[(9, 0)]["bwd_dkv"][128], "float16", False)
 
 
-def test_env_override_follows_environment_changes(monkeypatch):
-    """env_override() is cached (the launch caches read it on every call) yet sees every
-    change made through os.environ: monkeypatch.setenv/delenv, a new value of a set
-    variable, pop, update."""
+def test_env_override_is_read_once_and_refreshed(monkeypatch):
+    """env_override() costs a global read: the environment is read at import and again on
+    refresh_env_override(); set_tile_override() sets both the value and os.environ."""
     assert cap.env_override() is None
     monkeypatch.setenv(cap.ENV_VAR, "fwd=64x64x4")
-    assert cap.env_override() == "fwd=64x64x4"
-    monkeypatch.setenv(cap.ENV_VAR, "fwd=32x64x2")  # same length of os.environ, new value
-    assert cap.env_override() == "fwd=32x64x2"
+    assert cap.env_override() is None  # not seen until refreshed
+    assert cap.refresh_env_override() == "fwd=64x64x4" == cap.env_override()
+    assert lookup((9, 0), "fwd", 64, "float16", False) == TileConfig(64, 64, 4)
+    assert cap.set_tile_override("fwd=32x64x2") == "fwd=64x64x4"
+    assert os.environ[cap.ENV_VAR] == "fwd=32x64x2" == cap.env_override()
     assert lookup((9, 0), "fwd", 64, "float16", False) == TileConfig(32, 64, 2)
-    os.environ.pop(cap.ENV_VAR)
-    assert cap.env_override() is None
-    os.environ.update({cap.ENV_VAR: "fwd=16x16x1"})
-    assert cap.env_override() == "fwd=16x16x1"
-    monkeypatch.delenv(cap.ENV_VAR)
-    assert cap.env_override() is None
-    assert cap.refresh_env_override() is None
+    with pytest.raises(ValueError, match=cap.ENV_VAR):
+        cap.set_tile_override("fwd=oops")
+    assert cap.env_override() == "fwd=32x64x2"
+    cap.set_tile_override(None)
+    assert cap.ENV_VAR not in os.environ and cap.env_override() is None
 
 
 def test_argument_override_wins_over_env(monkeypatch):
     monkeypatch.setenv(cap.ENV_VAR, "fwd=64x64x4")
+    cap.refresh_env_override()
     got = lookup((9, 0), "fwd", 64, "float16", False, override={"fwd": TileConfig(32, 32, 2)})
     assert got == TileConfig(32, 32, 2)
 
@@ -221,6 +224,7 @@ def test_argument_override_wins_over_env(monkeypatch):
 )
 def test_bad_env_override(monkeypatch, value):
     monkeypatch.setenv(cap.ENV_VAR, value)
+    cap.refresh_env_override()
     with pytest.raises(ValueError, match=cap.ENV_VAR):
         for phase in PHASES:
             lookup((9, 0), phase, 128, "float16", False)

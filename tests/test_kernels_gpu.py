@@ -228,7 +228,10 @@ def test_arrays_on_two_devices_raise():
 @pytest.mark.parametrize("causal", [False, True])
 def test_other_tile_configs(tiles, D, causal, monkeypatch):
     """Every tile shape the table may hold (tuning overrides too) computes the same function."""
+    from cupy_piecewise import capability
+
     monkeypatch.setenv("CUPY_PIECEWISE_TILES", tiles)
+    capability.refresh_env_override()
     run_case(D=D, dtype="bfloat16", causal=causal, M=333, N=410, w=70, group=2, transposed=False)
 
 

@@ -125,6 +125,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(launch, "_kernel", lambda device, variant: (variant, 1000 + device))
     monkeypatch.setattr(launch, "_primary", {})
     monkeypatch.delenv(capability.ENV_VAR, raising=False)
+    capability.refresh_env_override()
     launch._launches.clear()
     return drv, rt
 
@@ -240,8 +241,10 @@ def test_cached_launches_follow_the_tile_override(fake_gpu, monkeypatch):
     args = (p, ref, ref, ref, ref, ref, ref, 0)
     launch.forward(*args, stream=0)
     monkeypatch.setenv(capability.ENV_VAR, "fwd=64x32x2")
+    capability.refresh_env_override()
     launch.forward(*args, stream=0)
     monkeypatch.delenv(capability.ENV_VAR)
+    capability.refresh_env_override()
     launch.forward(*args, stream=0)
     tiles = [str(c["fn"].tiles) for c in drv.launches]
     assert tiles[1].startswith("64x32x2") and tiles[0] == tiles[2] != tiles[1]
