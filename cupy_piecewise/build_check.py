@@ -12,11 +12,16 @@ import sys
 import time
 
 from . import capability
-from .compile import Variant, compile_offline
+from .compile import HOPPER_KERNELS, Variant, compile_offline
 
 
-def variants_for(cc) -> list[Variant]:
-    """Every kernel variant the table can select on ``cc``, plus the per-row kernels."""
+def variants_for(cc, hopper: bool = False) -> list[Variant]:
+    """Every kernel variant the table can select on ``cc``, plus the per-row kernels; with
+    ``hopper`` (``--arch sm_90a``) the wgmma + TMA kernels instead."""
+    if hopper:
+        return [Variant(phase, dtype, d, None, causal) for phase in HOPPER_KERNELS
+                for dtype in capability.TABLE_DTYPES for d in capability.HOPPER_HEAD_DIMS
+                for causal in (False, True)]
     out = set()
     for phase, head_dim, dtype, causal, tiles in capability.selectable_configs(cc):
         out.add(Variant(phase, dtype, head_dim, tiles, causal))
@@ -25,17 +30,22 @@ def variants_for(cc) -> list[Variant]:
     return sorted(out, key=lambda v: (v.filename, v.name_expression))
 
 
-def _parse_arch(text: str) -> tuple[int, int]:
+def _parse_arch(text: str) -> tuple[tuple[int, int], bool]:
+    """``'sm_90'`` -> ((9, 0), False); ``'sm_90a'`` -> ((9, 0), True): the Hopper kernels."""
     t = text.strip().lower().removeprefix("sm_")
-    if not t.isdigit() or len(t) < 2:
-        raise argparse.ArgumentTypeError(f"--arch: cannot read {text!r}; expected e.g. sm_90")
-    return int(t[:-1]), int(t[-1])
+    hopper = t.endswith("a")
+    t = t.removesuffix("a")
+    if not t.isdigit() or len(t) < 2 or (hopper and t != "90"):
+        raise argparse.ArgumentTypeError(f"--arch: cannot read {text!r}; expected e.g. sm_90 or sm_90a")
+    return (int(t[:-1]), int(t[-1])), hopper
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cupy_piecewise build", description=__doc__.split("\n")[0])
-    ap.add_argument("--arch", default=",".join(f"sm_{a}{b}" for a, b in capability.LISTED_ARCHS),
-                    help="comma-separated architectures (default: every listed one)")
+    ap.add_argument("--arch", default=",".join(
+                        [f"sm_{a}{b}" for a, b in capability.LISTED_ARCHS] + ["sm_90a"]),
+                    help="comma-separated architectures (default: every listed one, and sm_90a "
+                         "for the Hopper kernels)")
     args = ap.parse_args(argv)
     archs = [_parse_arch(a) for a in args.arch.split(",") if a.strip()]
 
@@ -46,9 +56,9 @@ def main(argv=None) -> int:
             return it
 
     jobs = []
-    for cc in archs:
+    for cc, hopper in archs:
         by_file: dict[str, list[Variant]] = {}
-        for v in variants_for(cc):
+        for v in variants_for(cc, hopper):
             by_file.setdefault(v.filename, []).append(v)
         jobs += [(cc, vs) for vs in by_file.values()]
 
@@ -68,7 +78,8 @@ def main(argv=None) -> int:
         print(f"{r.arch:6} {r.registers or 0:4d} {r.stack_bytes or 0:5d} "
               f"{r.spill_stores or 0:5d}/{r.spill_loads or 0:<5d}  {r.variant.name_expression}"
               f"{'   <-- FAIL' if bad else ''}")
-    print(f"{len(rows)} variants compiled for {', '.join(f'sm_{a}{b}' for a, b in archs)} "
+    names = ", ".join(f"sm_{a}{b}{'a' if h else ''}" for (a, b), h in archs)
+    print(f"{len(rows)} variants compiled for {names} "
           f"in {time.time() - t0:.0f} s; {failures} failure(s)")
     return 1 if failures else 0
 

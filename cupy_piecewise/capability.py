@@ -54,6 +54,11 @@ __all__ = [
     "env_override",
     "refresh_env_override",
     "set_tile_override",
+    "plan_switches",
+    "PATH_VAR",
+    "path_override",
+    "HOPPER_HEAD_DIMS",
+    "hopper_shared_bytes",
     "shared_bytes",
     "check_config",
     "lookup",
@@ -97,24 +102,72 @@ def env_override():
 
 
 def refresh_env_override():
-    """Re-read ``CUPY_PIECEWISE_TILES`` from ``os.environ`` after changing it in this
-    process, and return it. Later calls plan with it (plans are cached per value)."""
-    global _override
+    """Re-read ``CUPY_PIECEWISE_TILES`` (and ``CUPY_PIECEWISE_PATH``) from ``os.environ``
+    after changing them in this process, and return the tile override. Later calls plan with it (plans are cached per value)."""
+    global _override, _path, _switches
     _override = os.environ.get(ENV_VAR)
+    _path = os.environ.get(PATH_VAR)
+    _switches = (_override, _path)
     return _override
+
+
+#: Kernel path switch (README, "Kernel paths"): unset or ``auto`` picks per GPU and problem;
+#: ``mma`` forces the mma.sync kernels on Hopper (for comparison and as a fallback);
+#: ``hopper`` takes the Hopper forward for every problem it supports, small grids included
+#: (tests use it to cover that kernel at every shape). Read at import and by
+#: :func:`refresh_env_override`.
+PATH_VAR = "CUPY_PIECEWISE_PATH"
+PATHS = ("auto", "mma", "hopper")
+_path = os.environ.get(PATH_VAR)
+
+#: Head dims of the Hopper (sm_90a: wgmma + TMA) forward; others take the mma.sync path.
+HOPPER_HEAD_DIMS = (64, 128)
+#: Query rows per Hopper forward block (two consumer warpgroups of 64) and key rows per
+#: pipeline stage, per head dim (kernels_cu/sm90/forward.cu, FwdCfg).
+HOPPER_BLOCK_M = 128
+HOPPER_BLOCK_N = {64: 128, 128: 96}
+
+
+def hopper_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of the Hopper forward (mirrors ``pw90::FwdSmem<D>::BYTES``,
+    checked by tests/test_traits_cpu.py): Q1 and Q2 tiles, two stages of K1, K2 and V as
+    64-column, 128-byte-swizzled panels, five mbarriers and 1 KB to align the base."""
+    panels = head_dim // 64
+    q_tile = panels * HOPPER_BLOCK_M * 128
+    k_tile = panels * HOPPER_BLOCK_N[head_dim] * 128
+    return 2 * q_tile + 2 * 3 * k_tile + 8 * (1 + 2 * 2) + 1024
+
+
+_switches = (_override, _path)
+
+
+def plan_switches():
+    """``(CUPY_PIECEWISE_TILES, CUPY_PIECEWISE_PATH)`` as in effect (see
+    :func:`env_override`): what plan caches put in their keys. One global read."""
+    return _switches
+
+
+def path_override() -> str:
+    """The value of ``CUPY_PIECEWISE_PATH``: ``'auto'`` (unset), ``'mma'`` or ``'hopper'``.
+    Raises ValueError for any other value (naming the variable)."""
+    value = (_path or "auto").strip().lower() or "auto"
+    if value not in PATHS:
+        raise ValueError(f"{PATH_VAR}={_path!r}: expected one of {', '.join(PATHS)}")
+    return value
 
 
 def set_tile_override(text):
     """Set (``text``, e.g. ``"fwd=128x64x8"``) or clear (``None``) the tile override for
     later calls of this process and of child processes (``os.environ`` is updated too).
     Raises ValueError for text :func:`parse_override` cannot read. Returns the old value."""
-    global _override
+    global _override, _switches
     if text is not None:
         parse_override(text)
         os.environ[ENV_VAR] = text
     else:
         os.environ.pop(ENV_VAR, None)
     old, _override = _override, text
+    _switches = (_override, _path)
     return old
 
 

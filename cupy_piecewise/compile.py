@@ -21,12 +21,17 @@ from .kernel_sources import kernel_dir
 
 #: kernel file per phase; the delta pre-pass lives with the backward kernels.
 SOURCE_FILE = {"fwd": "forward.cu", "fwd_decode": "forward.cu", "fwd_combine": "forward.cu",
-               "bwd_dq": "backward.cu", "bwd_dkv": "backward.cu", "bwd_delta": "backward.cu"}
+               "bwd_dq": "backward.cu", "bwd_dkv": "backward.cu", "bwd_delta": "backward.cu",
+               "fwd_sm90": "sm90/forward.cu"}
 _TEMPLATE = {"fwd": "pw_forward", "fwd_decode": "pw_forward", "fwd_combine": "pw_forward_combine",
              "bwd_dq": "pw_backward_dq", "bwd_dkv": "pw_backward_dkv",
-             "bwd_delta": "pw_backward_delta"}
+             "bwd_delta": "pw_backward_delta", "fwd_sm90": "pw90_forward"}
 #: per-row helper kernels: no tiles, 256 threads (a warp per row)
 ROW_KERNELS = ("bwd_delta", "fwd_combine")
+#: kernels with their tiles fixed inside (wgmma + TMA; kernels_cu/sm90/): sm_90a only
+HOPPER_KERNELS = ("fwd_sm90",)
+#: threads of a Hopper forward block: a producer warpgroup and two consumer warpgroups
+HOPPER_THREADS = 384
 _ELEM = {"float16": "half_t", "bfloat16": "bf16_t"}
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
@@ -65,6 +70,8 @@ class Variant:
     @property
     def name_expression(self) -> str:
         elem = _ELEM[self.dtype]
+        if self.phase in HOPPER_KERNELS:
+            return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}, {'true' if self.causal else 'false'}>"
         if self.phase in ROW_KERNELS:
             return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}>"
         t = self.tiles
@@ -74,11 +81,20 @@ class Variant:
 
     @property
     def threads(self) -> int:
+        if self.phase in HOPPER_KERNELS:
+            return HOPPER_THREADS
         return 256 if self.phase in ROW_KERNELS else 32 * self.tiles.num_warps
 
+    @property
+    def options(self) -> tuple[str, ...]:
+        """NVRTC options beyond the architecture CuPy picks: wgmma and setmaxnreg need the
+        architecture-specific sm_90a target (CuPy's own -arch=sm_90 does not clash with it:
+        NVRTC emits .target sm_90a)."""
+        return BASE_OPTIONS + (("-arch=sm_90a",) if self.phase in HOPPER_KERNELS else ())
 
-def arch_options(cc: tuple[int, int]) -> tuple[str, ...]:
-    return BASE_OPTIONS + (f"-arch=sm_{cc[0]}{cc[1]}",)
+
+def arch_options(cc: tuple[int, int], hopper: bool = False) -> tuple[str, ...]:
+    return BASE_OPTIONS + (f"-arch=sm_{cc[0]}{cc[1]}{'a' if hopper else ''}",)
 
 
 _lock = threading.Lock()
@@ -102,7 +118,7 @@ def get_function(device_id: int, variant: Variant):
         fn = _functions.get(key)
         if fn is None:
             with cupy.cuda.Device(device_id):
-                mod = cupy.RawModule(code=source(variant.filename), options=BASE_OPTIONS,
+                mod = cupy.RawModule(code=source(variant.filename), options=variant.options,
                                      name_expressions=[variant.name_expression])
                 fn = mod.get_function(variant.name_expression)
             _modules[key] = mod  # keep the module (and its CUmodule) alive
@@ -139,12 +155,13 @@ def compile_offline(cc: tuple[int, int], variants: list[Variant]) -> list[BuildR
     if len(files) != 1:
         raise ValueError(f"variants must share one source file, got {sorted(files)}")
     (filename,) = files
-    arch = f"sm_{cc[0]}{cc[1]}"
+    hopper = any(v.phase in HOPPER_KERNELS for v in variants)
+    arch = f"sm_{cc[0]}{cc[1]}{'a' if hopper else ''}"
     prog = nvrtc.createProgram(source(filename), filename, [], [])
     try:
         for v in variants:
             nvrtc.addNameExpression(prog, v.name_expression)
-        opts = list(arch_options(cc)) + ["-Xptxas=-v"]
+        opts = list(arch_options(cc, hopper)) + ["-Xptxas=-v"]
         try:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:

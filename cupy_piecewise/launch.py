@@ -18,7 +18,7 @@ import threading
 from typing import NamedTuple
 
 from . import capability
-from .compile import ROW_KERNELS, Variant, get_function
+from .compile import HOPPER_KERNELS, ROW_KERNELS, Variant, get_function
 
 __all__ = ["ArrayRef", "Launches", "kernel_ready", "forward", "backward", "forward_launches",
            "backward_launches", "plan"]
@@ -115,7 +115,7 @@ def plan(problem, phase: str) -> Variant:
     ``CUPY_PIECEWISE_TILES``, so a tuning override set between calls still takes effect.
     """
     key = (problem.device, phase, problem.D, problem.dtype, problem.causal,
-           capability.env_override())
+           capability.plan_switches())
     hit = _variants.get(key)
     if hit is not None:
         return hit
@@ -138,8 +138,11 @@ def _kernel(device: int, variant: Variant) -> tuple[int, int]:
         return hit
     import cupy
 
-    smem = 0 if variant.tiles is None else capability.shared_bytes(
-        variant.phase, variant.head_dim, variant.tiles)
+    if variant.phase in HOPPER_KERNELS:
+        smem = capability.hopper_shared_bytes(variant.head_dim)
+    else:
+        smem = 0 if variant.tiles is None else capability.shared_bytes(
+            variant.phase, variant.head_dim, variant.tiles)
     with cupy.cuda.Device(device):
         kernel = get_function(device, variant)  # a cupy.RawKernel
         if smem > 48 * 1024:  # above 48 KB a kernel must opt in
@@ -237,19 +240,27 @@ class Launches:
         if self.workspace_bytes:
             slots[_SLOT["o_part"]] = workspace
             slots[_SLOT["lse_part"]] = workspace + self._ws_offset
-        drv = _driver_mod or _driver()
-        prev = drv.ctxGetCurrent()
-        if prev and prev == _primary.get(self.device):
-            for fn, gx, gy, gz, threads, smem in self._steps:
-                drv.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, args, 0)
-            return
-        _make_current(self.device)
-        try:
-            for fn, gx, gy, gz, threads, smem in self._steps:
-                drv.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, args, 0)
-        finally:
-            if prev:  # restore the caller's context; a thread that had none keeps ours
-                drv.ctxSetCurrent(prev)
+        _launch_all(self.device, self._steps, stream, args)
+
+
+def _launch_all(device: int, steps, stream: int, args: int) -> None:
+    """cuLaunchKernel for each (CUfunction, grid x, y, z, threads, shared bytes) of
+    ``steps`` with the argument array at address ``args``, with ``device``'s primary
+    context current on the calling thread (a thread that never touched CUDA has none; one
+    working on another device has that one's); the caller's context is restored after."""
+    drv = _driver_mod or _driver()
+    prev = drv.ctxGetCurrent()
+    if prev and prev == _primary.get(device):
+        for fn, gx, gy, gz, threads, smem in steps:
+            drv.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, args, 0)
+        return
+    _make_current(device)
+    try:
+        for fn, gx, gy, gz, threads, smem in steps:
+            drv.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, args, 0)
+    finally:
+        if prev:  # restore the caller's context; a thread that had none keeps ours
+            drv.ctxSetCurrent(prev)
 
 
 #: Primary context handle per device, as seen by :func:`_make_current`.
@@ -307,6 +318,8 @@ def forward_launches(problem, strides, *, split: bool = True) -> Launches:
     """
     _check_grid(problem)
     _driver()
+    if use_hopper(problem, split):
+        return HopperLaunches(problem, strides)
     variant = plan(problem, "fwd_decode" if problem.M <= DECODE_ROWS else "fwd")
     tiles = variant.tiles
     nsplit, per = 1, UNSPLIT_TILES
@@ -326,6 +339,92 @@ def forward_launches(problem, strides, *, split: bool = True) -> Launches:
     views = dict(zip(("q1", "k1", "q2", "k2", "v", "o"), map(tuple, strides)))
     template = _pack(problem, views, (nsplit, per, 0, 0))
     return Launches(problem.device, FORWARD_ARRAYS, views, steps, template, ws_bytes, ws_offset)
+
+
+def use_hopper(problem, split: bool = True) -> bool:
+    """True when ``problem``'s forward runs the Hopper kernel (wgmma + TMA, sm_90a).
+
+    That is: a compute capability 9.0 GPU, float16/bfloat16, a head dim in
+    :data:`capability.HOPPER_HEAD_DIMS`, no ``CUPY_PIECEWISE_PATH=mma``, more than
+    :data:`DECODE_ROWS` query rows, and (when split-KV is allowed) enough query tiles to
+    give every SM a block: smaller grids go to the mma.sync path, whose split-KV fills the
+    GPU (the Hopper kernel has no split-KV yet), unless ``CUPY_PIECEWISE_PATH=hopper``.
+    """
+    if (problem.D not in capability.HOPPER_HEAD_DIMS or problem.M <= DECODE_ROWS
+            or problem.dtype not in ("float16", "bfloat16")):
+        return False
+    path = capability.path_override()
+    if _compute_capability(problem.device) != (9, 0) or path == "mma":
+        return False
+    if path == "hopper" or not split:
+        return True
+    blocks = math.ceil(problem.M / capability.HOPPER_BLOCK_M) * problem.H * problem.B
+    return blocks >= _multiprocessors(problem.device)
+
+
+#: FwdParams of kernels_cu/sm90/forward.cu: o, its batch/head/row strides, lse, H, group,
+#: M, N, w (8 bytes each), then scale_log2 and sm_scale as float32.
+_HOPPER_PARAMS = struct.Struct("<Qqqq Q qqqqq ff")
+_HOPPER_MAPS_MAX = 64
+
+
+class HopperLaunches:
+    """The Hopper forward of one signature, with :class:`Launches`' interface.
+
+    The kernel takes five TMA tensor maps by value (q1, q2, k1, k2, v) and a parameter
+    struct; maps are built from the data pointers at :meth:`run` and cached per pointer
+    tuple (the shapes and strides are fixed for this object), so repeated calls on the same
+    buffers encode nothing.
+    """
+
+    __slots__ = ("device", "arrays", "strides", "workspace_bytes", "_steps", "_template",
+                 "_boxes", "_shapes", "_dtype", "_maps", "_lock")
+
+    def __init__(self, problem, strides):
+        p = problem
+        self.device = p.device
+        self.arrays = FORWARD_ARRAYS
+        self.strides = dict(zip(("q1", "k1", "q2", "k2", "v", "o"), map(tuple, strides)))
+        self.workspace_bytes = 0
+        variant = Variant("fwd_sm90", p.dtype, p.D, None, p.causal)
+        grid = (math.ceil(p.M / capability.HOPPER_BLOCK_M), p.H, p.B)
+        self._steps = (_step(p, variant, grid),)
+        so = self.strides["o"]
+        self._template = _HOPPER_PARAMS.pack(0, so[0], so[1], so[2], 0, p.H, p.H // p.Hkv, p.M,
+                                             p.N, int(p.w), p.sm_scale * _LOG2E, p.sm_scale)
+        bn = capability.HOPPER_BLOCK_N[p.D]
+        q_shape, k_shape = (p.B, p.H, p.M, p.D), (p.B, p.Hkv, p.N, p.D)
+        self._shapes = (q_shape, k_shape, q_shape, k_shape, k_shape)
+        self._boxes = (capability.HOPPER_BLOCK_M, bn, capability.HOPPER_BLOCK_M, bn, bn)
+        self._dtype = p.dtype
+        self._maps: dict = {}
+        self._lock = threading.Lock()
+
+    def _encode(self, ptrs):
+        from . import tma
+
+        names = ("q1", "k1", "q2", "k2", "v")
+        m = [tma.tensor_map_bhld(ptr, shape, self.strides[n], self._dtype, box)
+             for ptr, shape, n, box in zip(ptrs, self._shapes, names, self._boxes)]
+        return (m[0].address(), m[2].address(), m[1].address(), m[3].address(),
+                m[4].address()), m
+
+    def run(self, ptrs, stream: int, workspace: int = 0) -> None:
+        """Launch on ``stream`` with the pointers of q1, k1, q2, k2, v, o, lse (lse 0: not
+        stored); ``workspace`` is unused."""
+        key = tuple(ptrs[:5])
+        hit = self._maps.get(key)
+        if hit is None:
+            hit = self._encode(key)
+            with self._lock:
+                if len(self._maps) >= _HOPPER_MAPS_MAX:
+                    self._maps.clear()
+                self._maps[key] = hit
+        params = ctypes.create_string_buffer(self._template, _HOPPER_PARAMS.size)
+        struct.pack_into("<Q", params, 0, ptrs[5])
+        struct.pack_into("<Q", params, 32, ptrs[6])
+        args = (ctypes.c_void_p * 6)(*hit[0], ctypes.addressof(params))
+        _launch_all(self.device, self._steps, stream, ctypes.addressof(args))
 
 
 def backward_launches(problem, strides) -> Launches:
@@ -361,7 +460,7 @@ _LAUNCHES_MAX = 4096
 def _cached(kind, problem, refs, extra):
     """Launches for (kind, problem, strides), memoised; the tile override is part of the key."""
     strides = tuple(tuple(r.strides) for r in refs)
-    key = (kind, problem, strides, extra, capability.env_override())
+    key = (kind, problem, strides, extra, capability.plan_switches())
     hit = _launches.get(key)
     if hit is None:
         hit = (forward_launches(problem, strides, split=extra) if kind == "fwd"

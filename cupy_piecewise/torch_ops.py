@@ -56,7 +56,7 @@ from torch.autograd.function import once_differentiable
 
 from . import core, torch_cpu, validate
 from .adapters import torch as _adapter
-from .capability import env_override as _env_override
+from .capability import plan_switches as _plan_switches
 
 __all__ = ["attention", "attention_backward", "fwd_op", "bwd_op"]
 
@@ -70,7 +70,7 @@ def _call(q1, k1, q2, k2, v, w, causal, sm_scale) -> core.Call:
     :func:`~cupy_piecewise.validate.check_inputs` raises."""
     try:
         key = _adapter.key(q1, k1, q2, k2, v, w, causal, sm_scale)
-        hit = _memo_get((key, _env_override()))
+        hit = _memo_get((key, _plan_switches()))
     except (AttributeError, TypeError):  # not tensors, or an unhashable scalar
         key = hit = None
     if hit is not None:

@@ -1,4 +1,5 @@
-"""Forward and backward once per dtype x causal at a size that is not a tile multiple.
+"""Forward and backward once per kernel path x dtype x causal x D at a size that is not a
+tile multiple (the Hopper forward forced as well as the mma.sync kernels).
 
 Run under compute-sanitizer (memcheck, racecheck) by scripts/gpu_run.sh; each case is also
 checked against the reference, so a clean report is a report on correct runs.
@@ -10,11 +11,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from test_kernels_gpu import run_case  # noqa: E402
 
-for dtype in ("float16", "bfloat16"):
-    for causal in (False, True):
-        for D in (64, 128):
-            run_case(D=D, dtype=dtype, causal=causal, M=150, N=201, w=40, group=2, transposed=False)
-            print(f"ok {dtype} causal={causal} D={D}", flush=True)
+from cupy_piecewise import capability  # noqa: E402
+
+for path in ("mma", "hopper"):  # the mma.sync kernels, then the Hopper forward forced
+    os.environ[capability.PATH_VAR] = path
+    capability.refresh_env_override()
+    for dtype in ("float16", "bfloat16"):
+        for causal in (False, True):
+            for D in (64, 128):
+                run_case(D=D, dtype=dtype, causal=causal, M=150, N=201, w=40, group=2,
+                         transposed=(D == 128))
+                print(f"ok {path} {dtype} causal={causal} D={D}", flush=True)
+os.environ.pop(capability.PATH_VAR)
+capability.refresh_env_override()
 
 # torch tensors through the memoised fast path: without lse (a null pointer the kernels
 # skip), with it, and a decode shape that splits the keys and merges the splits.

@@ -88,16 +88,44 @@ def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1):
         assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), "an input was written"
 
 
+@pytest.fixture(params=["mma", "hopper"])
+def kernel_path(request, monkeypatch):
+    """Each case on the mma.sync kernels and on the Hopper forward (CUPY_PIECEWISE_PATH;
+    where the GPU or the case has no Hopper kernel both runs take the mma.sync path)."""
+    from cupy_piecewise import capability
+
+    monkeypatch.setenv(capability.PATH_VAR, request.param)
+    capability.refresh_env_override()
+    return request.param
+
+
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_kernels_match_reference(case):
+def test_kernels_match_reference(kernel_path, case):
     run_case(**case)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("w", [-1000, 127, 128, 129, 500, 5000])
-def test_w_on_and_off_tile_edges(dtype, causal, w):
-    run_case(D=64, dtype=dtype, causal=causal, M=700, N=900, w=w, group=2, transposed=False)
+@pytest.mark.parametrize("D", [64, 128])
+def test_w_on_and_off_tile_edges(kernel_path, dtype, causal, w, D):
+    run_case(D=D, dtype=dtype, causal=causal, M=700, N=900, w=w, group=2, transposed=False)
+
+
+def test_hopper_path_is_taken_on_hopper(monkeypatch):
+    """On an H200 a large enough problem runs the wgmma + TMA forward by default."""
+    import cupy
+
+    from cupy_piecewise import capability, launch
+    from cupy_piecewise.validate import Problem
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("not a compute capability 9.0 GPU")
+    monkeypatch.delenv(capability.PATH_VAR, raising=False)
+    capability.refresh_env_override()
+    p = Problem("cupy", 2, 16, 16, 4096, 4096, 128, "bfloat16", 1024, True, 0.08, 0)
+    assert launch.use_hopper(p)
+    assert isinstance(launch.forward_launches(p, ((0,) * 4,) * 6), launch.HopperLaunches)
 
 
 def test_public_api_cupy_float16_matches_reference():

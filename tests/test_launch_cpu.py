@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 import struct
 
@@ -97,6 +98,14 @@ class _FakeDriver:
         self.ctx = ctx
 
     def launchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, args, extra):
+        if fn.phase == "fwd_sm90":  # tensor maps + its own parameter struct: read by the test
+            self.launches.append(dict(ctx=self.ctx, fn=fn, grid=(gx, gy, gz), block=(bx, by, bz),
+                                      smem=smem, stream=stream,
+                                      args=list((ctypes.c_void_p * 6).from_address(args)),
+                                      params=None))
+            p = self.launches[-1]["args"][5]
+            self.launches[-1]["params"] = ctypes.string_at(p, launch._HOPPER_PARAMS.size)
+            return
         block_addr = ctypes.c_void_p.from_address(args).value
         block = list((ctypes.c_int64 * len(launch.PARAM_FIELDS)).from_address(block_addr))
         self.launches.append(dict(ctx=self.ctx, fn=fn, grid=(gx, gy, gz), block=(bx, by, bz), smem=smem,
@@ -125,6 +134,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(launch, "_kernel", lambda device, variant: (variant, 1000 + device))
     monkeypatch.setattr(launch, "_primary", {})
     monkeypatch.delenv(capability.ENV_VAR, raising=False)
+    monkeypatch.setenv(capability.PATH_VAR, "mma")  # the Hopper kernel has its own test
+    capability.refresh_env_override()
     capability.refresh_env_override()
     launch._launches.clear()
     return drv, rt
@@ -248,3 +259,66 @@ def test_cached_launches_follow_the_tile_override(fake_gpu, monkeypatch):
     launch.forward(*args, stream=0)
     tiles = [str(c["fn"].tiles) for c in drv.launches]
     assert tiles[1].startswith("64x32x2") and tiles[0] == tiles[2] != tiles[1]
+
+
+def test_hopper_launch(fake_gpu, monkeypatch):
+    """On sm_90 with enough query tiles the forward is the wgmma + TMA kernel: five tensor
+    maps (q1, q2, k1, k2, v order), FwdParams, 384 threads, cached maps per pointer tuple."""
+    from cupy_piecewise import tma
+
+    drv, _ = fake_gpu
+    monkeypatch.delenv(capability.PATH_VAR)
+    capability.refresh_env_override()
+    encoded = []
+
+    class FakeMap:
+        def __init__(self, ptr, shape, strides, dtype, box):
+            self.info = (ptr, tuple(shape), tuple(strides), dtype, box)
+            encoded.append(self.info)
+
+        def address(self):
+            return self.info[0] + 1
+
+    monkeypatch.setattr(tma, "tensor_map_bhld",
+                        lambda ptr, shape, strides, dtype, box: FakeMap(ptr, shape, strides, dtype, box))
+    B, H, Hkv, M, N, D = 4, 8, 2, 1000, 1200, 128  # 8 x 8 x 4 = 256 blocks
+    p = Problem("torch", B, H, Hkv, M, N, D, "bfloat16", 300, True, 0.125, 0)
+    q, k, o = _contiguous((B, H, M, D)), _contiguous((B, Hkv, N, D)), _contiguous((B, H, M, D))
+    assert launch.use_hopper(p) and not launch.use_hopper(dataclasses.replace(p, D=32))
+    assert not launch.use_hopper(dataclasses.replace(p, M=8))           # decoding: split-KV
+    assert not launch.use_hopper(dataclasses.replace(p, B=1, H=1, M=300))  # 3 blocks: split-KV
+    monkeypatch.setenv(capability.PATH_VAR, "hopper")
+    capability.refresh_env_override()
+    assert launch.use_hopper(dataclasses.replace(p, B=1, H=1, M=300))  # forced
+    assert not launch.use_hopper(dataclasses.replace(p, M=8))  # M <= 16: never
+    monkeypatch.delenv(capability.PATH_VAR)
+    capability.refresh_env_override()
+    run = launch.forward_launches(p, (q, k, q, k, k, o), split=True)
+    assert isinstance(run, launch.HopperLaunches) and run.workspace_bytes == 0
+    ptrs = (0x10000, 0x20000, 0x30000, 0x40000, 0x50000, 0x60000, 0x70000)
+    run.run(ptrs, stream=9)
+    run.run(ptrs, stream=9)
+    assert len(encoded) == 5  # the second call reused the maps
+    bn = capability.HOPPER_BLOCK_N[D]
+    assert [e[0] for e in encoded] == list(ptrs[:5])
+    assert [e[4] for e in encoded] == [128, bn, 128, bn, bn]
+    assert encoded[1][1] == (B, Hkv, N, D) and encoded[0][2] == q
+    call = drv.launches[-1]
+    assert call["fn"].phase == "fwd_sm90" and call["fn"].causal and call["block"] == (384, 1, 1)
+    assert call["grid"] == (math.ceil(M / 128), H, B) and call["stream"] == 9
+    assert call["smem"] == 1000  # the fake _kernel's answer
+    maps = call["args"][:5]
+    # kernel order: q1, q2, k1, k2, v
+    assert maps == [ptrs[0] + 1, ptrs[2] + 1, ptrs[1] + 1, ptrs[3] + 1, ptrs[4] + 1]
+    fields = launch._HOPPER_PARAMS.unpack(call["params"])
+    assert fields[:5] == (ptrs[5], o[0], o[1], o[2], ptrs[6])
+    assert fields[5:10] == (H, H // Hkv, M, N, 300)
+    assert fields[10] == pytest.approx(0.125 * 1.4426950408889634) and fields[11] == 0.125
+    # CUPY_PIECEWISE_PATH=mma forces the mma.sync kernels
+    monkeypatch.setenv(capability.PATH_VAR, "mma")
+    capability.refresh_env_override()
+    assert not launch.use_hopper(p)
+    monkeypatch.setenv(capability.PATH_VAR, "fast")
+    capability.refresh_env_override()
+    with pytest.raises(ValueError, match="CUPY_PIECEWISE_PATH"):
+        launch.use_hopper(p)

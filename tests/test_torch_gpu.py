@@ -70,11 +70,21 @@ ACCURACY_CASES = [
 ]
 
 
+@pytest.fixture(params=["auto", "hopper"])
+def kernel_path(request, monkeypatch):
+    """The default choice of kernels, and the Hopper forward forced for every shape it takes."""
+    from cupy_piecewise import capability
+
+    monkeypatch.setenv(capability.PATH_VAR, request.param)
+    capability.refresh_env_override()
+    return request.param
+
+
 @pytest.mark.parametrize("case", ACCURACY_CASES, ids=[str(c) for c in ACCURACY_CASES])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_accuracy_forward_backward(nan_outputs, case, causal, D, dtype):
+def test_accuracy_forward_backward(nan_outputs, kernel_path, case, causal, D, dtype):
     B, H, Hkv, M, N, w, layout = case
     name = dtype_name(dtype)
     ins = make(B, H, Hkv, M, N, D, dtype, layout, seed=M * 7 + N + D, scale=1.5)

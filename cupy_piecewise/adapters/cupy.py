@@ -12,7 +12,7 @@ import numpy as np
 from cupy_backends.cuda.api import runtime as _rt
 
 from .. import validate
-from ..capability import env_override
+from ..capability import plan_switches
 from ..core import MEMO, ArrayOps, prepare, run_backward, run_forward
 
 __all__ = ["OPS", "key", "attention", "attention_backward", "bfloat16"]
@@ -126,7 +126,7 @@ def key(q1, k1, q2, k2, v, w, causal, sm_scale):
 def _call(q1, k1, q2, k2, v, w, causal, sm_scale):
     try:
         k = key(q1, k1, q2, k2, v, w, causal, sm_scale)
-        hit = _memo_get((k, env_override()))
+        hit = _memo_get((k, plan_switches()))
     except (AttributeError, TypeError):  # not CuPy arrays (check_inputs says which), or
         k = hit = None                   # an unhashable scalar
     if hit is not None:

@@ -94,7 +94,7 @@ def prepare(ops: ArrayOps, key, q1, k1, q2, k2, v, w, causal, sm_scale) -> Call:
     arrays are not of ``ops``' library.
     """
     if key is not None:
-        key = (key, capability.env_override())
+        key = (key, capability.plan_switches())
         try:
             hit = MEMO.get(key)
         except TypeError:  # an unhashable scalar: checked (and rejected) below
