@@ -33,6 +33,8 @@ HOPPER_KERNELS = ("fwd_sm90",)
 #: threads of a Hopper forward block: a producer warpgroup and two consumer warpgroups
 HOPPER_THREADS = 384
 _ELEM = {"float16": "half_t", "bfloat16": "bf16_t"}
+#: the Hopper kernels' own element tags (kernels_cu/sm90/hopper.cuh)
+_ELEM90 = {"float16": "pw90::f16", "bfloat16": "pw90::bf16"}
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
 BASE_OPTIONS = ("-std=c++17",)
@@ -71,6 +73,7 @@ class Variant:
     def name_expression(self) -> str:
         elem = _ELEM[self.dtype]
         if self.phase in HOPPER_KERNELS:
+            elem = _ELEM90[self.dtype]
             return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}, {'true' if self.causal else 'false'}>"
         if self.phase in ROW_KERNELS:
             return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}>"
