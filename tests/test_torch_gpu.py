@@ -158,21 +158,20 @@ def test_empty_sizes():
 
 
 def _record_launches(monkeypatch):
-    """Spy on launch.Launches.run, through which every kernel launch goes; returns the
-    list of calls as dicts: 'kind' ('fwd'/'bwd'), 'ptr' and 'strides' by array name,
-    and 'stream'."""
+    """Spy on launch.Launches.run and launch.HopperLaunches.run, through which every kernel
+    launch goes; returns the list of calls as dicts: 'kind' ('fwd'/'bwd'), 'ptr' and
+    'strides' by array name, and 'stream'."""
     from cupy_piecewise import launch
 
     calls = []
-    real = launch.Launches.run
+    for cls in (launch.Launches, launch.HopperLaunches):
+        def spy(self, ptrs, stream, workspace=0, real=cls.run):
+            kind = "fwd" if self.arrays == launch.FORWARD_ARRAYS else "bwd"
+            calls.append(dict(kind=kind, ptr=dict(zip(self.arrays, ptrs)), strides=self.strides,
+                              stream=stream))
+            return real(self, ptrs, stream, workspace)
 
-    def spy(self, ptrs, stream, workspace=0):
-        kind = "fwd" if self.arrays == launch.FORWARD_ARRAYS else "bwd"
-        calls.append(dict(kind=kind, ptr=dict(zip(self.arrays, ptrs)), strides=self.strides,
-                          stream=stream))
-        return real(self, ptrs, stream, workspace)
-
-    monkeypatch.setattr(launch.Launches, "run", spy)
+        monkeypatch.setattr(cls, "run", spy)
     return calls
 
 
