@@ -105,7 +105,6 @@ def main(argv=None):
                           f"           {tf['piecewise'] / tf['sdpa_cudnn']:6.2f}x "
                           f"{tf['piecewise'] / tf['sdpa_flash']:6.2f}x {tf['piecewise'] / tf['piecewise_mma']:6.2f}x",
                           flush=True)
-                    del q1, k1, q2, k2, v
     header = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   cupy_piecewise=cupy_piecewise.__version__,
