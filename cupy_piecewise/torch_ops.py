@@ -62,6 +62,8 @@ __all__ = ["attention", "attention_backward", "fwd_op", "bwd_op"]
 
 Tensor = torch.Tensor
 _memo_get = core.MEMO.get
+_run_forward = core.run_forward
+_OPS = _adapter.OPS
 
 
 def _call(q1, k1, q2, k2, v, w, causal, sm_scale) -> core.Call:
@@ -196,6 +198,7 @@ _peek_functorch = _private(_functorch, "peek_interpreter_stack", lambda: "unknow
 _dispatch_modes = _private(torch._C, "_len_torch_dispatch_stack", lambda: 1)
 _function_modes = _private(torch._C, "_is_torch_function_mode_enabled", lambda: True)
 _any_autocast = _private(torch._C, "_is_any_autocast_enabled", lambda: True)
+_is_compiling = torch.compiler.is_compiling
 
 #: How an eager call runs (see :func:`_route`).
 _DIRECT, _FUNCTION, _OPERATOR = 0, 1, 2
@@ -207,14 +210,14 @@ def _route(*tensors) -> int:
     if not DIRECT_EAGER_CALLS or _dispatch_modes() or _function_modes() or \
             _peek_functorch() is not None:
         return _OPERATOR
-    grad = torch.is_grad_enabled()
-    route = _DIRECT
     for t in tensors:
         if type(t) is not Tensor:
             return _OPERATOR
-        if grad and t.requires_grad:
-            route = _FUNCTION
-    return route
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if t.requires_grad:
+                return _FUNCTION
+    return _DIRECT
 
 
 def _direct_ok(*tensors) -> bool:
@@ -312,7 +315,7 @@ def attention(
     """
     if _any_autocast() and isinstance(q1, Tensor):
         q1, k1, q2, k2, v = _autocast(q1, k1, q2, k2, v)
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         # Traced by dynamo: the operator body checks the arguments when it runs
         # (memoised, so once per signature); the fake implementation gives shapes.
         scale = 1.0 / math.sqrt(q1.shape[-1]) if sm_scale is None else float(sm_scale)
@@ -324,7 +327,9 @@ def attention(
         call = _call(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale)
         route = _route(q1, k1, q2, k2, v)
         p = call.problem  # w clamped to the sequences: fits the operators' int64
-        if route == _DIRECT:  # nothing to record: lse only if asked for
+        if route == _DIRECT and p.device is not None:  # the hot path: straight to the core
+            o, lse = _run_forward(call, _OPS, q1, k1, q2, k2, v, need_lse=return_lse)
+        elif route == _DIRECT:  # nothing to record: lse only if asked for
             o, lse = _fwd_impl(q1, k1, q2, k2, v, p.w, p.causal, p.sm_scale, call, return_lse)
         elif route == _FUNCTION:
             o, lse = _Attention.apply(call, q1, k1, q2, k2, v)

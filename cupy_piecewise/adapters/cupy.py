@@ -63,6 +63,10 @@ def _empty_out(shape, dtype: str, device: int):
         return _empty(shape, _DTYPES[dtype])
 
 
+def _empty_like(a):
+    return _empty_out(a.shape, a.dtype.name, a.device.id)
+
+
 def _scratch(nbytes: int, device: int):
     with _on(device):
         return cupy.empty(nbytes, dtype=cupy.uint8)
@@ -103,6 +107,7 @@ OPS = ArrayOps(
     shape=lambda a: a.shape,
     itemsize=lambda a: a.itemsize,
     empty=_empty_out,
+    empty_like=_empty_like,
     scratch=_scratch,
     fill=_fill,
     copy=_copy,

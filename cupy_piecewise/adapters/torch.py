@@ -16,26 +16,38 @@ __all__ = ["OPS", "key", "forward", "backward"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
            "float64": torch.float64}
-_devices: dict = {}
+
+
+class _Devices(dict):
+    """index -> torch.device, made on first use (a lookup costs no Python frame)."""
+
+    def __missing__(self, index):
+        d = self[index] = torch.device("cuda", index)
+        return d
+
+
+_devices = _Devices()
 
 #: Allocator of the outputs (and of the backward's delta scratch). Tests swap in a
 #: NaN-filling version to show that the kernels write every element.
 _empty = torch.empty
 
 
-def _device(index: int) -> torch.device:
-    d = _devices.get(index)
-    if d is None:
-        d = _devices[index] = torch.device("cuda", index)
-    return d
-
-
 def _empty_out(shape, dtype: str, device: int):
-    return _empty(shape, dtype=_DTYPES[dtype], device=_device(device))
+    return _empty(shape, dtype=_DTYPES[dtype], device=_devices[device])
+
+
+_CONTIGUOUS = torch.contiguous_format
+
+
+def _empty_like(t):
+    if _empty is torch.empty:  # ~0.6 us cheaper than torch.empty(shape, dtype=, device=)
+        return torch.empty_like(t, memory_format=_CONTIGUOUS)
+    return _empty(t.shape, dtype=t.dtype, device=t.device)  # the tests' NaN-filling hook
 
 
 def _scratch(nbytes: int, device: int):
-    return torch.empty(nbytes, dtype=torch.uint8, device=_device(device))
+    return torch.empty(nbytes, dtype=torch.uint8, device=_devices[device])
 
 
 def _fill(t, value) -> None:
@@ -74,6 +86,7 @@ OPS = ArrayOps(
     shape=lambda t: t.shape,
     itemsize=torch.Tensor.element_size,
     empty=_empty_out,
+    empty_like=_empty_like,
     scratch=_scratch,
     fill=_fill,
     copy=_copy,
