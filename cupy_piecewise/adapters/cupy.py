@@ -7,13 +7,15 @@ negative strides) is copied once; inputs are never written.
 """
 from __future__ import annotations
 
+import operator
+
 import cupy
 import numpy as np
 from cupy_backends.cuda.api import runtime as _rt
 
 from .. import validate
 from ..capability import plan_switches
-from ..core import MEMO, ArrayOps, prepare, run_backward, run_forward
+from ..core import MEMO, ArrayOps, prepare, run_backward, run_forward, signature
 
 __all__ = ["OPS", "key", "attention", "attention_backward", "bfloat16"]
 
@@ -116,16 +118,13 @@ OPS = ArrayOps(
 )
 
 
+_strides_of = operator.attrgetter("strides")
+_device_of = operator.attrgetter("device.id")
+
+
 def key(q1, k1, q2, k2, v, w, causal, sm_scale):
-    """The memo key of a call (see :func:`cupy_piecewise.adapters.torch.key`)."""
-    return (
-        "cupy",
-        q1.shape, k1.shape, q2.shape, k2.shape, v.shape,
-        q1.strides, k1.strides, q2.strides, k2.strides, v.strides,
-        q1.dtype, k1.dtype, q2.dtype, k2.dtype, v.dtype,
-        q1.device.id, k1.device.id, q2.device.id, k2.device.id, v.device.id,
-        type(w), w, type(causal), causal, type(sm_scale), sm_scale,
-    )
+    """The memo key of a call (:func:`cupy_piecewise.core.signature`)."""
+    return signature("cupy", _strides_of, _device_of, q1, k1, q2, k2, v, w, causal, sm_scale)
 
 
 def _call(q1, k1, q2, k2, v, w, causal, sm_scale):

@@ -8,9 +8,13 @@ CPU implementation in :mod:`cupy_piecewise.torch_cpu`.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
-from ..core import ArrayOps, run_backward, run_forward
+from ..core import ArrayOps, run_backward, run_forward, signature
+
+Tensor = torch.Tensor
 
 __all__ = ["OPS", "key", "forward", "backward"]
 
@@ -95,18 +99,12 @@ OPS = ArrayOps(
 )
 
 
+_device_of = operator.attrgetter("device")
+
+
 def key(q1, k1, q2, k2, v, w, causal, sm_scale):
-    """The memo key of a call: everything :func:`cupy_piecewise.core.prepare` decides from
-    (data pointers excluded: the core checks their alignment at every call). The scalars'
-    types are part of it so that ``w=3.0`` (rejected) never hits the entry of ``w=3``."""
-    return (
-        "torch",
-        q1.shape, k1.shape, q2.shape, k2.shape, v.shape,
-        q1.stride(), k1.stride(), q2.stride(), k2.stride(), v.stride(),
-        q1.dtype, k1.dtype, q2.dtype, k2.dtype, v.dtype,
-        q1.device, k1.device, q2.device, k2.device, v.device,
-        type(w), w, type(causal), causal, type(sm_scale), sm_scale,
-    )
+    """The memo key of a call (:func:`cupy_piecewise.core.signature`)."""
+    return signature("torch", Tensor.stride, _device_of, q1, k1, q2, k2, v, w, causal, sm_scale)
 
 
 def forward(call, q1, k1, q2, k2, v, need_lse=True):

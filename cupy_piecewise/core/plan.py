@@ -14,7 +14,8 @@ from typing import Callable, NamedTuple, Optional
 from .. import capability, launch, validate
 from .memo import Memo
 
-__all__ = ["ArrayOps", "Call", "prepare", "run_forward", "run_backward", "clamp_w", "MEMO"]
+__all__ = ["ArrayOps", "Call", "prepare", "run_forward", "run_backward", "clamp_w", "signature",
+           "MEMO"]
 
 
 class ArrayOps(NamedTuple):
@@ -61,6 +62,22 @@ class Call(NamedTuple):
 
 #: Every prepared signature of every adapter (the key starts with the library's name).
 MEMO = Memo(4096)
+
+
+def signature(library: str, strides_of, device_of, q1, k1, q2, k2, v, w, causal, sm_scale):
+    """The memo key of a call: everything :func:`prepare` decides from (data pointers
+    excluded: :func:`run_forward` checks their alignment at every call). ``strides_of`` and
+    ``device_of`` read an array's strides and device (C-level callables keep this cheap).
+    The scalars' types are part of it so that ``w=3.0`` (rejected) never hits ``w=3``'s
+    entry. Raises AttributeError for non-arrays."""
+    return (
+        library,
+        q1.shape, k1.shape, q2.shape, k2.shape, v.shape,
+        strides_of(q1), strides_of(k1), strides_of(q2), strides_of(k2), strides_of(v),
+        q1.dtype, k1.dtype, q2.dtype, k2.dtype, v.dtype,
+        device_of(q1), device_of(k1), device_of(q2), device_of(k2), device_of(v),
+        type(w), w, type(causal), causal, type(sm_scale), sm_scale,
+    )
 
 
 def clamp_w(problem: validate.Problem) -> validate.Problem:
