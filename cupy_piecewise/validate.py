@@ -35,6 +35,9 @@ __all__ = [
 GPU_DTYPES = ("float16", "bfloat16")
 #: head dims the CUDA kernels are instantiated for.
 GPU_HEAD_DIMS = (16, 32, 64, 128)
+#: The kernels keep row indices and distances in 32-bit integers (i + N - M - j, tile
+#: starts plus tile sizes): lengths must stay below this.
+GPU_MAX_LENGTH = 1 << 30
 
 #: dtypes each library's array may have when entering :func:`check_inputs`.
 #: NumPy has no bfloat16 of its own; CuPy 14 arrays may have ml_dtypes' bfloat16. GPU
@@ -326,8 +329,8 @@ def check_gpu_support(problem: Problem) -> None:
     """Raise when the CUDA kernels cannot run ``problem``.
 
     Raises:
-        ValueError: CPU arrays (``device`` is None), or a head_dim outside
-            :data:`GPU_HEAD_DIMS`.
+        ValueError: CPU arrays (``device`` is None), a head_dim outside
+            :data:`GPU_HEAD_DIMS`, or a length of :data:`GPU_MAX_LENGTH` or more.
         TypeError: a dtype outside :data:`GPU_DTYPES`.
     """
     if problem.device is None:
@@ -343,3 +346,8 @@ def check_gpu_support(problem: Problem) -> None:
             f"head_dim {problem.D} is not supported by the CUDA kernels; expected one of "
             f"{', '.join(str(d) for d in GPU_HEAD_DIMS)}"
         )
+    for name, n in (("q1", problem.M), ("k1", problem.N)):
+        if n >= GPU_MAX_LENGTH:
+            raise ValueError(
+                f"{name} has length {n}; the CUDA kernels index lengths below 2**30 "
+                f"({GPU_MAX_LENGTH}) with 32-bit integers")

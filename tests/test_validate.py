@@ -376,3 +376,14 @@ def test_validate_does_not_import_cupy():
 def test_library_of_parameter_subclass():
     p = torch.nn.Parameter(torch.zeros(1, 1, 2, 4))
     assert validate.library_of(p) == "torch"
+
+
+@pytest.mark.parametrize("M,N,name", [(1 << 30, 5, "q1"), (5, 1 << 30, "k1")])
+def test_gpu_lengths_the_kernels_cannot_index(M, N, name):
+    from cupy_piecewise.validate import GPU_MAX_LENGTH, Problem, check_gpu_support
+
+    ok = Problem("torch", 1, 1, 1, GPU_MAX_LENGTH - 1, GPU_MAX_LENGTH - 1, 64, "bfloat16", 0,
+                 False, 0.125, 0)
+    check_gpu_support(ok)
+    with pytest.raises(ValueError, match=f"{name} has length .* 2\\*\\*30"):
+        check_gpu_support(Problem("torch", 1, 1, 1, M, N, 64, "bfloat16", 0, False, 0.125, 0))
