@@ -20,6 +20,12 @@ phase, restarts it after the case that hung):
    flash, SDPA cuDNN and the package's mma.sync path; CUDA events, median of 20 after
    warm-up; TFLOP/s with FLOPs = 4 B H M N D (half when causal).
 
+With ``--variants "PW90_PINGPONG=1;PW90_OVERLAP=1;PW90_PINGPONG=1 PW90_OVERLAP=1"`` it instead
+A/B-tests compile-time variants of the kernel: the default build and each variant (its macros
+as -D options) in turn get a 128-case check (the 96 of phase 2 plus 32 more: both dtypes, D
+64/128, causal or not, ragged M/N, negative w, GQA, the blhd layout) and bf16 timings at L = 2048 and 8192 (B = 16384 / L, H =
+2048 / D, w = L / 4), beside SDPA cuDNN and flash; a table compares them (about 3-4 minutes).
+
 Everything is printed with flush and also written to --out. The whole run stays under
 about 4 minutes (phase deadlines below). Not part of the package: the kernel is a
 standalone prototype and is launched here directly through cuLaunchKernel.
@@ -53,19 +59,33 @@ BN = {64: 128, 128: 96}  # mirrors pw90::FwdCfg
 LOG2E = 1.4426950408889634
 
 # Phase deadlines and inactivity limits (seconds): build + check + time < 240.
-PHASES = {"build": (45, 40), "check": (85, 20), "variant": (35, 20), "time": (70, 50)}
+PHASES = {"build": (45, 40), "check": (85, 20), "variant": (35, 20), "time": (70, 50),
+          "vrun": (90, 25), "vbase": (40, 30)}
 #: cases re-run with -DPW90_PV_SPLIT=1 (P·V as one m64n64 product per 64-column panel of V,
 #: no reliance on the descriptor's leading byte offset) when the main check saw failures
 VARIANT_CASES = (0, 1, 4, 9, 10, 13, 18, 22, 27, 31)
 
 
-def smem_bytes(D: int) -> int:
+#: macros that select the pipelined consumer loop, which has 2 more mbarriers per stage
+PIPE_MACROS = ("PW90_DEFER", "PW90_OVERLAP", "PW90_PINGPONG")
+
+
+def is_pipe(options=()) -> bool:
+    """True when the NVRTC options turn on one of PIPE_MACROS (-DNAME or -DNAME=nonzero)."""
+    for o in options:
+        m = re.match(r"-D(\w+)(?:=(.*))?$", o)
+        if m and m.group(1) in PIPE_MACROS and (m.group(2) is None or m.group(2).strip() not in ("0", "")):
+            return True
+    return False
+
+
+def smem_bytes(D: int, pipe: bool = False) -> int:
     """Dynamic shared memory of pw90_forward<T, D, *>: mirrors pw90::FwdSmem<D>::BYTES."""
     panels = D // 64
     q_tile = panels * BM * 128
     k_tile = panels * BN[D] * 128
     bars = 2 * q_tile + 2 * 3 * k_tile
-    return bars + 8 * (1 + 2 * 2) + 1024
+    return bars + 8 * (1 + (4 if pipe else 2) * 2) + 1024
 
 
 def name_expr(dtype: str, D: int, causal: bool) -> str:
@@ -155,11 +175,12 @@ class Kernels:
             os.close(fd)
             self.mod = cupy.RawModule(path=path)
             get = lambda n: self.mod.get_function(lowered[n])  # noqa: E731
+        pipe = is_pipe(opts)
         for n in NAMES:
             k = get(n)
             D = 64 if ", 64," in n else 128
-            k.max_dynamic_shared_size_bytes = smem_bytes(D)
-            self.fns[n] = (k, smem_bytes(D))
+            k.max_dynamic_shared_size_bytes = smem_bytes(D, pipe)
+            self.fns[n] = (k, smem_bytes(D, pipe))
 
     def launch(self, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale=None):
         """o, lse: preallocated torch tensors ((B,H,M,D) unit-stride D; (B,H,M) contiguous)."""
@@ -493,6 +514,183 @@ def _time_config(torch, F, kern, SDPBackend, sdpa_kernel, cupy_piecewise, B, L, 
     return 0  # the tensors die with this frame
 
 
+# ============================================================================ --variants
+
+#: timing grid of --variants: bf16, B = 16384 / L, H = 2048 / D, w = L / 4
+VT_CONFIGS = [(L, D, c) for L in (2048, 8192) for D in (64, 128) for c in (False, True)]
+#: -DPW90_WAIT_SPIN_LIMIT for the variant check builds: a pipeline deadlock traps (the worker
+#: then reports an error and exits) instead of hanging the GPU; the timing builds go without
+CHECK_SPIN_LIMIT = 1 << 26
+
+
+def reduced_cases():
+    """32 cases for --variants (run after make_cases()'s 96): every (dtype, D, causal) with M = N = 200 (w = 37: straddling
+    tiles), M = N = 1000 (w = -3, far only / 5000, near only) and M = 257, N = 385, w = -200,
+    GQA 4:1; plus bf16 blhd layout, M < N and M > N cases."""
+    cases = []
+    for dt in ("bfloat16", "float16"):
+        for D in (64, 128):
+            for causal in (False, True):
+                base = dict(dtype=dt, D=D, causal=causal, B=1, H=4, Hkv=2)
+                cases.append(dict(base, M=200, N=200, w=37))
+                cases.append(dict(base, M=1000, N=1000, w=-3 if dt == "bfloat16" else 5000))
+                cases.append(dict(base, M=257, N=385, w=-200, B=2, H=8, Hkv=2))
+    for D in (64, 128):
+        for causal in (False, True):
+            base = dict(dtype="bfloat16", D=D, causal=causal, B=1, H=4, Hkv=2)
+            cases.append(dict(base, M=300, N=300, w=128, layout="blhd", B=2, H=4, Hkv=4))
+            cases.append(dict(base, M=200, N=1000, w=300) if D == 128 else dict(base, M=1000, N=200, w=5))
+    return cases
+
+
+def variant_options(spec: str):
+    """'PW90_PINGPONG=1 PW90_OVERLAP=1' -> ['-DPW90_PINGPONG=1', '-DPW90_OVERLAP=1']."""
+    return [t if t.startswith("-") else f"-D{t}" for t in spec.split()]
+
+
+def phase_vrun(args):
+    """One variant (its -D options in args.opt): reduced check, then the timing grid."""
+    import torch
+
+    opts = tuple(args.opt)
+    tag = " ".join(o[2:] if o.startswith("-D") else o for o in opts) or "(default)"
+    t = time.time()
+    try:
+        kern = Kernels(via=args.via, extra_options=opts + (f"-DPW90_WAIT_SPIN_LIMIT={CHECK_SPIN_LIMIT}",))
+    except Exception as e:
+        say(f"VBUILD FAIL {tag}: {type(e).__name__}: {str(e)[:2000]}")
+        return 1
+    say(f"VBUILD OK {tag} ({time.time() - t:.1f} s)")
+    cases = make_cases() + reduced_cases()  # 128 cases, a few seconds on an H200
+    npass = nfail = 0
+    worst = 0.0
+    for i, c in enumerate(cases):
+        if i < args.start:
+            continue
+        say(f"CASE {i} START {describe(c)}")
+        try:
+            vo, vl = run_case(torch, kern, c, seed=2000 + i)
+            ok = vo.passed and vl.passed
+            worst = max(worst, vo.max_err / vo.bound if vo.bound else 0.0)
+            npass += ok
+            nfail += not ok
+            if not ok:
+                say(f"FAIL {i} {describe(c)}: o max {vo.max_err:.3e} (bound {vo.bound:.3e}) finite "
+                    f"{vo.finite}; lse max {vl.max_err:.3e} (bound {vl.bound:.3e}) finite {vl.finite}")
+        except Exception as e:
+            nfail += 1
+            say(f"ERROR {i} {describe(c)}: {type(e).__name__}: {str(e)[:500]}")
+            try:
+                torch.cuda.synchronize()
+            except Exception:
+                say(f"VCHECK {tag}: {npass} pass, {nfail} fail, CUDA context lost at case {i}")
+                return 3
+    say(f"VCHECK {tag}: {npass} pass, {nfail} fail of {len(cases) - args.start} "
+        f"(worst o error / bound {worst:.2f})")
+    if args.skip_ours:
+        return 0
+    kern = Kernels(via=args.via, extra_options=opts)
+    for L, D, causal in VT_CONFIGS:
+        _vtime_ours(torch, kern, tag, L, D, causal)
+        torch.cuda.empty_cache()
+    return 0
+
+
+def _vtime_ours(torch, kern, tag, L, D, causal):
+    B, H, w = 16384 // L, 2048 // D, L // 4
+    g = torch.Generator(device="cuda")
+    g.manual_seed(7)
+    mk = lambda: torch.randn(B, H, L, D, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    q1, k1, q2, k2, v = mk(), mk(), mk(), mk(), mk()
+    o = torch.empty_like(q1)
+    lse = torch.empty(B, H, L, device="cuda", dtype=torch.float32)
+    flops = 4 * B * H * L * L * D * (0.5 if causal else 1.0)
+    try:
+        ms = cuda_time(torch, lambda: kern.launch(q1, k1, q2, k2, v, o, lse, w, causal), 5, 30)
+        say(f"VTIME {tag} | L={L} D={D} causal={int(causal)} | {ms:.4f} ms {flops / ms / 1e9:.1f} TFLOP/s")
+    except Exception as e:
+        say(f"VTIME {tag} | L={L} D={D} causal={int(causal)} | ERROR {type(e).__name__}: {str(e)[:200]}")
+        torch.cuda.synchronize()
+
+
+def phase_vbase(args):
+    """SDPA cuDNN and flash (standard attention, q1/k1/v) on the --variants timing grid."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for L, D, causal in VT_CONFIGS:
+        _vtime_sdpa(torch, F, SDPBackend, sdpa_kernel, L, D, causal)
+        torch.cuda.empty_cache()
+    return 0
+
+
+def _vtime_sdpa(torch, F, SDPBackend, sdpa_kernel, L, D, causal):
+    B, H = 16384 // L, 2048 // D
+    g = torch.Generator(device="cuda")
+    g.manual_seed(7)
+    mk = lambda: torch.randn(B, H, L, D, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    q, k, v = mk(), mk(), mk()
+    flops = 4 * B * H * L * L * D * (0.5 if causal else 1.0)
+    for name, be in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        def fn(be=be):
+            with sdpa_kernel(be):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        try:
+            ms = cuda_time(torch, fn, 5, 30)
+            say(f"VTIME {name} | L={L} D={D} causal={int(causal)} | {ms:.4f} ms {flops / ms / 1e9:.1f} TFLOP/s")
+        except Exception as e:
+            say(f"VTIME {name} | L={L} D={D} causal={int(causal)} | ERROR {type(e).__name__}: {str(e)[:200]}")
+            torch.cuda.synchronize()
+
+
+def run_variants(specs, via, log, budget_s=225.0):
+    """--variants: baselines, then the default build and each variant in its own worker;
+    prints the comparison table. Stays within budget_s seconds."""
+    t0 = time.time()
+    specs = [""] + [" ".join(v.split()) for v in specs if v.strip()]
+    log("=" * 20 + f" variants: {len(specs)} builds (the default first), budget {budget_s:.0f} s")
+    status, lines = run_worker("vbase", ["--via", via], 40, 30, log)
+    log(f"[vbase worker: {status}]")
+    allines = list(lines)
+    checks = {}
+    for i, spec in enumerate(specs):
+        left = budget_s - (time.time() - t0)
+        share = left / (len(specs) - i)
+        if share < 15:
+            log(f"[variants: out of time before '{spec or '(default)'}']")
+            break
+        opts = variant_options(spec)
+        extra = ["--via", via] + [f"--opt={o}" for o in opts]
+        status, lines = run_worker("vrun", extra, min(share, 90), 25, log)
+        log(f"[vrun worker '{spec or '(default)'}': {status}]")
+        allines += lines
+        tag = spec or "(default)"
+        vc = [ln for ln in lines if ln.startswith("VCHECK")]
+        checks[tag] = vc[-1].split(":", 1)[1].strip() if vc else f"no result ({status})"
+    # table
+    times = {}
+    for ln in allines:
+        m = re.match(r"VTIME (.+?) \| L=(\d+) D=(\d+) causal=(\d) \| ([\d.]+) ms ([\d.]+) TFLOP/s", ln)
+        if m:
+            times[(m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)))] = float(m.group(6))
+    rows = [s or "(default)" for s in specs] + ["sdpa_cudnn", "sdpa_flash"]
+    cols = [(L, D, int(c)) for L, D, c in VT_CONFIGS]
+    head = "".join("{:>12s}".format(f"L{L // 1024}k D{D}" + (" c" if c else "")) for L, D, c in cols)
+    log("=" * 20 + " variants table: bf16 TFLOP/s (B = 16384/L, H = 2048/D, w = L/4); "
+        "second line per variant: ratio to sdpa_cudnn")
+    log(f"{'variant':34s}{head}  check")
+    for r in rows:
+        vals = [times.get((r,) + c) for c in cols]
+        log(f"{r[:34]:34s}" + "".join(f"{v:12.1f}" if v else f"{'-':>12s}" for v in vals)
+            + (f"  {checks.get(r, '')}" if r in checks else ""))
+        if r not in ("sdpa_cudnn", "sdpa_flash"):
+            ref = [times.get(("sdpa_cudnn",) + c) for c in cols]
+            log(f"{'  / cudnn':34s}" + "".join(f"{v / b:12.3f}" if v and b else f"{'-':>12s}"
+                                              for v, b in zip(vals, ref)))
+    log(f"[variants done in {time.time() - t0:.0f} s]")
+
+
 # ============================================================================ parent
 
 def run_worker(phase, extra, deadline_s, idle_s, log):
@@ -554,12 +752,18 @@ def main():
     ap.add_argument("--opt", action="append", default=[],
                     help="extra NVRTC option for the kernels, e.g. -DPW90_PV_SPLIT=1 (repeatable)")
     ap.add_argument("--phases", default="build,check,time")
+    ap.add_argument("--variants", default=None,
+                    help="A/B compile-time variants instead of the phases: ';'-separated specs, each "
+                         "space-separated NAME=VALUE macros, e.g. \"PW90_PINGPONG=1;PW90_OVERLAP=1;"
+                         "PW90_PINGPONG=1 PW90_OVERLAP=1\". The default build always runs first. Per "
+                         "build: 128-case check against float64, then bf16 timing at L 2048/8192, D "
+                         "64/128, causal or not; SDPA cuDNN/flash once; a comparison table. < 4 min.")
     args = ap.parse_args()
 
     if args.worker:
         try:
             rc = {"build": phase_build, "check": phase_check, "variant": phase_check,
-                  "time": phase_time}[args.worker](args)
+                  "time": phase_time, "vrun": phase_vrun, "vbase": phase_vbase}[args.worker](args)
         except Exception:
             say("WORKER EXCEPTION:\n" + traceback.format_exc())
             rc = 1
@@ -581,6 +785,12 @@ def main():
         log(f"git HEAD {rev}")
     except Exception:
         pass
+    if args.variants is not None:
+        run_variants(args.variants.split(";"), args.via, log)
+        log(f"hopper_probe done in {time.time() - t_start:.0f} s")
+        if out:
+            out.close()
+        return
     common = ["--via", args.via] + [f"--opt={o}" for o in args.opt]
     phases = args.phases.split(",")
     our_ok = True

@@ -27,8 +27,12 @@ def _splice(name, seen):
     return _INCLUDE.sub(lambda m: _splice(m.group(1), seen), (KERNELS / name).read_text())
 
 
-@pytest.fixture(scope="module")
-def build():
+#: compile-time variants of the consumer loop (kernels_cu/sm90/forward.cu), A/B-tested on a GPU
+#: by scripts/hopper_probe.py --variants; each must build without spills or serialised wgmma
+VARIANTS = ["PW90_DEFER=1", "PW90_OVERLAP=1", "PW90_PINGPONG=1", "PW90_PINGPONG=1 PW90_OVERLAP=1"]
+
+
+def _compile(defines=()):
     try:
         from cupy_backends.cuda.libs import nvrtc
         nvrtc.getVersion()
@@ -40,7 +44,8 @@ def build():
         for n in NAMES:
             nvrtc.addNameExpression(prog, n)
         try:
-            nvrtc.compileProgram(prog, ["-std=c++17", "-arch=sm_90a", "-Xptxas=-v"])
+            nvrtc.compileProgram(prog, ["-std=c++17", "-arch=sm_90a", "-Xptxas=-v"]
+                                 + [f"-D{d}" for d in defines])
         except nvrtc.NVRTCError:
             pytest.fail("NVRTC failed:\n" + nvrtc.getProgramLog(prog))
         log = nvrtc.getProgramLog(prog)
@@ -58,6 +63,34 @@ def build():
         elif cur is not None:
             blocks[cur] += line + "\n"
     return log, ptx, lowered, blocks
+
+
+@pytest.fixture(scope="module")
+def build():
+    return _compile()
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def variant_build(request):
+    return request.param, _compile(request.param.split())
+
+
+def test_variants_no_spills_no_serialisation(variant_build):
+    spec, (log, ptx, lowered, blocks) = variant_build
+    for name in NAMES:
+        text = blocks.get(lowered[name])
+        assert text is not None, f"{spec}: no ptxas report for {name}"
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)
+        assert m and m.groups() == ("0", "0", "0"), f"{spec} {name}: stack/spills\n{text}"
+    bad = [ln for ln in log.splitlines() if "serialized" in ln or "C7508" in ln]
+    assert not bad, f"{spec}:\n" + "\n".join(bad)
+    # the variant really took its path
+    if "PW90_PINGPONG=1" in spec:
+        assert re.search(r"bar\.arrive", ptx) and re.search(r"bar\.sync\s+%r", ptx), spec
+    if "PW90_OVERLAP=1" in spec:
+        assert "wgmma.wait_group.sync.aligned 1;" in ptx, spec
+    else:
+        assert "wgmma.wait_group.sync.aligned 1;" not in ptx, spec
 
 
 @pytest.mark.parametrize("name", NAMES)

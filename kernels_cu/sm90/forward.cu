@@ -27,6 +27,26 @@
 #ifndef PW90_PV_SPLIT
 #define PW90_PV_SPLIT 0
 #endif
+// Compile-time variants of the consumer main loop (all off by default: the default build is
+// the loop above, unchanged). Any of them selects the pipelined loop (consumer_pipe): the
+// O += P·V product of tile t-1 is issued together with S = Q·Kᵀ of tile t, and each stage
+// has separate K (K1/K2) and V barriers so K is released as soon as S is done.
+//   PW90_DEFER=1     the pipelined loop alone (both products waited for before the softmax)
+//   PW90_OVERLAP=1   intra-warpgroup overlap: S_t is committed before P_{t-1}·V_{t-1}, the
+//                    softmax of tile t starts after wgmma.wait_group 1 (S_t done) while the
+//                    P·V product still runs; O is rescaled after wait_group 0
+//   PW90_PINGPONG=1  the two consumer warpgroups take turns issuing their GEMMs (named
+//                    barriers 1 and 2, 256 threads), so one's softmax overlaps the other's GEMMs
+#ifndef PW90_DEFER
+#define PW90_DEFER 0
+#endif
+#ifndef PW90_OVERLAP
+#define PW90_OVERLAP 0
+#endif
+#ifndef PW90_PINGPONG
+#define PW90_PINGPONG 0
+#endif
+#define PW90_PIPE (PW90_DEFER || PW90_OVERLAP || PW90_PINGPONG)
 
 namespace pw90 {
 
@@ -56,8 +76,10 @@ template <int D> struct FwdSmem {
   static constexpr int Q_PANEL = BM * 128, K_PANEL = BN * 128;  // bytes of a 64-column panel
   static constexpr int Q_TILE = PANELS * Q_PANEL, K_TILE = PANELS * K_PANEL;
   static constexpr int Q1 = 0, Q2 = Q_TILE, STAGE0 = 2 * Q_TILE, STAGE = 3 * K_TILE;
-  static constexpr int BARS = STAGE0 + STAGES * STAGE;  // qbar, full[STAGES], empty[STAGES]
-  static constexpr int BYTES = BARS + 8 * (1 + 2 * STAGES) + 1024;  // + base alignment slack
+  // qbar, full[STAGES], empty[STAGES] (+ fullV[STAGES], emptyV[STAGES] with PW90_PIPE)
+  static constexpr int BARS = STAGE0 + STAGES * STAGE;
+  static constexpr int NBARS = 1 + (PW90_PIPE ? 4 : 2) * STAGES;
+  static constexpr int BYTES = BARS + 8 * NBARS + 1024;  // + base alignment slack
   static_assert(Q_PANEL % 1024 == 0 && K_PANEL % 1024 == 0 && (BN / 2) % 8 == 0,
                 "swizzle atoms are 1024 bytes (also half a K tile, for straddling tiles)");
   static_assert(BYTES <= 227 * 1024, "shared memory per block");
@@ -245,6 +267,231 @@ PW90 void consumer(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 empty0
   }
 }
 
+#if PW90_PIPE
+PW90 void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+PW90 void named_bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// O(64 x D) += P(64 x BN, registers) · V(BN x D at va, MN-major panels)
+template <typename T, int D, int BN>
+PW90 void pv(float (&o)[D / 2], const u32 (&a)[BN / 16][4], u32 va) {
+  using S = FwdSmem<D>;
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+#if PW90_PV_SPLIT
+#pragma unroll
+    for (int pn = 0; pn < D / 64; ++pn) {
+      float (&op)[32] = *reinterpret_cast<float(*)[32]>(&o[32 * pn]);
+      Wgmma<T, 64>::template rs<1>(op, a[kk], smem_desc(va + pn * S::K_PANEL + kk * 2048,
+                                                         S::K_PANEL, 1024), 1);
+    }
+#else
+    Wgmma<T, D>::template rs<1>(o, a[kk], smem_desc(va + kk * 2048, S::K_PANEL, 1024), 1);
+#endif
+  }
+}
+
+// The pipelined consumer loop (PW90_DEFER / PW90_OVERLAP / PW90_PINGPONG). Iteration t:
+//   wait K of tile t (full[t]) and V of tile t-1 (fullV[t-1]);
+//   [ping-pong: bar.sync on this warpgroup's barrier]
+//   issue S_t = Q·K_tᵀ (commit), then O += P_{t-1}·V_{t-1} (commit)
+//   [ping-pong: bar.arrive on the other warpgroup's barrier]
+//   wait for S_t (OVERLAP: wait_group 1, P·V still running; else wait_group 0);
+//   straddling fix-up; release K of tile t (empty[t]); mask; softmax statistics and exp;
+//   wait_group 0; release V of tile t-1 (emptyV[t-1]); rescale O; pack P_t to registers.
+// After the loop the last P·V. Register cost over the default loop: P of the previous tile
+// (BN/4 registers) lives across the S product.
+template <typename T, int D, bool CAUSAL>
+PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 empty0, u32 fullv0,
+                        u32 emptyv0, int m0, int h, int b, int ntiles) {
+  using S = FwdSmem<D>;
+  constexpr int BN = S::BN;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wg = __shfl_sync(0xffffffffu, warp / 4 - 1, 0), wl = warp % 4;
+  const int M = (int)p.M, N = (int)p.N, P = N - M, w = (int)p.w;
+  const int row0 = m0 + 64 * wg;
+  const float sl2 = p.scale_log2;
+  const u32 q1a = base + S::Q1 + wg * 64 * 128, q2a = base + S::Q2 + wg * 64 * 128;
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float mrow[2] = {PW90_NEG_INF, PW90_NEG_INF}, lrow[2] = {0.f, 0.f};
+  u32 a[BN / 16][4];  // P of the previous tile, the register A operand of P·V
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) a[kk][0] = a[kk][1] = a[kk][2] = a[kk][3] = 0u;
+  bool have_prev = false;
+
+#if PW90_PINGPONG
+  if (wg == 1) named_bar_arrive(1, 256);  // warpgroup 0 issues first
+#endif
+  if (ntiles > 0) mbar_wait(qbar, 0);
+  for (int t = 0; t < ntiles; ++t) {
+    const int stage = t & 1, pstage = stage ^ 1;
+    mbar_wait(full0 + 8 * stage, (t >> 1) & 1);
+    if (t > 0) mbar_wait(fullv0 + 8 * pstage, ((t - 1) >> 1) & 1);
+    const int n0 = t * BN;
+    const u32 st = base + S::STAGE0 + stage * S::STAGE;
+    const u32 pva = base + S::STAGE0 + pstage * S::STAGE + 2 * S::K_TILE;  // V of tile t-1
+    // Rows left to this warpgroup in tile t. Without CAUSAL always true (t < ntiles), but
+    // kept as a run-time test: the softmax then sits in its own basic block and ptxas does
+    // not hoist wait_group 0 (below it) above the softmax, which would undo the overlap.
+    const bool compute = CAUSAL ? row0 + 63 + P - n0 >= 0 : n0 < N;
+    const int mode = block_mode<CAUSAL>(row0, 64, n0, BN, P, w);
+    float s1[BN / 2];
+#if PW90_PINGPONG
+    named_bar_sync(1 + wg, 256);
+#endif
+    reg_fence(o);
+    wg_fence();
+    // S is issued even for a tile whose rows are all causally masked (at most one per
+    // warpgroup): a conditional S product makes ptxas serialise the wgmma (C7515). The P·V
+    // group is committed even when empty, so that wait_group 1 always means "S_t done".
+    qk<T, D, BN, BN>(s1, mode == 2 ? q2a : q1a, mode == 2 ? st + S::K_TILE : st);
+    wg_commit();
+    if (have_prev) pv<T, D, BN>(o, a, pva);
+    wg_commit();
+#if PW90_PINGPONG
+    named_bar_arrive(2 - wg, 256);
+#endif
+#if PW90_OVERLAP
+    wg_wait<1>();
+#else
+    wg_wait<0>();
+#endif
+    reg_fence(s1);
+    const int dbase = row0 + P - n0 + 16 * wl + lane / 4 - 2 * (lane % 4);
+    float alpha[2] = {1.f, 1.f};
+    if (compute && mode == 3) {
+      wg_wait<0>();  // (OVERLAP) no P·V in flight while the fix-up products run
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float s2[BN / 4];
+        wg_fence();
+        qk<T, D, BN, BN / 2>(s2, q2a, st + S::K_TILE + half * (BN / 2) * 128);
+        wg_commit();
+        wg_wait<0>();
+        reg_fence(s2);
+#pragma unroll
+        for (int jj = 0; jj < BN / 16; ++jj)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = half * (BN / 16) + jj;
+              if (dbase + 8 * hh - 8 * j - e >= w) s1[4 * j + 2 * hh + e] = s2[4 * jj + 2 * hh + e];
+            }
+      }
+    }
+    mbar_arrive(empty0 + 8 * stage);  // K1/K2 of tile t no longer read
+    if (compute) {
+      const bool masked = n0 + BN > N || (CAUSAL && row0 + P - (n0 + BN - 1) < 0);
+      if (masked) {
+        const int cols = N - n0 - 2 * (lane % 4);
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (8 * j + e >= cols || (CAUSAL && dbase + 8 * hh - 8 * j - e < 0))
+                s1[4 * j + 2 * hh + e] = PW90_NEG_INF;
+      }
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float mx = mrow[hh];
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+          mx = fmaxf(mx, fmaxf(s1[4 * j + 2 * hh], s1[4 * j + 2 * hh + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mb = mx == PW90_NEG_INF ? 0.f : mx * sl2;
+        alpha[hh] = exp2f_approx(mrow[hh] * sl2 - mb);
+        mrow[hh] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float x = exp2f_approx(fmaf(s1[4 * j + 2 * hh + e], sl2, -mb));
+            s1[4 * j + 2 * hh + e] = x;
+            sum += x;
+          }
+        lrow[hh] = lrow[hh] * alpha[hh] + sum;
+      }
+    }
+    // Keep the softmax before the wait (else the compiler sinks it past wait_group 0 and
+    // nothing overlaps the P·V product).
+    reg_fence(s1);
+    reg_fence(alpha);
+    reg_fence(lrow);
+    wg_wait<0>();  // P_{t-1}·V_{t-1} done: O and the P registers are free
+    reg_fence(o);
+    // P_{t-1} stays live until here: were its registers reused by the softmax above, ptxas
+    // would have to wait for the P·V product before the softmax (no overlap).
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) reg_fence(a[kk]);
+    if (t > 0) mbar_arrive(emptyv0 + 8 * pstage);  // V of tile t-1 no longer read
+    if (compute) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+          o[4 * j + 2 * hh] *= alpha[hh];
+          o[4 * j + 2 * hh + 1] *= alpha[hh];
+        }
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        a[kk][0] = Cvt<T>::pack(s1[8 * kk + 0], s1[8 * kk + 1]);
+        a[kk][1] = Cvt<T>::pack(s1[8 * kk + 2], s1[8 * kk + 3]);
+        a[kk][2] = Cvt<T>::pack(s1[8 * kk + 4], s1[8 * kk + 5]);
+        a[kk][3] = Cvt<T>::pack(s1[8 * kk + 6], s1[8 * kk + 7]);
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) reg_fence(a[kk]);
+    have_prev = compute;
+  }
+  if (ntiles > 0) {
+    const int ls = (ntiles - 1) & 1;
+    mbar_wait(fullv0 + 8 * ls, ((ntiles - 1) >> 1) & 1);
+    if (have_prev) {
+      reg_fence(o);
+      wg_fence();
+      pv<T, D, BN>(o, a, base + S::STAGE0 + ls * S::STAGE + 2 * S::K_TILE);
+      wg_commit();
+      wg_wait<0>();
+      reg_fence(o);
+    }
+    mbar_arrive(emptyv0 + 8 * ls);
+  }
+
+  // Epilogue (as in consumer): normalise, store O and lse.
+  const i64 H = p.H;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float l = lrow[hh];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int r = row0 + 16 * wl + lane / 4 + 8 * hh;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    if (r < M) {
+      if (p.lse && lane % 4 == 0)
+        p.lse[((i64)b * H + h) * (i64)M + r] =
+            l > 0.f ? (mrow[hh] * sl2 + log2f_approx(l)) * PW90_LN2 : PW90_NEG_INF;
+      u16* dst = p.o + (i64)b * p.o_sb + (i64)h * p.o_sh + (i64)r * p.o_sr + 2 * (lane % 4);
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j)
+        *reinterpret_cast<u32*>(dst + 8 * j) =
+            Cvt<T>::pack(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
+    }
+  }
+}
+#endif  // PW90_PIPE
+
 }  // namespace pw90
 
 // Grid: (ceil(M / 128), H, B); 384 threads; dynamic shared memory pw90::FwdSmem<D>::BYTES.
@@ -262,6 +509,10 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const u32 qbar = base + S::BARS, full0 = qbar + 8, empty0 = qbar + 8 + 8 * STAGES;
+#if PW90_PIPE
+  // Separate V barriers: full0/empty0 then guard K1/K2 only.
+  const u32 fullv0 = qbar + 8 + 16 * STAGES, emptyv0 = qbar + 8 + 24 * STAGES;
+#endif
 
   const int M = (int)p.M, N = (int)p.N, P = N - M, w = (int)p.w;
   // Heavier causal tiles (later queries) launch first, evening out the tail of the grid.
@@ -277,6 +528,10 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, 1);         // the producer's arrive.expect_tx
       mbar_init(empty0 + 8 * s, 2 * 128);  // every consumer thread
+#if PW90_PIPE
+      mbar_init(fullv0 + 8 * s, 1);
+      mbar_init(emptyv0 + 8 * s, 2 * 128);
+#endif
     }
     mbar_init_fence();
   }
@@ -294,6 +549,32 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
         tma_load_4d(base + S::Q1 + pn * S::Q_PANEL, &tq1, 64 * pn, m0, h, b, qbar);
         tma_load_4d(base + S::Q2 + pn * S::Q_PANEL, &tq2, 64 * pn, m0, h, b, qbar);
       }
+#if PW90_PIPE
+      // K of tile t, then V of tile t-1 (consumed one iteration later than K).
+      for (int t = 0; t <= ntiles; ++t) {
+        if (t < ntiles) {
+          const int stage = t & 1, n0 = t * BN;
+          mbar_wait(empty0 + 8 * stage, ((t >> 1) & 1) ^ 1);
+          const int mode = block_mode<CAUSAL>(m0, BM, n0, BN, P, w);
+          const u32 st = base + S::STAGE0 + stage * S::STAGE, fb = full0 + 8 * stage;
+          mbar_expect_tx(fb, ((mode & 1) + (mode >> 1)) * S::K_TILE);
+#pragma unroll
+          for (int pn = 0; pn < S::PANELS; ++pn) {
+            if (mode & 1) tma_load_4d(st + pn * S::K_PANEL, &tk1, 64 * pn, n0, hk, b, fb);
+            if (mode & 2) tma_load_4d(st + S::K_TILE + pn * S::K_PANEL, &tk2, 64 * pn, n0, hk, b, fb);
+          }
+        }
+        if (t > 0) {
+          const int u = t - 1, stage = u & 1, n0 = u * BN;
+          mbar_wait(emptyv0 + 8 * stage, ((u >> 1) & 1) ^ 1);
+          const u32 st = base + S::STAGE0 + stage * S::STAGE, fb = fullv0 + 8 * stage;
+          mbar_expect_tx(fb, S::K_TILE);
+#pragma unroll
+          for (int pn = 0; pn < S::PANELS; ++pn)
+            tma_load_4d(st + 2 * S::K_TILE + pn * S::K_PANEL, &tv, 64 * pn, n0, hk, b, fb);
+        }
+      }
+#else
       for (int t = 0; t < ntiles; ++t) {
         const int stage = t & 1;
         mbar_wait(empty0 + 8 * stage, ((t >> 1) & 1) ^ 1);
@@ -308,9 +589,14 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
           tma_load_4d(st + 2 * S::K_TILE + pn * S::K_PANEL, &tv, 64 * pn, n0, hk, b, fb);
         }
       }
+#endif
     }
   } else {  // ------------------------------------------------------------------------ consumers
     regs_inc<CONSUMER_REGS>();
+#if PW90_PIPE
+    consumer_pipe<T, D, CAUSAL>(p, base, qbar, full0, empty0, fullv0, emptyv0, m0, h, b, ntiles);
+#else
     consumer<T, D, CAUSAL>(p, base, qbar, full0, empty0, m0, h, b, ntiles);
+#endif
   }
 }
