@@ -46,7 +46,15 @@
 #ifndef PW90_PINGPONG
 #define PW90_PINGPONG 0
 #endif
-#define PW90_PIPE (PW90_DEFER || PW90_OVERLAP || PW90_PINGPONG)
+//   PW90_PERSIST=1   (implies the pipelined loop) persistent grid: gridDim.x CTAs walk all
+//                    (query tile, head, batch) work tiles with stride gridDim.x; the producer
+//                    loads the next tile's Q and first K while the consumers finish the last
+//                    P·V and the epilogue of the current one. FwdParams gains `batch`, the
+//                    launcher picks the grid (e.g. one CTA per SM).
+#ifndef PW90_PERSIST
+#define PW90_PERSIST 0
+#endif
+#define PW90_PIPE (PW90_DEFER || PW90_OVERLAP || PW90_PINGPONG || PW90_PERSIST)
 
 namespace pw90 {
 
@@ -60,6 +68,9 @@ struct FwdParams {
   i64 M, N, w;           // lengths (< 2^30) and w clamped to [-(M+N+1), M+N+1]
   float scale_log2;      // sm_scale * log2(e)
   float sm_scale;
+#if PW90_PERSIST
+  i64 batch;             // B: the persistent kernel walks (query tile, head, batch) itself
+#endif
 };
 
 constexpr int BM = 128;       // query rows per CTA (two consumer warpgroups x 64)
@@ -76,9 +87,10 @@ template <int D> struct FwdSmem {
   static constexpr int Q_PANEL = BM * 128, K_PANEL = BN * 128;  // bytes of a 64-column panel
   static constexpr int Q_TILE = PANELS * Q_PANEL, K_TILE = PANELS * K_PANEL;
   static constexpr int Q1 = 0, Q2 = Q_TILE, STAGE0 = 2 * Q_TILE, STAGE = 3 * K_TILE;
-  // qbar, full[STAGES], empty[STAGES] (+ fullV[STAGES], emptyV[STAGES] with PW90_PIPE)
+  // qbar, full[STAGES], empty[STAGES] (+ fullV[STAGES], emptyV[STAGES] with PW90_PIPE,
+  // + qempty with PW90_PERSIST)
   static constexpr int BARS = STAGE0 + STAGES * STAGE;
-  static constexpr int NBARS = 1 + (PW90_PIPE ? 4 : 2) * STAGES;
+  static constexpr int NBARS = 1 + (PW90_PIPE ? 4 : 2) * STAGES + (PW90_PERSIST ? 1 : 0);
   static constexpr int BYTES = BARS + 8 * NBARS + 1024;  // + base alignment slack
   static_assert(Q_PANEL % 1024 == 0 && K_PANEL % 1024 == 0 && (BN / 2) % 8 == 0,
                 "swizzle atoms are 1024 bytes (also half a K tile, for straddling tiles)");
@@ -305,8 +317,12 @@ PW90 void pv(float (&o)[D / 2], const u32 (&a)[BN / 16][4], u32 va) {
 // After the loop the last P·V. Register cost over the default loop: P of the previous tile
 // (BN/4 registers) lives across the S product.
 template <typename T, int D, bool CAUSAL>
+// kg: ring index of this work tile's first key tile (key tiles are counted across the work
+// tiles of a persistent CTA); qpar: parity of this work tile's Q load on qbar; qempty: where
+// the consumers tell the producer that Q is no longer read (PW90_PERSIST).
 PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 empty0, u32 fullv0,
-                        u32 emptyv0, int m0, int h, int b, int ntiles) {
+                        u32 emptyv0, int m0, int h, int b, int ntiles, int kg, u32 qpar,
+                        u32 qempty) {
   using S = FwdSmem<D>;
   constexpr int BN = S::BN;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -328,11 +344,11 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
 #if PW90_PINGPONG
   if (wg == 1) named_bar_arrive(1, 256);  // warpgroup 0 issues first
 #endif
-  if (ntiles > 0) mbar_wait(qbar, 0);
+  if (ntiles > 0) mbar_wait(qbar, qpar);
   for (int t = 0; t < ntiles; ++t) {
-    const int stage = t & 1, pstage = stage ^ 1;
-    mbar_wait(full0 + 8 * stage, (t >> 1) & 1);
-    if (t > 0) mbar_wait(fullv0 + 8 * pstage, ((t - 1) >> 1) & 1);
+    const int g = kg + t, stage = g & 1, pstage = stage ^ 1;
+    mbar_wait(full0 + 8 * stage, (g >> 1) & 1);
+    if (t > 0) mbar_wait(fullv0 + 8 * pstage, ((g - 1) >> 1) & 1);
     const int n0 = t * BN;
     const u32 st = base + S::STAGE0 + stage * S::STAGE;
     const u32 pva = base + S::STAGE0 + pstage * S::STAGE + 2 * S::K_TILE;  // V of tile t-1
@@ -455,9 +471,12 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
     for (int kk = 0; kk < BN / 16; ++kk) reg_fence(a[kk]);
     have_prev = compute;
   }
+#if PW90_PERSIST
+  if (ntiles > 0) mbar_arrive(qempty);  // every S product of this work tile is complete
+#endif
   if (ntiles > 0) {
-    const int ls = (ntiles - 1) & 1;
-    mbar_wait(fullv0 + 8 * ls, ((ntiles - 1) >> 1) & 1);
+    const int gl = kg + ntiles - 1, ls = gl & 1;
+    mbar_wait(fullv0 + 8 * ls, (gl >> 1) & 1);
     if (have_prev) {
       reg_fence(o);
       wg_fence();
@@ -468,6 +487,11 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
     }
     mbar_arrive(emptyv0 + 8 * ls);
   }
+#if PW90_PINGPONG
+  // Warpgroup 1 arrived on barrier 1 once more than warpgroup 0 synced on it: consume that
+  // arrival so that no named barrier is left mid-phase when the CTA exits.
+  if (wg == 0) named_bar_sync(1, 256);
+#endif
 
   // Epilogue (as in consumer): normalise, store O and lse.
   const i64 H = p.H;
@@ -487,6 +511,49 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
       for (int j = 0; j < D / 8; ++j)
         *reinterpret_cast<u32*>(dst + 8 * j) =
             Cvt<T>::pack(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
+    }
+  }
+}
+// The producer of one work tile (PW90_PIPE): Q (after the previous work tile's consumers
+// released it, PW90_PERSIST), then per key tile t K of t and V of t-1 (V is consumed one
+// iteration after K). kg: ring index of the first key tile; qn: work tiles with keys so far.
+template <int D, bool CAUSAL>
+PW90 void produce_pipe(const TmaDesc* tq1, const TmaDesc* tq2, const TmaDesc* tk1,
+                       const TmaDesc* tk2, const TmaDesc* tv, u32 base, u32 qbar, u32 qempty,
+                       u32 full0, u32 empty0, u32 fullv0, u32 emptyv0, int m0, int h, int b,
+                       int hk, int ntiles, int kg, int qn, int P, int w) {
+  using S = FwdSmem<D>;
+  constexpr int BN = S::BN;
+#if PW90_PERSIST
+  if (qn > 0) mbar_wait(qempty, (qn - 1) & 1);
+#endif
+  mbar_expect_tx(qbar, 2 * S::Q_TILE);
+#pragma unroll
+  for (int pn = 0; pn < S::PANELS; ++pn) {
+    tma_load_4d(base + S::Q1 + pn * S::Q_PANEL, tq1, 64 * pn, m0, h, b, qbar);
+    tma_load_4d(base + S::Q2 + pn * S::Q_PANEL, tq2, 64 * pn, m0, h, b, qbar);
+  }
+  for (int t = 0; t <= ntiles; ++t) {
+    if (t < ntiles) {
+      const int g = kg + t, stage = g & 1, n0 = t * BN;
+      mbar_wait(empty0 + 8 * stage, ((g >> 1) & 1) ^ 1);
+      const int mode = block_mode<CAUSAL>(m0, BM, n0, BN, P, w);
+      const u32 st = base + S::STAGE0 + stage * S::STAGE, fb = full0 + 8 * stage;
+      mbar_expect_tx(fb, ((mode & 1) + (mode >> 1)) * S::K_TILE);
+#pragma unroll
+      for (int pn = 0; pn < S::PANELS; ++pn) {
+        if (mode & 1) tma_load_4d(st + pn * S::K_PANEL, tk1, 64 * pn, n0, hk, b, fb);
+        if (mode & 2) tma_load_4d(st + S::K_TILE + pn * S::K_PANEL, tk2, 64 * pn, n0, hk, b, fb);
+      }
+    }
+    if (t > 0) {
+      const int u = t - 1, g = kg + u, stage = g & 1, n0 = u * BN;
+      mbar_wait(emptyv0 + 8 * stage, ((g >> 1) & 1) ^ 1);
+      const u32 st = base + S::STAGE0 + stage * S::STAGE, fb = fullv0 + 8 * stage;
+      mbar_expect_tx(fb, S::K_TILE);
+#pragma unroll
+      for (int pn = 0; pn < S::PANELS; ++pn)
+        tma_load_4d(st + 2 * S::K_TILE + pn * S::K_PANEL, tv, 64 * pn, n0, hk, b, fb);
     }
   }
 }
@@ -512,15 +579,21 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
 #if PW90_PIPE
   // Separate V barriers: full0/empty0 then guard K1/K2 only.
   const u32 fullv0 = qbar + 8 + 16 * STAGES, emptyv0 = qbar + 8 + 24 * STAGES;
+  const u32 qempty = qbar + 8 + 32 * STAGES;  // (PW90_PERSIST only)
 #endif
 
   const int M = (int)p.M, N = (int)p.N, P = N - M, w = (int)p.w;
+#if !PW90_PERSIST
   // Heavier causal tiles (later queries) launch first, evening out the tail of the grid.
   const int mt = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-  const int m0 = mt * BM, h = blockIdx.y, b = blockIdx.z, hk = h / (int)p.group;
+  const int m0 = mt * BM, h = blockIdx.y, b = blockIdx.z;
+#endif
+#if !PW90_PIPE
+  const int hk = h / (int)p.group;
   // Keys past the last query's diagonal are masked for every row of the tile.
   const int n_end = CAUSAL ? max(0, min(N, m0 + BM + P)) : N;
   const int ntiles = (n_end + BN - 1) / BN;
+#endif
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   if (threadIdx.x == 0) {
@@ -533,10 +606,61 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
       mbar_init(emptyv0 + 8 * s, 2 * 128);
 #endif
     }
+#if PW90_PERSIST
+    mbar_init(qempty, 2 * 128);
+#endif
     mbar_init_fence();
   }
   __syncthreads();
 
+#if PW90_PIPE
+  // Work tiles: (query tile, head, batch), query tile fastest (CTAs running together share K/V
+  // in L2), heavier causal tiles first. Without PW90_PERSIST one per CTA, from blockIdx.
+#if PW90_PERSIST
+  const int nmt = (M + BM - 1) / BM, H = (int)p.H;
+  const int total = nmt * H * (int)p.batch;
+#define PW90_WORK_LOOP                                                          \
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {                \
+    const int r = tile % nmt, hb = tile / nmt;                                  \
+    const int m0w = (CAUSAL ? nmt - 1 - r : r) * BM, hw = hb % H, bw = hb / H;
+#else
+#define PW90_WORK_LOOP \
+  {                    \
+    const int m0w = m0, hw = h, bw = b;
+#endif
+  if (warp < 4) {  // ---------------------------------------------------------------- producer
+    regs_dec<PRODUCER_REGS>();
+    if (warp == 0 && lane == 0) {
+      tma_prefetch_desc(&tk1);
+      tma_prefetch_desc(&tk2);
+      tma_prefetch_desc(&tv);
+      int kg = 0, qn = 0;
+      PW90_WORK_LOOP
+        const int nt = (CAUSAL ? max(0, min(N, m0w + BM + P)) + BN - 1 : N + BN - 1) / BN;
+        if (nt > 0) {
+          produce_pipe<D, CAUSAL>(&tq1, &tq2, &tk1, &tk2, &tv, base, qbar, qempty, full0, empty0,
+                                  fullv0, emptyv0, m0w, hw, bw, hw / (int)p.group, nt, kg, qn,
+                                  P, w);
+          kg += nt;
+          ++qn;
+        }
+      }
+    }
+  } else {  // ------------------------------------------------------------------------ consumers
+    regs_inc<CONSUMER_REGS>();
+    int kg = 0, qn = 0;
+    PW90_WORK_LOOP
+      const int nt = (CAUSAL ? max(0, min(N, m0w + BM + P)) + BN - 1 : N + BN - 1) / BN;
+      consumer_pipe<T, D, CAUSAL>(p, base, qbar, full0, empty0, fullv0, emptyv0, m0w, hw, bw, nt,
+                                  kg, (u32)(qn & 1), qempty);
+      if (nt > 0) {
+        kg += nt;
+        ++qn;
+      }
+    }
+  }
+#undef PW90_WORK_LOOP
+#else
   if (warp < 4) {  // ---------------------------------------------------------------- producer
     regs_dec<PRODUCER_REGS>();
     if (warp == 0 && lane == 0 && ntiles > 0) {
@@ -549,32 +673,6 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
         tma_load_4d(base + S::Q1 + pn * S::Q_PANEL, &tq1, 64 * pn, m0, h, b, qbar);
         tma_load_4d(base + S::Q2 + pn * S::Q_PANEL, &tq2, 64 * pn, m0, h, b, qbar);
       }
-#if PW90_PIPE
-      // K of tile t, then V of tile t-1 (consumed one iteration later than K).
-      for (int t = 0; t <= ntiles; ++t) {
-        if (t < ntiles) {
-          const int stage = t & 1, n0 = t * BN;
-          mbar_wait(empty0 + 8 * stage, ((t >> 1) & 1) ^ 1);
-          const int mode = block_mode<CAUSAL>(m0, BM, n0, BN, P, w);
-          const u32 st = base + S::STAGE0 + stage * S::STAGE, fb = full0 + 8 * stage;
-          mbar_expect_tx(fb, ((mode & 1) + (mode >> 1)) * S::K_TILE);
-#pragma unroll
-          for (int pn = 0; pn < S::PANELS; ++pn) {
-            if (mode & 1) tma_load_4d(st + pn * S::K_PANEL, &tk1, 64 * pn, n0, hk, b, fb);
-            if (mode & 2) tma_load_4d(st + S::K_TILE + pn * S::K_PANEL, &tk2, 64 * pn, n0, hk, b, fb);
-          }
-        }
-        if (t > 0) {
-          const int u = t - 1, stage = u & 1, n0 = u * BN;
-          mbar_wait(emptyv0 + 8 * stage, ((u >> 1) & 1) ^ 1);
-          const u32 st = base + S::STAGE0 + stage * S::STAGE, fb = fullv0 + 8 * stage;
-          mbar_expect_tx(fb, S::K_TILE);
-#pragma unroll
-          for (int pn = 0; pn < S::PANELS; ++pn)
-            tma_load_4d(st + 2 * S::K_TILE + pn * S::K_PANEL, &tv, 64 * pn, n0, hk, b, fb);
-        }
-      }
-#else
       for (int t = 0; t < ntiles; ++t) {
         const int stage = t & 1;
         mbar_wait(empty0 + 8 * stage, ((t >> 1) & 1) ^ 1);
@@ -589,14 +687,10 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
           tma_load_4d(st + 2 * S::K_TILE + pn * S::K_PANEL, &tv, 64 * pn, n0, hk, b, fb);
         }
       }
-#endif
     }
   } else {  // ------------------------------------------------------------------------ consumers
     regs_inc<CONSUMER_REGS>();
-#if PW90_PIPE
-    consumer_pipe<T, D, CAUSAL>(p, base, qbar, full0, empty0, fullv0, emptyv0, m0, h, b, ntiles);
-#else
     consumer<T, D, CAUSAL>(p, base, qbar, full0, empty0, m0, h, b, ntiles);
-#endif
   }
+#endif
 }
