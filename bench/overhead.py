@@ -132,6 +132,7 @@ def main() -> None:
         "sdpa flash, requires_grad": lambda: F.scaled_dot_product_attention(leaves[0], leaves[1], leaves[4]),
     }
     # Where a direct call's time goes: its steps, each timed alone in the same loop.
+    from cupy_piecewise import tma
     from cupy_piecewise.adapters import torch as torch_adapter
 
     call = torch_ops._call(q1, k1, q2, k2, v, w, False, None)
@@ -144,8 +145,17 @@ def main() -> None:
         "step: signature key + memo lookup (_call)": lambda: torch_ops._call(q1, k1, q2, k2, v, w, False, None),
         "step: route (grad mode, modes, subclasses)": lambda: torch_ops._route(q1, k1, q2, k2, v),
         "step: torch.empty of o": lambda: torch.empty(o_shape, dtype=dtype, device=dev),
+        "step: torch.empty_like of q1 (what the core uses for o)":
+            lambda: torch.empty_like(q1, memory_format=torch.contiguous_format),
         "step: current stream": lambda: torch_adapter.OPS.stream(0),
-        "step: Launches.run (parameter block + cuLaunchKernel)": lambda: call.fwd.run(ptrs, stream),
+        # device-bound when timed alone: back-to-back launches wait for the queue to drain,
+        # so this reads the kernel's device time (see device_us_per_call), not host cost
+        "step: Launches.run (parameter block + cuLaunchKernel; device-bound alone)":
+            lambda: call.fwd.run(ptrs, stream),
+        # the Hopper forward encodes five of these per new set of data pointers (cached per
+        # signature and pointers): what a call with fresh tensors pays on top
+        "step: encode one TMA tensor map (Hopper path, new pointers)":
+            lambda: tma.tensor_map_bhld(q1.data_ptr(), q1.shape, q1.stride(), args.dtype, 128),
     }
     spin_up()
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
