@@ -318,7 +318,7 @@ def forward_launches(problem, strides, *, split: bool = True) -> Launches:
     """
     _check_grid(problem)
     _driver()
-    if use_hopper(problem, split):
+    if use_hopper(problem, split) and _tma_describable(problem, strides):
         return HopperLaunches(problem, strides)
     variant = plan(problem, "fwd_decode" if problem.M <= DECODE_ROWS else "fwd")
     tiles = variant.tiles
@@ -360,6 +360,19 @@ def use_hopper(problem, split: bool = True) -> bool:
         return True
     blocks = math.ceil(problem.M / capability.HOPPER_BLOCK_M) * problem.H * problem.B
     return blocks >= _multiprocessors(problem.device)
+
+
+def _tma_describable(problem, strides) -> bool:
+    """True when TMA tensor maps can describe q1, k1, q2, k2, v with these element strides:
+    every axis longer than 1 needs a positive stride below 2^40 bytes (a broadcast axis,
+    stride 0, cannot be described; the mma.sync kernels read it in place instead)."""
+    q_shape = (problem.B, problem.H, problem.M)
+    k_shape = (problem.B, problem.Hkv, problem.N)
+    for shape, st in zip((q_shape, k_shape, q_shape, k_shape, k_shape), strides[:5]):
+        for n, s in zip(shape, st[:3]):
+            if n > 1 and not 0 < s * 2 < (1 << 40):
+                return False
+    return True
 
 
 #: FwdParams of kernels_cu/sm90/forward.cu: o, its batch/head/row strides, lse, H, group,

@@ -225,3 +225,21 @@ def test_alternating_devices_torch_and_cupy():
     assert cupy.cuda.runtime.getDevice() == 0
     for a, b, t in zip(outs[0], outs[1], first[0]):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("path", ["auto", "hopper", "mma"])
+def test_broadcast_heads_read_in_place(path, monkeypatch):
+    """k/v heads expanded from one (stride 0) are no tensor map: the mma.sync kernels take
+    them on every path, with the same result as materialised copies."""
+    from cupy_piecewise import capability
+
+    monkeypatch.setenv(capability.PATH_VAR, path)
+    capability.refresh_env_override()
+    q1, k1, q2, k2, v = _torch_inputs(2, 8, 1, 1024, 1024, 128, seed=12)
+    ex = [t.expand(2, 8, 1024, 128) for t in (k1, k2, v)]
+    assert ex[0].stride(1) == 0
+    o = cupy_piecewise.attention(q1, ex[0], q2, ex[1], ex[2], 300, causal=True)
+    want = cupy_piecewise.attention(q1, ex[0].contiguous(), q2, ex[1].contiguous(),
+                                    ex[2].contiguous(), 300, causal=True)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(o, want, rtol=2e-2, atol=2e-2)

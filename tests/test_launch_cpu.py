@@ -314,6 +314,9 @@ def test_hopper_launch(fake_gpu, monkeypatch):
     assert fields[:5] == (ptrs[5], o[0], o[1], o[2], ptrs[6])
     assert fields[5:10] == (H, H // Hkv, M, N, 300)
     assert fields[10] == pytest.approx(0.125 * 1.4426950408889634) and fields[11] == 0.125
+    # a broadcast (stride 0) head axis cannot be a tensor map: the mma.sync kernels take it
+    kb = (k[0], 0, k[2], 1)
+    assert isinstance(launch.forward_launches(p, (q, kb, q, k, k, o), split=True), launch.Launches)
     # CUPY_PIECEWISE_PATH=mma forces the mma.sync kernels
     monkeypatch.setenv(capability.PATH_VAR, "mma")
     capability.refresh_env_override()
