@@ -30,11 +30,16 @@ FLOP convention (docs/semantics.md, as FlashAttention counts): forward 4*B*H*M*N
 with M == N; backward 2.5x forward; forward+backward 3.5x forward.  Piecewise attention is
 counted like standard attention, so TFLOP/s compare directly.
 
+Providers (--providers, all by default): piecewise (the package's default path on this GPU),
+piecewise_mma (mma.sync forward forced), flex_composite (two compiled FlexAttention calls
+merged by log-sum-exp), sdpa_flash, sdpa_cudnn, torch_plain, flag_attn.
+
 This file is the entry point only; the work is split by job into modules beside it:
   common.py         names, dtypes, FLOP/byte counts, text and progress helpers
   timing.py         Env (device, L2 size, triton), Timer (median), time_phase, measure
   inputs.py         random input sets, rotation over L2, slices for the spot checks
   providers.py      one class per provider, plain_piecewise (plain PyTorch reference)
+  flex_composite.py the two-call FlexAttention composite and its log-sum-exp merge
   runner.py         the sections (main + spot checks, w sweep, decode, memory), results.json
   reporting.py      ratios, results.md tables, stdout summary, merging, plots
   cli.py            options and main()
@@ -53,12 +58,12 @@ if _HERE not in sys.path:  # the modules beside this file (also when loaded by p
 
 # The names below were all defined in this file before the split; they stay importable from it.
 from common import (DTYPE_NAME, DTYPES, PHASE_FACTOR, PHASE_LABEL, PHASES, PROVIDERS,  # noqa: E402,F401
-                    REF_PROVIDERS, SECTIONS, _err_text, _f, _status_of, attn_flops,
+                    RATIO_PROVIDERS, REF_PROVIDERS, SECTIONS, _err_text, _f, _status_of, attn_flops,
                     decode_bytes, plain_mem_estimate, tflops_from_ms)
 from timing import Env, Timer, measure, time_phase  # noqa: E402,F401
 from inputs import InputSet, _Slice, make_sets, n_sets_for  # noqa: E402,F401
-from providers import (FlagAttn, Piecewise, Provider, Sdpa, TorchPlain, make_providers,  # noqa: E402,F401
-                       plain_piecewise)
+from providers import (FlagAttn, FlexComposite, Piecewise, PiecewiseMma, Provider, Sdpa,  # noqa: E402,F401
+                       TorchPlain, forced_path, make_providers, plain_piecewise)
 from runner import Runner  # noqa: E402,F401
 from reporting import (LEGEND, annotate_ratios, make_plots, merge_results, render_checks,  # noqa: E402,F401
                        render_decode, render_errors, render_header, render_main_detail, render_markdown,

@@ -59,6 +59,8 @@ def parse_args(argv=None):
                    help="stop starting new measurements after this many seconds, the rest recorded as "
                         "'skipped: time budget' (default 520 on a GPU, so one 600 s call ends cleanly; 0 = none)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--flex-decode", action="store_true",
+                   help="also run flex_composite in the decode section (one torch.compile per decode case)")
     p.add_argument("--report-only", metavar="RESULTS_JSON", nargs="+",
                    help="re-render results.md and plots from existing results.json file(s) into --out; "
                         "several files (e.g. one run per dtype) are merged")

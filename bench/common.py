@@ -23,7 +23,12 @@ _ROOT = os.path.dirname(_HERE)
 PHASES = ("fwd", "bwd", "fwd_bwd")
 PHASE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 PHASE_LABEL = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward+backward"}
-PROVIDERS = ("piecewise", "sdpa_flash", "sdpa_cudnn", "torch_plain", "flag_attn")
+#: Every provider, in the column order of the tables. ``piecewise``: the package's default path on
+#: the GPU (on an H100/H200 the Hopper wgmma + TMA forward); ``piecewise_mma``: the mma.sync path
+#: forced (CUPY_PIECEWISE_PATH=mma); ``flex_composite``: two compiled FlexAttention calls (d < w,
+#: d >= w) merged by log-sum-exp, what a PyTorch user writes without this package.
+PROVIDERS = ("piecewise", "piecewise_mma", "flex_composite", "sdpa_flash", "sdpa_cudnn", "torch_plain",
+             "flag_attn")
 SECTIONS = ("main", "wsweep", "decode", "memory")
 DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -32,6 +37,8 @@ DTYPES = {
 }
 DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 REF_PROVIDERS = ("sdpa_flash", "sdpa_cudnn")
+#: Every main row also gets ratio_vs_<p> for these (time of p / time of the row; > 1: the row is faster).
+RATIO_PROVIDERS = REF_PROVIDERS + ("flex_composite", "piecewise_mma")
 
 
 # ----------------------------------------------------------------------------- FLOPs / bytes

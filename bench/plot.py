@@ -13,6 +13,8 @@ import os
 PHASE_LABEL = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward+backward"}
 STYLE = {
     "piecewise": dict(color="tab:red", marker="o", linewidth=2.2),
+    "piecewise_mma": dict(color="tab:orange", marker="o", linestyle="--"),
+    "flex_composite": dict(color="tab:brown", marker="v"),
     "sdpa_flash": dict(color="tab:blue", marker="s"),
     "sdpa_cudnn": dict(color="tab:green", marker="^"),
     "torch_plain": dict(color="tab:gray", marker="x", linestyle="--"),

@@ -2,7 +2,12 @@
 on an InputSet ``s`` (q1, k1, q2, k2, v of shapes (B, H, M, D) and (B, Hkv, N, D)).
 
 Names (docs/semantics.md / SPEC "Benchmark results format"):
-  piecewise       cupy_piecewise.attention, the package's default path on this GPU
+  piecewise       cupy_piecewise.attention, the package's default path on this GPU (on an
+                  H100/H200 the Hopper wgmma + TMA forward; the backward is the mma.sync kernels)
+  piecewise_mma   the same with the mma.sync forward forced: CUPY_PIECEWISE_PATH=mma and
+                  cupy_piecewise.capability.refresh_env_override() for the measurement, restored after
+  flex_composite  two torch.compile'd FlexAttention calls (d < w on q1, k1; d >= w on q2, k2) merged
+                  by log-sum-exp (bench/flex_composite.py): what a PyTorch user writes without us
   sdpa_flash, sdpa_cudnn   F.scaled_dot_product_attention on q1, k1, v (standard attention)
   torch_plain     two score matrices, torch.where, float32 softmax, @ v
   flag_attn       flag_attn.piecewise_attention (the original Triton design) when it imports
@@ -11,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
+import flex_composite
 from common import PROVIDERS, _err_text, plain_mem_estimate
 
 
@@ -155,12 +162,126 @@ class TorchPlain(Provider):
         return plain_piecewise(s.q1, s.k1, s.q2, s.k2, s.v, w, causal, sm_scale)
 
 
+@contextlib.contextmanager
+def forced_path(capability, path):
+    """Set CUPY_PIECEWISE_PATH=path for the block (the package reads it once at import and at
+    capability.refresh_env_override()); the previous value, or its absence, is restored after."""
+    var = getattr(capability, "PATH_VAR", "CUPY_PIECEWISE_PATH")
+    old = os.environ.get(var)
+    os.environ[var] = path
+    capability.refresh_env_override()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = old
+        capability.refresh_env_override()
+
+
+class PiecewiseMma(Piecewise):
+    """cupy_piecewise.attention with the mma.sync forward forced (CUPY_PIECEWISE_PATH=mma) during
+    each measurement (context()); the backward is the same kernels as ``piecewise``'s."""
+    name = "piecewise_mma"
+    path = "mma"
+
+    def __init__(self, env, plain_mem_bytes):
+        super().__init__(env, plain_mem_bytes)
+        self._cap = None
+        if self._err is None:
+            try:
+                from cupy_piecewise import capability
+                if not hasattr(capability, "refresh_env_override"):
+                    self._err = "error: cupy_piecewise.capability has no refresh_env_override (path cannot be forced)"
+                else:
+                    self._cap = capability
+            except Exception as e:
+                self._err = f"error: import cupy_piecewise.capability failed: {_err_text(e)}"
+
+    def context(self):
+        return forced_path(self._cap, self.path)
+
+
+class FlexComposite(Provider):
+    """Two FlexAttention calls with block masks d < w (q1, k1) and d >= w (q2, k2) (and d >= 0 when
+    causal), each returning its lse, merged by log-sum-exp; the whole function under torch.compile
+    (static shapes, fullgraph). One compiled function per shape: on a new shape (or w, causal,
+    dtype) torch._dynamo.reset() drops the previous one and the block masks are rebuilt, both
+    in the untimed first call. Forward and forward+backward (autograd through the merge).
+
+    ``compile=None``: compile on a GPU; on the CPU (dry run) the uncompiled (unfused, eager)
+    flex_attention runs the forward, and the backward fails as torch's CPU flex has none.
+    """
+    name = "flex_composite"
+    #: after this many shapes whose first call failed, and no success at all, the provider is
+    #: reported unavailable instead of compiling again (a compile can take a minute)
+    MAX_FAILED_SHAPES = 3
+
+    def __init__(self, env, plain_mem_bytes, compile=None, backend="inductor"):
+        super().__init__(env, plain_mem_bytes)
+        self.backend = backend  # another torch.compile backend only for tests (aot_eager on CPU)
+        why = flex_composite.flex_available()
+        self._err = f"not installed (torch.nn.attention.flex_attention: {why[:200]})" if why else None
+        self.compile = env.cuda if compile is None else compile
+        self._key = None
+        self._fn = None
+        self._masks = None
+        self._failed = {}     # (shape key, grad enabled) -> error of its first call: not compiled again
+        self._n_ok = 0        # calls that returned
+        self._fail_streak = 0  # shapes whose first call failed since the last success
+
+    def unavailable(self):
+        if self._err is None and self._n_ok == 0 and self._fail_streak >= self.MAX_FAILED_SHAPES:
+            first = next(iter(self._failed.values()))
+            return (f"error: disabled after its first call failed on {self._fail_streak} shapes "
+                    f"(no call ever succeeded); first error: {first}")
+        return self._err
+
+    def _prepare(self, s, w, causal, sm_scale):
+        q, k = s.q1, s.k1
+        key = (tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), w, bool(causal), sm_scale)
+        if key == self._key:
+            return
+        self._key = self._fn = self._masks = None
+        if self.compile:
+            torch._dynamo.reset()  # previous shape's graphs: no recompile limit, no guard chain per call
+        self._masks = flex_composite.block_masks(q.shape[-2], k.shape[-2], w, causal, q.device)
+        self._fn = flex_composite.make_composite(sm_scale, compile=self.compile, backend=self.backend)
+        self._key = key
+
+    def forward(self, s, w, causal, sm_scale):
+        if sm_scale is None:
+            sm_scale = 1.0 / math.sqrt(s.q1.shape[-1])
+        self._prepare(s, w, causal, sm_scale)
+        t = (s.q1, s.k1, s.q2, s.k2, s.v)
+        grad = torch.is_grad_enabled()
+        if t[0].device.type == "cpu" and not grad:
+            t = tuple(x.detach() for x in t)  # CPU flex refuses inputs that require grad
+        fkey = (self._key, grad)
+        if fkey in self._failed:
+            raise RuntimeError(self._failed[fkey] + " [first call's error on this shape; not compiled again]")
+        try:
+            o = self._fn(*t, *self._masks)
+        except Exception as e:
+            if not any(k[0] == self._key for k in self._failed):
+                self._fail_streak += 1
+            self._failed[fkey] = _err_text(e)
+            raise
+        self._n_ok += 1
+        self._fail_streak = 0
+        return o
+
 
 def make_providers(names, env, plain_mem_bytes):
     out = {}
     for n in names:
         if n == "piecewise":
             out[n] = Piecewise(env, plain_mem_bytes)
+        elif n == "piecewise_mma":
+            out[n] = PiecewiseMma(env, plain_mem_bytes)
+        elif n == "flex_composite":
+            out[n] = FlexComposite(env, plain_mem_bytes)
         elif n == "sdpa_flash":
             out[n] = Sdpa(env, plain_mem_bytes, "FLASH_ATTENTION")
         elif n == "sdpa_cudnn":

@@ -5,18 +5,23 @@ from __future__ import annotations
 import json
 import os
 
-from common import PROVIDERS, REF_PROVIDERS, _err_text, _f
+from common import PROVIDERS, RATIO_PROVIDERS, _err_text, _f
+
+#: Optional summary columns: (provider, short label), shown when the run has rows of it.
+SUMMARY_EXTRA = (("piecewise_mma", "mma"), ("flex_composite", "flex"))
+
 
 def annotate_ratios(rows):
-    """ratio_vs_<ref> = tflops / tflops(ref) on the same shape and phase (> 1: faster than ref)."""
+    """ratio_vs_<ref> = tflops / tflops(ref) on the same shape and phase (> 1: faster than ref), for
+    every ref in RATIO_PROVIDERS (SDPA flash and cuDNN, flex_composite, piecewise_mma)."""
     def key(r):
         return (r["dtype"], r["B"], r["H"], r["M"], r["N"], r["D"], r["causal"], r["phase"])
     ref = {}
     for r in rows:
-        if r["provider"] in REF_PROVIDERS and r.get("status") == "ok" and r.get("ms"):
+        if r["provider"] in RATIO_PROVIDERS and r.get("status") == "ok" and r.get("ms"):
             ref[(r["provider"],) + key(r)] = r["ms"]
     for r in rows:
-        for p in REF_PROVIDERS:
+        for p in RATIO_PROVIDERS:
             m = ref.get((p,) + key(r))
             r[f"ratio_vs_{p}"] = (m / r["ms"]) if (m and r.get("status") == "ok" and r.get("ms")) else None
 
@@ -58,8 +63,14 @@ def _configs(rows):
     return seen
 
 
+def _extras(rows):
+    present = {r["provider"] for r in rows}
+    return [(p, lbl) for p, lbl in SUMMARY_EXTRA if p in present]
+
+
 def render_summary(res):
-    """Compact table: one line per shape (what the lead reads at the end of stdout)."""
+    """Compact table: one line per shape (what the lead reads at the end of stdout). Columns for
+    piecewise_mma and flex_composite (and ours/their ratios) appear when the run has them."""
     rows = res["main"]
     idx = {(r["dtype"], r["D"], r["causal"], r["L"], r["provider"], r["phase"]): r for r in rows}
     shapes = []
@@ -69,20 +80,31 @@ def render_summary(res):
             shapes.append(k)
     if not shapes:
         return "(no main-sweep measurements)"
-    hdr = ["dtype", "D", "causal", "L", "ours fwd", "ours bwd", "ours f+b", "flash fwd", "flash f+b",
-           "cudnn fwd", "cudnn f+b", "ours/flash fwd", "ours/flash f+b", "ours/cudnn fwd", "ours/cudnn f+b"]
+    extras = _extras(rows)
+    hdr = ["dtype", "D", "causal", "L", "ours fwd", "ours bwd", "ours f+b"]
+    for _, lbl in extras:
+        hdr += [f"{lbl} fwd", f"{lbl} f+b"]
+    hdr += ["flash fwd", "flash f+b", "cudnn fwd", "cudnn f+b", "ours/flash fwd", "ours/flash f+b",
+            "ours/cudnn fwd", "ours/cudnn f+b"]
+    for _, lbl in extras:
+        hdr += [f"ours/{lbl} fwd", f"ours/{lbl} f+b"]
     out = []
     for (dt, D, c, L) in shapes:
         g = lambda p, ph: idx.get((dt, D, c, L, p, ph))  # noqa: E731
         ours_f, ours_fb = g("piecewise", "fwd"), g("piecewise", "fwd_bwd")
-        out.append([dt, D, "yes" if c else "no", L,
-                    _cell(ours_f), _cell(g("piecewise", "bwd")), _cell(ours_fb),
-                    _cell(g("sdpa_flash", "fwd")), _cell(g("sdpa_flash", "fwd_bwd")),
-                    _cell(g("sdpa_cudnn", "fwd")), _cell(g("sdpa_cudnn", "fwd_bwd")),
-                    _f((ours_f or {}).get("ratio_vs_sdpa_flash"), 2),
-                    _f((ours_fb or {}).get("ratio_vs_sdpa_flash"), 2),
-                    _f((ours_f or {}).get("ratio_vs_sdpa_cudnn"), 2),
-                    _f((ours_fb or {}).get("ratio_vs_sdpa_cudnn"), 2)])
+        line = [dt, D, "yes" if c else "no", L,
+                _cell(ours_f), _cell(g("piecewise", "bwd")), _cell(ours_fb)]
+        for p, _ in extras:
+            line += [_cell(g(p, "fwd")), _cell(g(p, "fwd_bwd"))]
+        line += [_cell(g("sdpa_flash", "fwd")), _cell(g("sdpa_flash", "fwd_bwd")),
+                 _cell(g("sdpa_cudnn", "fwd")), _cell(g("sdpa_cudnn", "fwd_bwd")),
+                 _f((ours_f or {}).get("ratio_vs_sdpa_flash"), 2),
+                 _f((ours_fb or {}).get("ratio_vs_sdpa_flash"), 2),
+                 _f((ours_f or {}).get("ratio_vs_sdpa_cudnn"), 2),
+                 _f((ours_fb or {}).get("ratio_vs_sdpa_cudnn"), 2)]
+        for p, _ in extras:
+            line += [_f((ours_f or {}).get(f"ratio_vs_{p}"), 2), _f((ours_fb or {}).get(f"ratio_vs_{p}"), 2)]
+        out.append(line)
     return _table(hdr, out)
 
 
@@ -190,7 +212,9 @@ def render_main_detail(res):
                     Ls.append(r["L"])
                 if r["phase"] not in phases:
                     phases.append(r["phase"])
-        hdr = ["L", "B x H", "phase"] + provs + ["ours/flash", "ours/cudnn", "ours ms"]
+        extras = _extras(rows)
+        hdr = (["L", "B x H", "phase"] + provs + ["ours/flash", "ours/cudnn"]
+               + [f"ours/{lbl}" for _, lbl in extras] + ["ours ms"])
         out = []
         for L in Ls:
             for ph in phases:
@@ -198,23 +222,30 @@ def render_main_detail(res):
                 ours = idx.get((dt, D, c, L, "piecewise", ph)) or {}
                 any_r = next(r for r in rows if (r["dtype"], r["D"], r["causal"], r["L"]) == (dt, D, c, L))
                 out.append([L, f"{any_r['B']} x {any_r['H']}", ph] + cells +
-                           [_f(ours.get("ratio_vs_sdpa_flash"), 2), _f(ours.get("ratio_vs_sdpa_cudnn"), 2),
-                            _f(ours.get("ms"), 3)])
+                           [_f(ours.get("ratio_vs_sdpa_flash"), 2), _f(ours.get("ratio_vs_sdpa_cudnn"), 2)] +
+                           [_f(ours.get(f"ratio_vs_{p}"), 2) for p, _ in extras] +
+                           [_f(ours.get("ms"), 3)])
         parts.append(f"#### {dt}, D={D}, {'causal' if c else 'not causal'} (TFLOP/s; w = L/4)\n\n" + _table(hdr, out))
     return "\n\n".join(parts)
+
+
+def _vs_ours_text(r, nd=5):
+    vs = r.get("vs_ours") or {}
+    return ", ".join(f"{p} {v if isinstance(v, str) else _f(v, nd)}" for p, v in vs.items())
 
 
 def render_checks(res):
     if not res["spot_checks"]:
         return "(no spot checks)"
+    others = any(r.get("vs_ours") for r in res["spot_checks"])
     hdr = ["dtype", "D", "causal", "L", "max|ours - sdpa| (w=N)", "reference", "max|ref|",
-           "max|ours - fp32 plain| (w=L/4, slice)", "status"]
+           "max|ours - fp32 plain| (w=L/4, slice)"] + (["max|other - ours| (w=L/4)"] if others else []) + ["status"]
     out = []
     for r in res["spot_checks"]:
         out.append([r["dtype"], r["D"], "yes" if r["causal"] else "no", r["L"],
                     _f(r.get("max_abs_diff_vs_sdpa"), 5), r.get("reference", "-"), _f(r.get("ref_max_abs"), 3),
-                    _f(r.get("max_abs_diff_vs_plain_fp32"), 5),
-                    r["status"] + (f": {r['error'][:80]}" if r.get("error") else "")])
+                    _f(r.get("max_abs_diff_vs_plain_fp32"), 5)] + ([_vs_ours_text(r)[:200] or "-"] if others else []) +
+                   [r["status"] + (f": {r['error'][:80]}" if r.get("error") else "")])
     return _table(hdr, out)
 
 
@@ -247,7 +278,8 @@ def render_header(res):
 
 LEGEND = ("Cells: TFLOP/s (effective, FlashAttention's FLOP count). `n/i` not installed, `skip:mem` plain PyTorch would "
           "need too much memory, `skip:time` time budget spent, `err` the provider failed (see Errors). "
-          "ours/flash, ours/cudnn = time of SDPA / time of ours on the same shape and phase (> 1: ours faster).")
+          "ours/flash, ours/cudnn = time of SDPA / time of ours on the same shape and phase (> 1: ours faster); "
+          "ours/flex, ours/mma likewise against flex_composite and piecewise_mma, where those ran.")
 
 
 def render_markdown(res):
@@ -289,6 +321,15 @@ def render_checks_line(res):
             worst = max(vals, key=lambda c: c[key])
             line += (f"; {label} = {worst[key]:.3g} at {worst['dtype']} D={worst['D']} "
                      f"causal={worst['causal']} L={worst['L']}")
+    worst_other = {}
+    for c in ok:
+        for p, v in (c.get("vs_ours") or {}).items():
+            if isinstance(v, str):
+                worst_other.setdefault(p, v[:80])
+            elif not isinstance(worst_other.get(p), str) and v > worst_other.get(p, -1.0):
+                worst_other[p] = v
+    for p, v in worst_other.items():
+        line += f"; max|{p} - ours| (w=L/4) = " + (v if isinstance(v, str) else f"{v:.3g}")
     bad = [c for c in cs if c.get("status") != "ok"]
     if bad:
         line += f"; not run: {bad[0].get('error', '')[:160]}"

@@ -25,7 +25,9 @@ from timing import Timer, measure
 
 #: Order in which the main sweep runs the providers of one shape: the references first, so that
 #: if one of ours poisons the CUDA context the references of that shape survive.
-RUN_ORDER = {"sdpa_flash": 0, "sdpa_cudnn": 1, "torch_plain": 2, "flag_attn": 3}
+RUN_ORDER = {"sdpa_flash": 0, "sdpa_cudnn": 1, "torch_plain": 2, "flag_attn": 3, "flex_composite": 4}
+#: Providers whose forward the spot check compares with ours (piecewise) at the benchmark's w.
+CHECK_VS_OURS = ("piecewise_mma", "flex_composite")
 
 
 class Runner:
@@ -45,6 +47,10 @@ class Runner:
         self._log = open(self.log_path, "w")
         self._seen_errors = set()
         self._section = None
+        path = (os.environ.get("CUPY_PIECEWISE_PATH") or "").strip().lower()
+        if path not in ("", "auto") and "piecewise" in self.providers:
+            self.results["notes"].append(f"CUPY_PIECEWISE_PATH={path} is set: provider 'piecewise' runs that path, "
+                                         "not the package's default")
 
     # -- bookkeeping
     def _header(self):
@@ -69,6 +75,7 @@ class Runner:
                            "forward graph built outside the timed region; fwd_bwd = forward + autograd.grad",
             "flop_convention": "fwd 4*B*H*M*N*D (x0.5 when causal and M == N); bwd 2.5x fwd; fwd_bwd 3.5x fwd",
             "git_commit": _git_commit(),
+            "env": {k: os.environ.get(k) for k in ("CUPY_PIECEWISE_PATH", "CUPY_PIECEWISE_TILES")},
         }
         if env.cuda:
             p = torch.cuda.get_device_properties(env.device)
@@ -227,6 +234,7 @@ class Runner:
                 rec["max_abs_diff_vs_plain_fp32"] = float((ours.float() - ref).abs().max().item())
                 rec["plain_slice_heads"] = h
                 del ours, ref
+            self._check_others(s, causal, w, sm, rec)
             rec["status"] = "ok"
         except Exception as e:
             rec.update(status="error", error=_err_text(e))
@@ -235,6 +243,31 @@ class Runner:
         self.log(f"[check] {dtype_name} D={D} causal={causal} L={N}: {rec}")
         return rec
 
+    def _check_others(self, s, causal, w, sm, rec):
+        """max |other - ours| of the forward at the benchmark's w on the whole input set, for the
+        other piecewise providers of this run (rec['vs_ours']: provider -> value or error text).
+        flex_composite only when the fwd phase ran (its compiled no-grad graph exists)."""
+        names = [n for n in CHECK_VS_OURS if n in self.providers
+                 and not self.providers[n].unavailable()
+                 and (n != "flex_composite" or "fwd" in self.args.phases)]
+        if not names:
+            return
+        out = {}
+        with torch.no_grad():
+            ours = self.providers["piecewise"].forward(s, w, causal, sm).float()
+            for n in names:
+                prov = self.providers[n]
+                try:
+                    with prov.context():
+                        o = prov.forward(s, w, causal, sm)
+                    out[n] = float((o.float() - ours).abs().max().item())
+                    del o
+                except Exception as e:
+                    out[n] = "error: " + _err_text(e)[:300]
+                    self.env.cleanup()
+                    self.env.check_alive()
+            del ours
+        rec["vs_ours"] = out
 
     # -- w sweep
     def run_wsweep(self):
@@ -347,7 +380,7 @@ class Runner:
                        "causal": False, "w": w, "phase": "fwd", "bytes": nbytes,
                        "n_input_sets": len(sets) if sets else 0}
                 reason = (prov.unavailable() or self._skip_all_msg() or alloc_err
-                          or prov.skip_reason(shape, False))
+                          or prov.skip_reason(shape, False) or self._decode_skip(prov))
                 if reason:
                     rec.update(status=_status_of(reason), ms=None, error=reason)
                 else:
@@ -363,6 +396,13 @@ class Runner:
             self.env.cleanup()
         bar.close()
         self.save(render=True)
+
+    def _decode_skip(self, prov):
+        """flex_composite compiles once per shape (tens of seconds each): left out of decode
+        unless --flex-decode."""
+        if prov.name == "flex_composite" and not getattr(self.args, "flex_decode", False):
+            return "skipped: flex_composite is left out of decode (one torch.compile per case); --flex-decode runs it"
+        return None
 
     # -- memory
     def run_memory(self):
