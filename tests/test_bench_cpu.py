@@ -1,5 +1,7 @@
-"""CPU checks of bench/bench.py: the --dry-run end to end (tiny sizes, CPU tensors,
-perf_counter timing) and the FLOP/byte conventions of docs/semantics.md (FLOP convention).
+"""CPU checks of bench/bench.py (the entry point; the work is in the modules beside it): the
+--dry-run end to end (tiny sizes, CPU tensors, perf_counter timing) and the FLOP/byte
+conventions of docs/semantics.md (FLOP convention). The flex_composite and piecewise_mma
+providers have their own checks in tests/test_bench_flex_cpu.py.
 
 Needs torch (CPU build). tqdm and matplotlib are optional: without tqdm the bench prints a
 plain progress line; without matplotlib the PNG check is skipped with a printed reason.
@@ -144,7 +146,8 @@ def test_dry_run_end_to_end(tmp_path):
         else:
             assert r["error"]
     providers = {r["provider"] for r in res["main"]}
-    assert {"piecewise", "sdpa_flash", "sdpa_cudnn", "torch_plain", "flag_attn"} <= providers
+    assert {"piecewise", "piecewise_mma", "flex_composite", "sdpa_flash", "sdpa_cudnn", "torch_plain",
+            "flag_attn"} <= providers
     assert {r["phase"] for r in res["main"]} == {"fwd", "bwd", "fwd_bwd"}
     # the references work on CPU tensors, so they must have produced numbers
     for p in ("sdpa_flash", "torch_plain"):
@@ -160,6 +163,23 @@ def test_dry_run_end_to_end(tmp_path):
         assert checks
         for c in checks:
             assert c["max_abs_diff_vs_sdpa"] < 0.1 and c["max_abs_diff_vs_plain_fp32"] < 0.1, c
+        # piecewise_mma is the same CPU path in a dry run; on the CPU flex_composite runs its forward
+        # uncompiled (torch's CPU flex has no backward: those rows carry torch's error)
+        mma = [r for r in res["main"] if r["provider"] == "piecewise_mma"]
+        assert all(r["status"] == "ok" for r in mma), [r.get("error") for r in mma][:3]
+        for c in checks:
+            assert c["vs_ours"]["piecewise_mma"] == 0.0, c
+        flex = [r for r in res["main"] if r["provider"] == "flex_composite"]
+        if all(r["status"] != "not installed" for r in flex):
+            assert all(r["status"] == "ok" for r in flex if r["phase"] == "fwd"), [r.get("error") for r in flex][:3]
+            for c in checks:
+                assert c["vs_ours"]["flex_composite"] < 0.1, c
+            ours = {(r["dtype"], r["D"], r["causal"], r["L"], r["phase"]): r for r in pw if r["status"] == "ok"}
+            for r in flex:
+                if r["status"] == "ok":
+                    o = ours.get((r["dtype"], r["D"], r["causal"], r["L"], r["phase"]))
+                    if o:
+                        assert o["ratio_vs_flex_composite"] == pytest.approx(r["ms"] / o["ms"])
 
     assert res["w_sweep"] and res["w_sweep_summary"]
     for s in res["w_sweep_summary"]:
