@@ -530,9 +530,10 @@ def _time_config(torch, F, kern, SDPBackend, sdpa_kernel, cupy_piecewise, B, L, 
 
 #: timing grid of --variants: bf16, B = 16384 / L, H = 2048 / D, w = L / 4
 VT_CONFIGS = [(L, D, c) for L in (2048, 8192) for D in (64, 128) for c in (False, True)]
-#: -DPW90_WAIT_SPIN_LIMIT for the variant check builds: a pipeline deadlock traps (the worker
-#: then reports an error and exits) instead of hanging the GPU; the timing builds go without
-CHECK_SPIN_LIMIT = 1 << 22
+#: (no -DPW90_WAIT_SPIN_LIMIT in --variants: it changes register allocation, e.g. spills in
+#: PW90_PINGPONG=1 PW90_OVERLAP=1, so the check would not run the timed code; a deadlock
+#: shows as a hung worker instead, killed after PHASES["vrun"][1] s of silence, its last
+#: "CASE i START" line naming the case)
 
 
 def reduced_cases():
@@ -568,11 +569,12 @@ def phase_vrun(args):
     tag = " ".join(o[2:] if o.startswith("-D") else o for o in opts) or "(default)"
     t = time.time()
     try:
-        kern = Kernels(via=args.via, extra_options=opts + (f"-DPW90_WAIT_SPIN_LIMIT={CHECK_SPIN_LIMIT}",))
+        kern = Kernels(via=args.via, extra_options=opts)
     except Exception as e:
         say(f"VBUILD FAIL {tag}: {type(e).__name__}: {str(e)[:2000]}")
         return 1
     say(f"VBUILD OK {tag} ({time.time() - t:.1f} s)")
+    sms = kern.sms
     if kern.persist:
         kern.sms = 3  # the check's grids are small: make each CTA walk several work tiles
     cases = make_cases() + reduced_cases()  # 128 cases, a few seconds on an H200
@@ -603,7 +605,7 @@ def phase_vrun(args):
         f"(worst o error / bound {worst:.2f})")
     if args.skip_ours:
         return 0
-    kern = Kernels(via=args.via, extra_options=opts)
+    kern.sms = sms
     try:
         import cupy_piecewise
     except Exception as e:
@@ -696,7 +698,9 @@ def run_variants(specs, via, log, budget_s=225.0):
         allines += lines
         tag = spec or "(default)"
         vc = [ln for ln in lines if ln.startswith("VCHECK")]
-        checks[tag] = vc[-1].split(":", 1)[1].strip() if vc else f"no result ({status})"
+        started = [ln for ln in lines if re.match(r"CASE \d+ START", ln)]
+        checks[tag] = (vc[-1].split(":", 1)[1].strip() if vc else
+                       f"no result ({status}{'; last: ' + started[-1] if started else ''})")
     # table
     times = {}
     for ln in allines:

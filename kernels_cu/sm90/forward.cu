@@ -280,6 +280,7 @@ PW90 void consumer(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 empty0
 }
 
 #if PW90_PIPE
+template <bool B> struct BoolC { static constexpr bool value = B; };
 PW90 void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
@@ -345,7 +346,11 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
   if (wg == 1) named_bar_arrive(1, 256);  // warpgroup 0 issues first
 #endif
   if (ntiles > 0) mbar_wait(qbar, qpar);
-  for (int t = 0; t < ntiles; ++t) {
+  // One key tile; PVX: issue P_{t-1}·V_{t-1}. Two instantiations rather than a branch around
+  // the P·V product: a conditional product forces ptxas to close the group with a dummy
+  // HGMMA (a third group, so wait_group 1 would also wait for P·V) or to serialise.
+  auto tile = [&](auto pvx, const int t) {
+    constexpr bool PVX = decltype(pvx)::value;
     const int g = kg + t, stage = g & 1, pstage = stage ^ 1;
     mbar_wait(full0 + 8 * stage, (g >> 1) & 1);
     if (t > 0) mbar_wait(fullv0 + 8 * pstage, ((g - 1) >> 1) & 1);
@@ -364,20 +369,18 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
     reg_fence(o);
     wg_fence();
     // S is issued even for a tile whose rows are all causally masked (at most one per
-    // warpgroup): a conditional S product makes ptxas serialise the wgmma (C7515). The P·V
-    // group is committed even when empty, so that wait_group 1 always means "S_t done".
+    // warpgroup): a conditional S product makes ptxas serialise the wgmma (C7515).
     qk<T, D, BN, BN>(s1, mode == 2 ? q2a : q1a, mode == 2 ? st + S::K_TILE : st);
     wg_commit();
-    if (have_prev) pv<T, D, BN>(o, a, pva);
-    wg_commit();
+    if constexpr (PVX) {
+      pv<T, D, BN>(o, a, pva);
+      wg_commit();
+    }
 #if PW90_PINGPONG
     named_bar_arrive(2 - wg, 256);
 #endif
-#if PW90_OVERLAP
-    wg_wait<1>();
-#else
-    wg_wait<0>();
-#endif
+    if constexpr (PVX && PW90_OVERLAP) wg_wait<1>();
+    else wg_wait<0>();
     reg_fence(s1);
     const int dbase = row0 + P - n0 + 16 * wl + lane / 4 - 2 * (lane % 4);
     float alpha[2] = {1.f, 1.f};
@@ -470,6 +473,10 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) reg_fence(a[kk]);
     have_prev = compute;
+  };
+  for (int t = 0; t < ntiles; ++t) {
+    if (have_prev) tile(BoolC<true>{}, t);
+    else tile(BoolC<false>{}, t);
   }
 #if PW90_PERSIST
   if (ntiles > 0) mbar_arrive(qempty);  // every S product of this work tile is complete
