@@ -129,13 +129,14 @@ HOPPER_BLOCK_N = {64: 128, 128: 96}
 
 
 def hopper_shared_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of the Hopper forward (mirrors ``pw90::FwdSmem<D>::BYTES``,
-    checked by tests/test_traits_cpu.py): Q1 and Q2 tiles, two stages of K1, K2 and V as
-    64-column, 128-byte-swizzled panels, five mbarriers and 1 KB to align the base."""
+    """Dynamic shared memory of the Hopper forward (mirrors ``pw90::FwdSmem<D>::BYTES`` of
+    the default build, the pipelined loop; checked by tests/test_traits_cpu.py): Q1 and Q2
+    tiles, two stages of K1, K2 and V as 64-column, 128-byte-swizzled panels, nine mbarriers
+    (Q; full and empty of K and of V per stage) and 1 KB to align the base."""
     panels = head_dim // 64
     q_tile = panels * HOPPER_BLOCK_M * 128
     k_tile = panels * HOPPER_BLOCK_N[head_dim] * 128
-    return 2 * q_tile + 2 * 3 * k_tile + 8 * (1 + 2 * 2) + 1024
+    return 2 * q_tile + 2 * 3 * k_tile + 8 * (1 + 4 * 2) + 1024
 
 
 _switches = (_override, _path)

@@ -29,8 +29,10 @@ def _splice(name, seen):
 
 #: compile-time variants of the consumer loop (kernels_cu/sm90/forward.cu), A/B-tested on a GPU
 #: by scripts/hopper_probe.py --variants; each must build without spills or serialised wgmma
-VARIANTS = ["PW90_DEFER=1", "PW90_OVERLAP=1", "PW90_PINGPONG=1", "PW90_PINGPONG=1 PW90_OVERLAP=1",
-            "PW90_PERSIST=1", "PW90_PERSIST=1 PW90_PINGPONG=1 PW90_OVERLAP=1"]
+# PW90_OVERLAP is on by default (the package's build); =0 gives the plain loop back.
+VARIANTS = ["PW90_OVERLAP=0", "PW90_DEFER=1 PW90_OVERLAP=0", "PW90_OVERLAP=1",
+            "PW90_PINGPONG=1 PW90_OVERLAP=0", "PW90_PINGPONG=1 PW90_OVERLAP=1",
+            "PW90_PERSIST=1 PW90_OVERLAP=0", "PW90_PERSIST=1 PW90_PINGPONG=1 PW90_OVERLAP=1"]
 
 
 def _compile(defines=()):

@@ -130,3 +130,20 @@ def test_a_wrong_figure_fails_to_compile_and_names_the_variant(nvrtc):
     assert len(fired) == 1 and "wrong figure on purpose" in fired[0], (fired, log)
     assert f"smem_bytes = {figure} but capability.shared_bytes = {figure + 16}" in fired[0], fired
     assert "static assert" in log.lower() or "static_assert" in log.lower(), log
+
+
+def test_hopper_shared_bytes_match_the_kernel(nvrtc):
+    """capability.hopper_shared_bytes (what the launch asks for) equals the Hopper kernel's
+    own pw90::FwdSmem<D>::BYTES for every head dim it is built for."""
+    src = source("sm90/forward.cu") + "".join(
+        f"\nstatic_assert(pw90::FwdSmem<{d}>::BYTES == {capability.hopper_shared_bytes(d)}, "
+        f"\"FwdSmem<{d}>::BYTES != capability.hopper_shared_bytes({d})\");"
+        for d in capability.HOPPER_HEAD_DIMS)
+    prog = nvrtc.createProgram(src, "sm90_traits.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, ["-std=c++17", "-arch=sm_90a"])
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
