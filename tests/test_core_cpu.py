@@ -109,7 +109,7 @@ def _host_copy(t):
 #: The torch adapter's operations with host allocations and a fixed stream.
 HOST_OPS = torch_adapter.OPS._replace(
     empty=lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=_DT[dtype]),
-    empty_like=lambda t: torch.full(t.shape, float("nan"), dtype=t.dtype),
+    empty_like=lambda t, device: torch.full(t.shape, float("nan"), dtype=t.dtype),
     scratch=lambda nbytes, device: torch.empty(nbytes, dtype=torch.uint8),
     copy=_host_copy,
     stream=lambda device: 1234,

@@ -125,7 +125,8 @@ def test_hopper_path_is_taken_on_hopper(monkeypatch):
     capability.refresh_env_override()
     p = Problem("cupy", 2, 16, 16, 4096, 4096, 128, "bfloat16", 1024, True, 0.08, 0)
     assert launch.use_hopper(p)
-    assert isinstance(launch.forward_launches(p, ((0,) * 4,) * 6), launch.HopperLaunches)
+    contiguous = (16 * 4096 * 128, 4096 * 128, 128, 1)
+    assert isinstance(launch.forward_launches(p, (contiguous,) * 6), launch.HopperLaunches)
 
 
 def test_public_api_cupy_float16_matches_reference():

@@ -65,8 +65,11 @@ def _empty_out(shape, dtype: str, device: int):
         return _empty(shape, _DTYPES[dtype])
 
 
-def _empty_like(a):
-    return _empty_out(a.shape, a.dtype.name, a.device.id)
+def _empty_like(a, device: int):
+    if _rt.getDevice() == device:
+        return _empty(a.shape, a.dtype)
+    with _on(device):
+        return _empty(a.shape, a.dtype)
 
 
 def _scratch(nbytes: int, device: int):

@@ -28,8 +28,9 @@ class ArrayOps(NamedTuple):
       ``itemsize(a) -> int``;
     - ``empty(shape, dtype, device) -> array``: an uninitialised output (``dtype`` a name:
       the inputs' dtype or ``'float32'``), contiguous, 16-byte aligned;
-    - ``empty_like(a) -> array``: the same for ``a``'s shape, dtype and device (the
-      forward's ``o``, shaped like ``q1``: libraries make these cheaper than ``empty``);
+    - ``empty_like(a, device) -> array``: the same for ``a``'s shape and dtype on
+      ``device`` (``a``'s own; the forward's ``o``, shaped like ``q1``: libraries make
+      these cheaper than ``empty``);
     - ``scratch(nbytes, device) -> array``: bytes of workspace, stream-ordered;
     - ``fill(a, value)``: set every element (0.0 or -inf);
     - ``copy(a) -> array``: a fresh contiguous, 16-byte aligned copy of ``a``;
@@ -161,7 +162,7 @@ def run_forward(call: Call, ops: ArrayOps, q1, k1, q2, k2, v, *, need_lse: bool 
     """
     p = call.problem
     dev = p.device
-    o = ops.empty_like(q1)
+    o = ops.empty_like(q1, dev)
     launches = call.fwd
     ptr = ops.ptr
     if launches is not None:
