@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,20 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cupy_piecewise
 from cupy_piecewise import capability
-
-
-def cuda_ms(fn, warmup=5, reps=20):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from timing import event_median_ms as cuda_ms  # bench/ is on sys.path: run as a script
 
 
 def with_path(path, fn):

@@ -18,6 +18,7 @@ import sys
 import torch
 
 from cupy_piecewise import capability, launch
+from timing import event_median_ms  # bench/ is on sys.path: run as a script
 from cupy_piecewise.validate import check_inputs
 
 CANDIDATES = {
@@ -31,17 +32,7 @@ CANDIDATES = {
 
 
 def _time(fn, reps=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return event_median_ms(fn, warmup=warmup, reps=reps)
 
 
 def main(argv=None):

@@ -184,3 +184,18 @@ def measure(prov, sets, phase, w, causal, sm_scale, timer, env):
             env.check_alive()
     return rec
 
+
+def event_median_ms(fn, warmup: int = 5, reps: int = 20) -> float:
+    """Median of ``reps`` CUDA-event timings (ms) of ``fn()`` on the current stream after
+    ``warmup`` calls: the plain timer of the one-off scripts (forward_paths, tiles)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
