@@ -64,7 +64,8 @@ def _kernel_dir() -> tuple[str | None, list[str], str | None]:
     from .kernel_sources import kernel_dir, kernel_files
 
     try:
-        return str(kernel_dir()), [p.name for p in kernel_files()], None
+        root = kernel_dir()
+        return str(root), [p.relative_to(root).as_posix() for p in kernel_files()], None
     except Exception as exc:
         return None, [], f"{type(exc).__name__}: {exc}"
 
@@ -81,9 +82,27 @@ def _tiles(cc: tuple[int, int], max_shared: int | None = None) -> dict:
                 d: str(capability.lookup(cc, phase, d, "float16", False, max_shared=max_shared))
                 for d in capability.head_dims(cc)
             }
-        return {"table_arch": f"sm_{arch[0]}{arch[1]}", "tiles": table}
+        return {"table_arch": f"sm_{arch[0]}{arch[1]}", "tiles": table,
+                "forward_path": _forward_path(cc)}
     except ValueError as exc:
         return {"error": str(exc)}
+
+
+def _forward_path(cc: tuple[int, int]) -> str:
+    """Which forward kernels a GPU of compute capability ``cc`` runs, in words."""
+    from . import capability
+
+    dims = "/".join(str(d) for d in capability.HOPPER_HEAD_DIMS)
+    try:
+        path = capability.path_override()
+    except ValueError as exc:
+        return str(exc)
+    if tuple(cc) != (9, 0) or path == "mma":
+        why = " (CUPY_PIECEWISE_PATH=mma)" if tuple(cc) == (9, 0) else ""
+        return f"mma.sync kernels{why}"
+    small = "every grid" if path == "hopper" else "grids of at least one block per SM"
+    return (f"Hopper wgmma + TMA kernel (sm_90a) for float16/bfloat16, head dims {dims}, "
+            f"more than 16 query rows, {small}; mma.sync kernels otherwise")
 
 
 def collect() -> dict:
@@ -108,7 +127,8 @@ def collect() -> dict:
         "kernel_dir": kdir,
         "kernel_files": kfiles,
         "kernel_dir_error": kreason,
-        "tile_override": __import__("os").environ.get(capability.ENV_VAR) or None,
+        "tile_override": capability.env_override() or None,
+        "path_override": __import__("os").environ.get(capability.PATH_VAR) or None,
     }
     if gpus:
         for g in gpus:
@@ -123,6 +143,7 @@ def _print_tiles(entry: dict, indent: str) -> None:
     if "error" in entry:
         print(f"{indent}tiles: {entry['error']}")
         return
+    print(f"{indent}forward: {entry['forward_path']}")
     print(f"{indent}tile table {entry['table_arch']} (float16, non-causal; BMxBNxWARPSxSTAGES):")
     for phase, row in entry["tiles"].items():
         cells = "  ".join(f"D{d}={cfg}" for d, cfg in row.items())
@@ -145,6 +166,8 @@ def _print(info: dict) -> None:
         print(f"kernel sources: not found ({info['kernel_dir_error']})")
     if info["tile_override"]:
         print(f"tile override {info['tile_override']!r} (CUPY_PIECEWISE_TILES) applies to the tables below")
+    if info["path_override"]:
+        print(f"kernel path {info['path_override']!r} (CUPY_PIECEWISE_PATH)")
     if info["gpus"]:
         print(f"GPU: {len(info['gpus'])} found")
         for g in info["gpus"]:

@@ -36,5 +36,8 @@ def kernel_dir() -> Path:
 
 
 def kernel_files() -> list[Path]:
-    """The ``*.cu`` and ``*.cuh`` files of :func:`kernel_dir`, sorted by name."""
-    return sorted(p for p in kernel_dir().iterdir() if p.suffix in _SUFFIXES and p.is_file())
+    """The ``*.cu`` and ``*.cuh`` files of :func:`kernel_dir` and its subfolders (``sm90/``),
+    sorted by path."""
+    root = kernel_dir()
+    return sorted((p for p in root.rglob("*") if p.suffix in _SUFFIXES and p.is_file()),
+                  key=lambda p: p.relative_to(root).as_posix())

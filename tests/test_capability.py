@@ -248,3 +248,16 @@ def test_parse_override_round_trip():
     cfg = TileConfig(64, 32, 4, 3)
     assert cap.parse_override(f"bwd_dq={cfg}") == {"bwd_dq": cfg}
     assert cap.parse_override("") == {}
+
+
+def test_info_names_the_forward_path(monkeypatch):
+    from cupy_piecewise import info
+
+    assert info._forward_path((9, 0)).startswith("Hopper wgmma + TMA")
+    assert info._forward_path((8, 0)) == "mma.sync kernels"
+    monkeypatch.setenv(cap.PATH_VAR, "mma")
+    cap.refresh_env_override()
+    assert info._forward_path((9, 0)) == "mma.sync kernels (CUPY_PIECEWISE_PATH=mma)"
+    monkeypatch.setenv(cap.PATH_VAR, "warp-speed")
+    cap.refresh_env_override()
+    assert "CUPY_PIECEWISE_PATH" in info._forward_path((9, 0))

@@ -25,7 +25,8 @@ def _kernel_names(root: Path = ROOT) -> list[str]:
     folder = root / "kernels_cu"
     if not folder.is_dir():
         return []
-    return sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix in KERNEL_SUFFIXES)
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                  if p.is_file() and p.suffix in KERNEL_SUFFIXES)
 
 
 def _run(cmd, **kwargs):
@@ -91,7 +92,7 @@ def test_installed_wheel_finds_kernels_from_another_folder(wheel, tmp_path):
         "import cupy_piecewise, json\n"
         "from cupy_piecewise.kernel_sources import kernel_dir, kernel_files\n"
         "print(json.dumps({'package': cupy_piecewise.__file__, 'dir': str(kernel_dir()),\n"
-        "                  'files': [p.name for p in kernel_files()]}))\n"
+        "                  'files': [p.relative_to(kernel_dir()).as_posix() for p in kernel_files()]}))\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     out = _run([str(py), "-c", code], cwd=elsewhere, env=env).stdout
