@@ -145,18 +145,26 @@ def _chunk(chunk_rows, N):
 
 # --------------------------------------------------------------------------- core
 
-def _block_scores(q1c, q2c, k1, k2, r0, r1, M, N, w, causal, scale, ct):
-    """Scaled, masked scores of query rows [r0, r1) against all keys.
+def _offset(M, N, q_offset, k_offset) -> int:
+    """P with d(i, j) = i + P - j: ``(q_offset + i) - (k_offset + j)``; ``q_offset=None``
+    aligns the queries to the end of the keys (``k_offset + N - M``)."""
+    k0 = operator.index(k_offset)
+    q0 = k0 + N - M if q_offset is None else operator.index(q_offset)
+    return q0 - k0
+
+
+def _block_scores(q1c, q2c, k1, k2, r0, r1, M, N, w, causal, scale, ct, P):
+    """Scaled, masked scores of query rows [r0, r1) against all keys, distances
+    ``d = i + P - j``.
 
     -> (s, use2): s (rows, N) of dtype ``ct`` with -inf at causally excluded entries;
     use2 a bool (rows, N) mask of d >= w (None when no entry, True when all entries).
     """
-    P = N - M
     rows = np.arange(r0, r1, dtype=np.int64)
     cols = np.arange(N, dtype=np.int64)
     # d >= w  <=>  i + P - w >= j.  w is clamped into a range that keeps the meaning
-    # (distances lie in [1 - M, N - 1]) and fits int64.
-    w_c = min(max(w, -(M + N) - 1), M + N + 1)
+    # (distances lie in [P + 1 - N, P + M - 1]) and fits int64.
+    w_c = min(max(w, P - N - 1), P + M + 1)
     use2 = (rows + (P - w_c))[:, None] >= cols[None, :]
     any2 = bool(use2.any())
     all2 = bool(use2.all())
@@ -190,9 +198,11 @@ def _split_ds(ds, use2):
     return ds, ds2
 
 
-def _forward_impl(q1, k1, q2, k2, v, w, causal, sm_scale, chunk_rows, ct, rnd):
+def _forward_impl(q1, k1, q2, k2, v, w, causal, sm_scale, chunk_rows, ct, rnd,
+                  q_offset=None, k_offset=0):
     w = _check_w(w)
     B, H, Hkv, M, N, D = _check_inputs(q1, k1, q2, k2, v)
+    P = _offset(M, N, q_offset, k_offset)
     scale = _scale(sm_scale, D)
     o = np.zeros((B, H, M, D), dtype=ct)
     lse = np.full((B, H, M), -np.inf, dtype=ct)
@@ -207,7 +217,7 @@ def _forward_impl(q1, k1, q2, k2, v, w, causal, sm_scale, chunk_rows, ct, rnd):
             for r0 in range(0, M, cr):
                 r1 = min(M, r0 + cr)
                 s, _ = _block_scores(q1[b, h, r0:r1], q2[b, h, r0:r1], k1g, k2g,
-                                     r0, r1, M, N, w, causal, scale, ct)
+                                     r0, r1, M, N, w, causal, scale, ct, P)
                 m = s.max(axis=1)
                 empty = m == -np.inf
                 m_safe = np.where(empty, ct(0), m)
@@ -231,10 +241,14 @@ def _forward_impl(q1, k1, q2, k2, v, w, causal, sm_scale, chunk_rows, ct, rnd):
     return o, lse
 
 
-def _backward_impl(q1, k1, q2, k2, v, o, lse, do, w, causal, sm_scale, chunk_rows, ct, rnd):
+def _backward_impl(q1, k1, q2, k2, v, o, lse, do, w, causal, sm_scale, chunk_rows, ct, rnd,
+                   q_offset=None, k_offset=0, dlse=None):
     w = _check_w(w)
     B, H, Hkv, M, N, D = _check_inputs(q1, k1, q2, k2, v)
     _check_grad_inputs(q1.shape, o, lse, do)
+    P = _offset(M, N, q_offset, k_offset)
+    if dlse is not None and tuple(dlse.shape) != tuple(lse.shape):
+        raise ValueError(f"dlse: expected shape {tuple(lse.shape)} (that of lse), got {tuple(dlse.shape)}")
     scale = _scale(sm_scale, D)
     dq1 = np.zeros((B, H, M, D), dtype=ct)
     dq2 = np.zeros((B, H, M, D), dtype=ct)
@@ -246,8 +260,11 @@ def _backward_impl(q1, k1, q2, k2, v, o, lse, do, w, causal, sm_scale, chunk_row
     rep = H // Hkv
     cr = _chunk(chunk_rows, N)
     sc = ct(scale)
-    # delta = rowsum(do * o), from the o given.
+    # delta = rowsum(do * o), from the o given; a gradient into lse enters as
+    # ds = p * (dp - delta + dlse), i.e. through delta.
     delta = np.einsum("bhmd,bhmd->bhm", do, o)
+    if dlse is not None:
+        delta = delta - np.asarray(dlse, dtype=delta.dtype)
     for b in range(B):
         for h in range(H):
             g = h // rep
@@ -257,7 +274,7 @@ def _backward_impl(q1, k1, q2, k2, v, o, lse, do, w, causal, sm_scale, chunk_row
                 q1c, q2c = q1[b, h, r0:r1], q2[b, h, r0:r1]
                 doc = do[b, h, r0:r1]
                 s, use2 = _block_scores(q1c, q2c, k1g, k2g, r0, r1, M, N, w,
-                                        causal, scale, ct)
+                                        causal, scale, ct, P)
                 # p = exp(s - lse); rows with lse = -inf (no admissible key) give p = 0.
                 lrow = lse[b, h, r0:r1]
                 l_safe = np.where(np.isfinite(lrow), lrow, ct(np.inf))
@@ -291,54 +308,67 @@ def _f64(*arrays):
     return tuple(np.asarray(a, dtype=np.float64) for a in arrays)
 
 
-def forward(q1, k1, q2, k2, v, w, causal=False, sm_scale=None, *, chunk_rows=None):
+def forward(q1, k1, q2, k2, v, w, causal=False, sm_scale=None, *, chunk_rows=None,
+            q_offset=None, k_offset=0):
     """Float64 reference forward.
 
     -> (o, lse): o float64 (B, H, M, D), lse float64 (B, H, M).  Inputs of any float
     dtype are computed in float64.  ``chunk_rows`` query rows are processed per block
-    (default: :func:`default_chunk_rows`).
+    (default: :func:`default_chunk_rows`).  ``q_offset``/``k_offset`` (docs/semantics.md,
+    planned extensions): query row ``i`` sits at ``q_offset + i``, key ``j`` at
+    ``k_offset + j``; ``q_offset=None`` means ``k_offset + N - M`` (the default alignment).
     """
     q1, k1, q2, k2, v = _f64(q1, k1, q2, k2, v)
     return _forward_impl(q1, k1, q2, k2, v, w, bool(causal), sm_scale, chunk_rows,
-                         np.float64, None)
+                         np.float64, None, q_offset, k_offset)
 
 
-def backward(q1, k1, q2, k2, v, o, lse, do, w, causal=False, sm_scale=None, *, chunk_rows=None):
+def backward(q1, k1, q2, k2, v, o, lse, do, w, causal=False, sm_scale=None, *, chunk_rows=None,
+             q_offset=None, k_offset=0, dlse=None):
     """Float64 reference backward.
 
     Recomputes p from the ``lse`` given and uses ``delta = rowsum(do * o)`` from the
     ``o`` given.  -> (dq1, dk1, dq2, dk2, dv), float64; dk1, dk2, dv are (B, Hkv, N, D),
-    summed over the query heads of each group.
+    summed over the query heads of each group.  ``q_offset``/``k_offset`` as in
+    :func:`forward`; ``dlse`` (B, H, M), the gradient of the loss with respect to
+    ``lse``, adds to it: ``ds = p * (dp - delta + dlse)``.
     """
     q1, k1, q2, k2, v, o, lse, do = _f64(q1, k1, q2, k2, v, o, lse, do)
+    if dlse is not None:
+        (dlse,) = _f64(dlse)
     return _backward_impl(q1, k1, q2, k2, v, o, lse, do, w, bool(causal), sm_scale,
-                          chunk_rows, np.float64, None)
+                          chunk_rows, np.float64, None, q_offset, k_offset, dlse)
 
 
-def lowp_forward(q1, k1, q2, k2, v, w, causal=False, sm_scale=None, *, dtype, chunk_rows=None):
+def lowp_forward(q1, k1, q2, k2, v, w, causal=False, sm_scale=None, *, dtype, chunk_rows=None,
+                 q_offset=None, k_offset=0):
     """Plain forward in the precision ``dtype`` ('float16', 'bfloat16', 'float32').
 
     Operands rounded to ``dtype``; scores, softmax and accumulation in float32; the
     unnormalised probabilities rounded to ``dtype`` before the product with v; o rounded
-    to ``dtype``.  -> (o, lse) float32 arrays (o holds dtype-rounded values).
+    to ``dtype``.  -> (o, lse) float32 arrays (o holds dtype-rounded values).  Offsets as
+    in :func:`forward`.
     """
     _, rnd = _rounder(dtype)
     q1, k1, q2, k2, v = (rnd(np.asarray(a)) for a in (q1, k1, q2, k2, v))
     return _forward_impl(q1, k1, q2, k2, v, w, bool(causal), sm_scale, chunk_rows,
-                         np.float32, rnd)
+                         np.float32, rnd, q_offset, k_offset)
 
 
 def lowp_backward(q1, k1, q2, k2, v, o, lse, do, w, causal=False, sm_scale=None, *, dtype,
-                  chunk_rows=None):
+                  chunk_rows=None, q_offset=None, k_offset=0, dlse=None):
     """Plain backward in the precision ``dtype`` ('float16', 'bfloat16', 'float32').
 
     Operands (q, k, v, o, do) rounded to ``dtype``, lse taken as float32; p, dp, ds and
     accumulation in float32; p rounded to ``dtype`` before p^T·do and ds rounded before
     ds·k and ds^T·q; gradients rounded to ``dtype``.
-    -> (dq1, dk1, dq2, dk2, dv) float32 arrays holding dtype-rounded values.
+    -> (dq1, dk1, dq2, dk2, dv) float32 arrays holding dtype-rounded values.  Offsets
+    and ``dlse`` (taken as float32) as in :func:`backward`.
     """
     _, rnd = _rounder(dtype)
     q1, k1, q2, k2, v, o, do = (rnd(np.asarray(a)) for a in (q1, k1, q2, k2, v, o, do))
     lse = np.asarray(lse, dtype=np.float32)
+    if dlse is not None:
+        dlse = np.asarray(dlse, dtype=np.float32)
     return _backward_impl(q1, k1, q2, k2, v, o, lse, do, w, bool(causal), sm_scale,
-                          chunk_rows, np.float32, rnd)
+                          chunk_rows, np.float32, rnd, q_offset, k_offset, dlse)
