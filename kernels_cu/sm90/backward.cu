@@ -1,0 +1,572 @@
+// Piecewise-attention backward for Hopper (sm_90a): TMA + mbarrier ring, wgmma, warp
+// specialisation. PROTOTYPE: standalone, not wired into the package dispatch; launched by
+// scripts/hopper_bwd_probe.py. Untested on a GPU when first written.
+//
+// Three kernels, launched in this order on one stream:
+//   pw90_bwd_prep<T, D>     one warp per (b, h, padded query row): delta = rowsum(dO * O),
+//                           lse2 = lse * log2(e) (+inf for rows with no admissible key and for
+//                           padding rows, so that P = exp2(s * scale_log2 - lse2) = 0 there),
+//                           both float32 (B, H, Mpad) with Mpad = M rounded up to BM; zeroes the
+//                           float32 dQ accumulator rows (2, B, H, Mpad, D) when it is given.
+//   pw90_bwd<T, D, CAUSAL, DQ>  the main kernel below.
+//   pw90_bwd_dq_convert<T, D>   dq1/dq2 = sm_scale * accumulator, to the input dtype (DQ only).
+//
+// Main kernel: one CTA per (key tile of BN = 128 keys, kv head, batch), 384 threads:
+//   warpgroup 0  producer (setmaxnreg.dec 24): one thread loads, by TMA with 128-byte swizzle,
+//                the resident K1, K2, V of the key tile (only the projections some pass needs)
+//                and then streams, per visited (query head of the group, 64-row query tile),
+//                Q1 / Q2 (only those needed) and dO into a 2-stage ring, plus lse2 and delta of
+//                those 64 rows by 1-D bulk copies (cp.async.bulk) from the padded arrays.
+//   warpgroups 1, 2  consumers (setmaxnreg.inc 240), 64 keys each (keys n0 + 64 * wg ...).
+//                Per visited query tile, for its 64 keys x 64 queries:
+//                  Sᵀ  = K·Qᵀ     wgmma m64n64k16, A = K rows, B = Q rows (both K-major)
+//                  dPᵀ = V·dOᵀ    same form
+//                  Pᵀ = exp2(Sᵀ * scale_log2 - lse2[query]), dSᵀ = Pᵀ ⊙ (dPᵀ - delta[query])
+//                  dV += Pᵀ·dO    wgmma m64nDk16, A = Pᵀ from registers (16-bit), B = dO MN-major
+//                  dK += dSᵀ·Q    same form
+//                  dQ(64 q x D) += dS·K (DQ only): dSᵀ is stored (16-bit, swizzled) to shared
+//                                 memory and read back as an MN-major A operand; B = K MN-major;
+//                                 one m64n64 product per 64-column panel of D; the float32
+//                                 result is added to the global accumulator with
+//                                 red.global.add.v2.f32 (each warpgroup adds the contribution of
+//                                 its own 64 keys: no cross-warpgroup synchronisation).
+//
+// Piecewise pairs, two passes. Accumulating dK1 and dK2 together would need 3 D-wide float32
+// accumulators per thread (dV, dK1, dK2: 192 registers at D = 128 before S and dP), so, as in
+// the mma.sync dkv kernel (kernels_cu/backward.cu), the consumers make two passes over the query
+// tiles: pass 1 visits the tiles with some pair d < w and accumulates dK1 (and dQ1), pass 2 those
+// with some d >= w, dK2 (and dQ2); dK_pair is stored after its pass, dV after both. A
+// straddling tile is visited in both passes. dV counts every (64-key, 64-query) block exactly
+// once: in pass 1 when the block has some d < w (straddling blocks then compute both products,
+// Q1·K1ᵀ and, in two 32-query halves, Q2·K2ᵀ, and select per element), otherwise in pass 2.
+// With grouped-query attention the query heads of the group are walked inside each pass, so
+// dK and dV are summed on chip and stored once, without atomics.
+//
+// Deterministic mode: DQ = false computes only dK1, dK2, dV (bitwise reproducible: no atomics);
+// dQ then comes from a separate pass, e.g. the mma.sync pw_backward_dq kernel.
+//
+// Shared memory (bytes), every tile stored as D/64 panels of rows x 128 bytes (TMA box 64 wide):
+//   K1, K2, V: 3 x BN x D x 2; ring: 2 stages x (Q1, Q2, dO: 3 x BM x D x 2);
+//   dSᵀ: BN x BM x 2 (two 64 x 64 halves, one per consumer warpgroup); lse2/delta: 2 x 2 x BM x 4;
+//   mbarriers (kbar, full[2], empty[2]); 1 KB to align the base to 1024 bytes.
+//   D = 64:  48 KB + 48 KB + 16 KB + 1 KB + ... = 114,728 bytes
+//   D = 128: 96 KB + 96 KB + 16 KB + 1 KB + ... = 214,056 bytes (of 227 KB)
+#include "sm90/hopper.cuh"
+#include "sm90/wgmma.cuh"
+#include "sm90/wgmma_bwd.cuh"
+
+// Query chunks of the Sᵀ/dPᵀ products at D = 128 (see Chunks below): 1, 2 or 4.
+#ifndef PW90_BWD_QH128
+#define PW90_BWD_QH128 2
+#endif
+
+namespace pw90 {
+namespace bwd {
+
+constexpr int BM = 64;        // query rows per streamed tile
+constexpr int BN = 128;       // key rows per CTA: two consumer warpgroups x 64
+constexpr int THREADS = 384;  // producer warpgroup + 2 consumer warpgroups
+constexpr int STAGES = 2;
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;  // 128*24 + 256*240 <= 65536
+constexpr int CONSUMERS = 256;
+// Sᵀ/dPᵀ are computed in QH chunks of NC query columns (register budget at D = 128).
+template <int D> struct Chunks {
+  static constexpr int QH = D == 128 ? PW90_BWD_QH128 : 1, NC = BM / QH;
+};
+
+// Kernel arguments of pw90_bwd besides the six tensor maps. Host side: pack_bwd_params in
+// scripts/hopper_bwd_probe.py ("<Qqqq Qqqq Qqqq QQQ qqqqqqq ff").
+struct BwdParams {
+  u16* dk1;
+  i64 dk1_sb, dk1_sh, dk1_sr;  // (B, Hkv, N, D) strides in elements, unit stride along D
+  u16* dk2;
+  i64 dk2_sb, dk2_sh, dk2_sr;
+  u16* dv;
+  i64 dv_sb, dv_sh, dv_sr;
+  float* dq_acc;        // (2, B, H, Mpad, D) float32, zero on entry (DQ only)
+  const float* lse2;    // (B, H, Mpad)
+  const float* delta;   // (B, H, Mpad)
+  i64 B, H, group, M, N, Mpad, w;  // w clamped to [-(M+N+1), M+N+1]; lengths < 2^30
+  float scale_log2;     // sm_scale * log2(e)
+  float sm_scale;
+};
+
+template <int D> struct Smem {
+  static constexpr int PANELS = D / 64;
+  static constexpr int K_PANEL = BN * 128, K_TILE = PANELS * K_PANEL;  // bytes
+  static constexpr int Q_PANEL = BM * 128, Q_TILE = PANELS * Q_PANEL;
+  static constexpr int K1 = 0, K2 = K_TILE, V = 2 * K_TILE;
+  static constexpr int RING = 3 * K_TILE;  // stage s at RING + s * STAGE: Q1, Q2, dO
+  static constexpr int STAGE = 3 * Q_TILE;
+  static constexpr int DS = RING + STAGES * STAGE;  // dSᵀ: 128 key rows x 128 bytes (64 queries)
+  static constexpr int DS_BYTES = BN * BM * 2;
+  static constexpr int STATS = DS + DS_BYTES;  // stage s: lse2[BM] then delta[BM], float32
+  static constexpr int STATS_STAGE = 2 * BM * 4;
+  static constexpr int BARS = STATS + STAGES * STATS_STAGE;  // kbar, full[STAGES], empty[STAGES]
+  static constexpr int NBARS = 1 + 2 * STAGES;
+  static constexpr int BYTES = BARS + 8 * NBARS + 1024;  // + base alignment slack
+  static_assert(K_PANEL % 1024 == 0 && Q_PANEL % 1024 == 0 && DS % 1024 == 0 && STATS % 16 == 0,
+                "swizzle atoms are 1024 bytes");
+  static_assert(BYTES <= 227 * 1024, "shared memory per block");
+};
+
+// ---------------------------------------------------------------- small PTX helpers
+PW90 void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+PW90 void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+PW90 void sts_u32(u32 addr, u32 v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+PW90 void lds_f2(u32 addr, float& x, float& y) {
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(x), "=f"(y) : "r"(addr) : "memory");
+}
+// 1-D bulk copy global -> shared, completing `bytes` on `bar` (16-byte aligned, multiple of 16).
+PW90 void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile(
+      "{ .reg .u64 g; cvta.to.global.u64 g, %1;"
+      " cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [g], %2, [%3]; }" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+PW90 void red_add_f2(float* gptr, float x, float y) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(gptr), "f"(x), "f"(y) : "memory");
+}
+
+template <typename T> struct ToF;
+template <> struct ToF<bf16> {
+  static PW90 float f(u16 x) { return __uint_as_float((u32)x << 16); }
+};
+template <> struct ToF<f16> {
+  static PW90 float f(u16 x) {
+    float y;
+    asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(y) : "h"(x));
+    return y;
+  }
+};
+
+template <int V> struct IntC { static constexpr int value = V; };
+
+PW90 i64 floor_div(i64 a, i64 b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+PW90 i64 ceil_div(i64 a, i64 b) { return -floor_div(-a, b); }
+PW90 i64 clamp64(i64 x, i64 lo, i64 hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+// Which projections a (query range x key range) block needs: bit 0 some admissible pair has
+// d < w, bit 1 some has d >= w (with CAUSAL only d >= 0 is admissible). Same rule as the
+// forward's block_mode (kernels_cu/sm90/forward.cu); emptiness is checked by the caller.
+template <bool CAUSAL> PW90 int block_mode(int q0, int qn, int k0, int kn, int P, int w) {
+  int dmin = q0 + P - (k0 + kn - 1);
+  const int dmax = q0 + qn - 1 + P - k0;
+  if (CAUSAL && dmin < 0) dmin = 0;
+  return (dmin < w ? 1 : 0) | (dmax >= w ? 2 : 0);
+}
+
+// The query tiles a CTA (keys n0 .. n0 + BN - 1) visits in pass PAIR, shared by the producer
+// and the consumers so that both walk the same ring slots: tiles [lo, hi) of the pass's range
+// for which visit() holds.
+struct Walk {
+  int P, w, n0;  // 32-bit: lengths < 2^30, w clamped to [-(M+N+1), M+N+1]
+  int tlo, thi, end1, first2;
+  template <bool CAUSAL> PW90 void init(i64 M, i64 N, i64 w_, int n0_) {
+    const i64 P64 = N - M;
+    P = (int)P64, w = (int)w_, n0 = n0_;
+    thi = (int)((M + BM - 1) / BM);
+    // causal: tile t has an admissible pair iff t*BM + BM - 1 + P >= n0
+    tlo = CAUSAL ? (int)clamp64(floor_div(n0 - P64, BM), 0, thi) : 0;
+    end1 = (int)clamp64(ceil_div(w_ - P64 + n0 + BN - 1, BM), tlo, thi);    // some d < w
+    first2 = (int)clamp64(ceil_div(w_ - P64 + n0 - BM + 1, BM), tlo, thi);  // some d >= w
+  }
+  PW90 int lo(int pair) const { return pair == 1 ? tlo : first2; }
+  PW90 int hi(int pair) const { return pair == 1 ? end1 : thi; }
+  template <bool CAUSAL> PW90 int mode(int t) const {
+    return block_mode<CAUSAL>(t * BM, BM, n0, BN, P, w);
+  }
+  template <bool CAUSAL> PW90 bool visit(int pair, int t) const {
+    if (CAUSAL && t * BM + BM - 1 + P - n0 < 0) return false;
+    return (mode<CAUSAL>(t) & pair) != 0;
+  }
+};
+
+// acc(64 x NC) = A(64 rows at a, K-major panels a_panel apart) · B(NC rows at b, K-major
+// panels b_panel apart)ᵀ over the D columns: used for Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ.
+template <typename T, int D, int NC>
+PW90 void gemm_kmajor(float (&acc)[NC / 2], u32 a, int a_panel, u32 b, int b_panel) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const u32 off = (kk % 4) * 32;  // k16 step inside a 128-byte row
+    const u64 da = smem_desc(a + (kk / 4) * a_panel + off, 16, 1024);
+    const u64 db = smem_desc(b + (kk / 4) * b_panel + off, 16, 1024);
+    if constexpr (NC == 64) Wgmma<T, 64>::ss(acc, da, db, kk > 0 ? 1 : 0);
+    else WgmmaT<T, NC>::template ss<0, 0>(acc, da, db, kk > 0 ? 1 : 0);
+  }
+}
+
+// acc(64 x D) += A(64 x BM, registers: 16-bit accumulator-layout fragments) · B(BM rows x D at
+// b, MN-major panels of BM x 128 bytes): dV += Pᵀ·dO and dK += dSᵀ·Q.
+template <typename T, int D>
+PW90 void gemm_rs(float (&acc)[D / 2], const u32 (&a)[BM / 16][4], u32 b) {
+  constexpr int Q_PANEL = Smem<D>::Q_PANEL;
+#pragma unroll
+  for (int kk = 0; kk < BM / 16; ++kk)
+    Wgmma<T, D>::template rs<1>(acc, a[kk], smem_desc(b + kk * 2048, Q_PANEL, 1024), 1);
+}
+
+template <typename T, int D, bool CAUSAL, bool DQ>
+PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0, int n0, int hk,
+                   int b) {
+  using S = Smem<D>;
+  constexpr int QH = Chunks<D>::QH, NC = Chunks<D>::NC;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Broadcast so that ptxas knows the warpgroup index is warp-uniform (no wgmma serialisation).
+  const int wg = __shfl_sync(0xffffffffu, warp / 4 - 1, 0), wl = warp % 4;
+  // Lengths are below 2^30 and w is clamped to [-(M+N+1), M+N+1]: distances fit 32 bits.
+  const int M = (int)p.M, N = (int)p.N, P = N - M, w = (int)p.w;
+  const int kw0 = n0 + 64 * wg;  // first key of this warpgroup
+  const float sl2 = p.scale_log2;
+  const int group = (int)p.group;
+  Walk walk;
+  walk.template init<CAUSAL>(M, N, w, n0);
+  const bool any = walk.lo(1) < walk.hi(1) || walk.lo(2) < walk.hi(2);  // producer loaded K/V
+  if (any) mbar_wait(kbar, 0);
+
+  // Thread's accumulator element (hh, j, e) of a 64 x NC tile: row 16*wl + lane/4 + 8*hh,
+  // column 8*j + 2*(lane%4) + e; index 4*j + 2*hh + e.
+  const int krow = kw0 + 16 * wl + lane / 4;  // key of element hh = 0
+  float dv[D / 2], dk[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dv[i] = 0.f;
+  const u32 ka_off = 64 * wg * 128;      // this warpgroup's rows inside a K/V tile (per panel)
+  const u32 dsa = base + S::DS + 64 * wg * 128;  // this warpgroup's dSᵀ (64 keys x 64 queries)
+  int g = 0;                             // ring slot counter (both passes)
+
+  auto store_rows = [&](const float (&acc)[D / 2], u16* ptr, i64 sb, i64 sh, i64 sr, float scale) {
+    // Lane re-read here (volatile): otherwise ptxas keeps the 64-bit column offset alive
+    // across both passes and, at D = 128, spills it.
+    u32 lid;
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(lid));
+    const int r0 = kw0 + 16 * wl + (int)(lid / 4);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = r0 + 8 * hh;
+      if (r < N) {
+        u16* dst = ptr + (i64)b * sb + (i64)hk * sh + (i64)r * sr + 2 * (lid % 4);
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+          *reinterpret_cast<u32*>(dst + 8 * j) =
+              Cvt<T>::pack(acc[4 * j + 2 * hh] * scale, acc[4 * j + 2 * hh + 1] * scale);
+      }
+    }
+  };
+
+  auto run_pass = [&](auto pairc) {
+    constexpr int PAIR = decltype(pairc)::value;
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dk[i] = 0.f;
+    const u32 kpair = base + (PAIR == 1 ? S::K1 : S::K2);
+    for (int hq = 0; hq < group; ++hq) {
+      const int h = hk * group + hq;
+      for (int t = walk.lo(PAIR); t < walk.hi(PAIR); ++t) {
+        if (!walk.template visit<CAUSAL>(PAIR, t)) continue;
+        const int stage = g & 1;
+        mbar_wait(full0 + 8 * stage, (g >> 1) & 1);
+        ++g;
+        const int m0 = t * BM;
+        const u32 st = base + S::RING + stage * S::STAGE;
+        const u32 q1a = st, q2a = st + S::Q_TILE, doa = st + 2 * S::Q_TILE;
+        const u32 qpa = PAIR == 1 ? q1a : q2a;
+        const u32 stats = base + S::STATS + stage * S::STATS_STAGE;
+        // This warpgroup's 64 keys against the 64 queries of the tile.
+        const int dmin = m0 + P - (kw0 + 63), dmax = m0 + BM - 1 + P - kw0;
+        const bool live = kw0 < N && (!CAUSAL || dmax >= 0);
+        const int wmode = block_mode<CAUSAL>(m0, BM, kw0, 64, P, w);
+        if (!live || !(wmode & PAIR)) {
+          mbar_arrive(empty0 + 8 * stage);
+          continue;
+        }
+        // Elements of a straddling block (wmode == 3) on the other pair's side of d = w are
+        // masked (P = 0): each (key, query) element enters dV, dK and dQ in exactly one pass.
+        const bool split = wmode == 3;
+        const bool edge = kw0 + 64 > N || (CAUSAL && dmin < 0);
+        // distance of element (hh, j, e) = dbase + 8*j + e - 8*hh
+        const int dbase = m0 + 2 * (lane % 4) + P - krow;
+        const int rows_left = N - krow;  // element (hh, ...) is a key < N iff 8*hh < rows_left
+
+        // Sᵀ and dPᵀ in QH chunks of NC query columns (D = 128: two chunks of 32, so that
+        // dV + dK (128 registers) + S + dP of a chunk fit the 240-register budget); each chunk's
+        // Pᵀ and dSᵀ are packed to 16 bits as soon as they are computed. Element pair
+        // (column block j, hh) -> register 2*(j%2) + hh of k-step j/2 (the A-operand layout).
+        u32 pa[BM / 16][4], da[BM / 16][4];
+#pragma unroll
+        for (int c = 0; c < QH; ++c) {
+          float s[NC / 2], dp[NC / 2];
+          reg_fence(dv);
+          reg_fence(dk);
+          wg_fence();
+          gemm_kmajor<T, D, NC>(s, kpair + ka_off, S::K_PANEL, qpa + c * NC * 128, S::Q_PANEL);
+          gemm_kmajor<T, D, NC>(dp, base + S::V + ka_off, S::K_PANEL, doa + c * NC * 128, S::Q_PANEL);
+          wg_commit();
+          wg_wait<0>();
+          reg_fence(s);
+          reg_fence(dp);
+#pragma unroll
+          for (int jj = 0; jj < NC / 8; ++jj) {
+            const int j = c * (NC / 8) + jj;  // column block of the 64-query tile
+            float lse2v[2], delv[2];
+            lds_f2(stats + (8 * j + 2 * (lane % 4)) * 4, lse2v[0], lse2v[1]);
+            lds_f2(stats + BM * 4 + (8 * j + 2 * (lane % 4)) * 4, delv[0], delv[1]);
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              float pr[2], ds[2];
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int idx = 4 * jj + 2 * hh + e;
+                const int d = dbase + 8 * j + e - 8 * hh;
+                // branch-free (bitwise, not short-circuit): ptxas otherwise branches per element
+                bool keep = !edge | ((8 * hh < rows_left) & (!CAUSAL | (d >= 0)));
+                keep = keep & (!split | (PAIR == 1 ? d < w : d >= w));
+                // select the argument, not the result: no per-element branch around ex2
+                pr[e] = exp2f_approx(keep ? fmaf(s[idx], sl2, -lse2v[e]) : PW90_NEG_INF);
+                ds[e] = pr[e] * (dp[idx] - delv[e]);
+              }
+              pa[j / 2][2 * (j % 2) + hh] = Cvt<T>::pack(pr[0], pr[1]);
+              da[j / 2][2 * (j % 2) + hh] = Cvt<T>::pack(ds[0], ds[1]);
+            }
+          }
+        }
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+          reg_fence(pa[kk]);
+          reg_fence(da[kk]);
+        }
+        reg_fence(dv);
+        reg_fence(dk);
+        wg_fence();
+        gemm_rs<T, D>(dv, pa, doa);
+        gemm_rs<T, D>(dk, da, qpa);
+        wg_commit();
+        if constexpr (DQ) {
+          // dSᵀ to shared memory: key row r (0..63 of this warpgroup), query c at byte
+          // r*128 + ((c/8) ^ (r%8))*16 + (c%8)*2 (the 128-byte swizzle TMA would produce).
+#pragma unroll
+          for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const int r = 16 * wl + lane / 4 + 8 * hh;
+              sts_u32(dsa + r * 128 + ((j ^ (r & 7)) << 4) + 4 * (lane % 4),
+                      da[j / 2][2 * (j % 2) + hh]);
+            }
+          fence_proxy_async();
+          named_bar_sync(1 + wg, 128);
+        }
+        wg_wait<0>();
+        reg_fence(dv);
+        reg_fence(dk);
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+          reg_fence(pa[kk]);
+          reg_fence(da[kk]);
+        }
+        mbar_arrive(empty0 + 8 * stage);  // Q1/Q2/dO/lse2/delta of this stage no longer read
+        if constexpr (DQ) {
+          float* dst = p.dq_acc + ((((i64)(PAIR - 1) * p.B + b) * p.H + h) * p.Mpad + m0) * D;
+#pragma unroll
+          for (int pn = 0; pn < D / 64; ++pn) {
+            float dq[32];
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {  // K = this warpgroup's 64 keys
+              const u64 a = smem_desc(dsa + kk * 2048, 64 * 128, 1024);
+              const u64 bb = smem_desc(kpair + pn * S::K_PANEL + ka_off + kk * 2048, S::K_PANEL, 1024);
+              WgmmaT<T, 64>::template ss<1, 1>(dq, a, bb, kk > 0 ? 1 : 0);
+            }
+            wg_commit();
+            wg_wait<0>();
+            reg_fence(dq);
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              float* row = dst + (i64)(16 * wl + lane / 4 + 8 * hh) * D + 64 * pn + 2 * (lane % 4);
+#pragma unroll
+              for (int j = 0; j < 8; ++j) red_add_f2(row + 8 * j, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
+            }
+          }
+        }
+      }
+    }
+    if constexpr (PAIR == 1) store_rows(dk, p.dk1, p.dk1_sb, p.dk1_sh, p.dk1_sr, p.sm_scale);
+    else store_rows(dk, p.dk2, p.dk2_sb, p.dk2_sh, p.dk2_sr, p.sm_scale);
+  };
+  run_pass(IntC<1>{});
+  run_pass(IntC<2>{});
+  store_rows(dv, p.dv, p.dv_sb, p.dv_sh, p.dv_sr, 1.f);
+}
+
+template <int D, bool CAUSAL>
+PW90 void producer(const BwdParams& p, const TmaDesc* tq1, const TmaDesc* tq2, const TmaDesc* tdo,
+                   const TmaDesc* tk1, const TmaDesc* tk2, const TmaDesc* tv, u32 base, u32 kbar,
+                   u32 full0, u32 empty0, int n0, int hk, int b) {
+  using S = Smem<D>;
+  Walk walk;
+  walk.template init<CAUSAL>(p.M, p.N, p.w, n0);
+  const bool need1 = walk.lo(1) < walk.hi(1), need2 = walk.lo(2) < walk.hi(2);
+  if (!need1 && !need2) return;  // no query sees these keys: the consumers store zeros
+  mbar_expect_tx(kbar, ((need1 ? 1 : 0) + (need2 ? 1 : 0) + 1) * S::K_TILE);
+#pragma unroll
+  for (int pn = 0; pn < S::PANELS; ++pn) {
+    if (need1) tma_load_4d(base + S::K1 + pn * S::K_PANEL, tk1, 64 * pn, n0, hk, b, kbar);
+    if (need2) tma_load_4d(base + S::K2 + pn * S::K_PANEL, tk2, 64 * pn, n0, hk, b, kbar);
+    tma_load_4d(base + S::V + pn * S::K_PANEL, tv, 64 * pn, n0, hk, b, kbar);
+  }
+  const int group = (int)p.group;
+  int g = 0;
+#pragma unroll 1
+  for (int pair = 1; pair <= 2; ++pair)
+    for (int hq = 0; hq < group; ++hq) {
+      const int h = hk * group + hq;
+      const float* lse2 = p.lse2 + ((i64)b * p.H + h) * p.Mpad;
+      const float* delta = p.delta + ((i64)b * p.H + h) * p.Mpad;
+      for (int t = walk.lo(pair); t < walk.hi(pair); ++t) {
+        if (!walk.template visit<CAUSAL>(pair, t)) continue;
+        const int stage = g & 1;
+        mbar_wait(empty0 + 8 * stage, ((g >> 1) & 1) ^ 1);
+        ++g;
+        const int m0 = t * BM;
+        const bool lq1 = pair == 1, lq2 = pair == 2;
+        const u32 st = base + S::RING + stage * S::STAGE, fb = full0 + 8 * stage;
+        const u32 stats = base + S::STATS + stage * S::STATS_STAGE;
+        mbar_expect_tx(fb, ((lq1 ? 1 : 0) + (lq2 ? 1 : 0) + 1) * S::Q_TILE + 2 * BM * 4);
+#pragma unroll
+        for (int pn = 0; pn < S::PANELS; ++pn) {
+          if (lq1) tma_load_4d(st + pn * S::Q_PANEL, tq1, 64 * pn, m0, h, b, fb);
+          if (lq2) tma_load_4d(st + S::Q_TILE + pn * S::Q_PANEL, tq2, 64 * pn, m0, h, b, fb);
+          tma_load_4d(st + 2 * S::Q_TILE + pn * S::Q_PANEL, tdo, 64 * pn, m0, h, b, fb);
+        }
+        bulk_load(stats, lse2 + m0, BM * 4, fb);
+        bulk_load(stats + BM * 4, delta + m0, BM * 4, fb);
+      }
+    }
+}
+
+// ---------------------------------------------------------------- helper kernels' arguments
+struct PrepParams {
+  const u16* o;
+  i64 o_sb, o_sh, o_sr;
+  const u16* dout;
+  i64 do_sb, do_sh, do_sr;
+  const float* lse;  // (B, H, M) contiguous, natural log
+  float* lse2;       // (B, H, Mpad) out
+  float* delta;      // (B, H, Mpad) out
+  float* dq_acc;     // (2, B, H, Mpad, D) zeroed here; null: not touched
+  i64 B, H, M, Mpad;
+};
+
+struct ConvertParams {
+  u16* dq1;
+  i64 dq1_sb, dq1_sh, dq1_sr;
+  u16* dq2;
+  i64 dq2_sb, dq2_sh, dq2_sr;
+  const float* dq_acc;  // (2, B, H, Mpad, D)
+  i64 B, H, M, Mpad;
+  float sm_scale;
+};
+
+}  // namespace bwd
+}  // namespace pw90
+
+// Grid (ceil(H * Mpad / 8), B); 256 threads: one warp per padded row.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) pw90_bwd_prep(const pw90::bwd::PrepParams p) {
+  using namespace pw90;
+  const i64 row = (i64)blockIdx.x * 8 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.H * p.Mpad) return;
+  const i64 b = blockIdx.y, h = row / p.Mpad, i = row % p.Mpad;
+  const i64 idx = (b * p.H + h) * p.Mpad + i;
+  float acc = 0.f;
+  if (i < p.M) {
+    const u16* o = p.o + b * p.o_sb + h * p.o_sh + i * p.o_sr;
+    const u16* d = p.dout + b * p.do_sb + h * p.do_sh + i * p.do_sr;
+    for (int c = 2 * lane; c < D; c += 64) {
+      const u32 ov = *reinterpret_cast<const u32*>(o + c), dv = *reinterpret_cast<const u32*>(d + c);
+      acc += bwd::ToF<T>::f((u16)(ov & 0xffff)) * bwd::ToF<T>::f((u16)(dv & 0xffff));
+      acc += bwd::ToF<T>::f((u16)(ov >> 16)) * bwd::ToF<T>::f((u16)(dv >> 16));
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) {
+    const float l = i < p.M ? p.lse[(b * p.H + h) * p.M + i] : PW90_NEG_INF;
+    // lse = -inf: no admissible key; lse2 = +inf makes P = exp2(s - lse2) = 0 for the row
+    p.lse2[idx] = l == PW90_NEG_INF ? -PW90_NEG_INF : l * PW90_LOG2E;
+    p.delta[idx] = acc;
+  }
+  if (p.dq_acc) {
+#pragma unroll
+    for (int pair = 0; pair < 2; ++pair) {
+      float* z = p.dq_acc + (((i64)pair * p.B + b) * p.H + h) * p.Mpad * D + i * D;
+      for (int c = 4 * lane; c < D; c += 128) *reinterpret_cast<float4*>(z + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+}
+
+// Grid (ceil(H * M / 8), B); 256 threads: one warp per row.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) pw90_bwd_dq_convert(const pw90::bwd::ConvertParams p) {
+  using namespace pw90;
+  const i64 row = (i64)blockIdx.x * 8 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.H * p.M) return;
+  const i64 b = blockIdx.y, h = row / p.M, i = row % p.M;
+#pragma unroll
+  for (int pair = 0; pair < 2; ++pair) {
+    const float* src = p.dq_acc + (((i64)pair * p.B + b) * p.H + h) * p.Mpad * D + i * D;
+    u16* dst = pair == 0 ? p.dq1 + b * p.dq1_sb + h * p.dq1_sh + i * p.dq1_sr
+                         : p.dq2 + b * p.dq2_sb + h * p.dq2_sh + i * p.dq2_sr;
+    for (int c = 2 * lane; c < D; c += 64) {
+      const float2 v = *reinterpret_cast<const float2*>(src + c);
+      *reinterpret_cast<u32*>(dst + c) = Cvt<T>::pack(v.x * p.sm_scale, v.y * p.sm_scale);
+    }
+  }
+}
+
+// Grid (ceil(N / 128), Hkv, B); 384 threads; dynamic shared memory pw90::bwd::Smem<D>::BYTES.
+// Tensor maps (cupy_piecewise/tma.py tensor_map_bhld): 4-D {D, rows, heads, batch}, box
+// {64, 64, 1, 1} for q1, q2, dout over (M, H) and {64, 128, 1, 1} for k1, k2, v over (N, Hkv);
+// 128-byte swizzle, zero fill out of bounds.
+template <typename T, int D, bool CAUSAL, bool DQ>
+__global__ void __launch_bounds__(pw90::bwd::THREADS, 1)
+    pw90_bwd(const __grid_constant__ pw90::TmaDesc tq1, const __grid_constant__ pw90::TmaDesc tq2,
+             const __grid_constant__ pw90::TmaDesc tdo, const __grid_constant__ pw90::TmaDesc tk1,
+             const __grid_constant__ pw90::TmaDesc tk2, const __grid_constant__ pw90::TmaDesc tv,
+             const pw90::bwd::BwdParams p) {
+  using namespace pw90;
+  using namespace pw90::bwd;
+  using S = Smem<D>;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const u32 kbar = base + S::BARS, full0 = kbar + 8, empty0 = kbar + 8 + 8 * STAGES;
+  const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  if (threadIdx.x == 0) {
+    mbar_init(kbar, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 1);           // the producer's arrive.expect_tx
+      mbar_init(empty0 + 8 * s, CONSUMERS);  // every consumer thread
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (warp < 4) {  // ---------------------------------------------------------------- producer
+    regs_dec<PRODUCER_REGS>();
+    if (warp == 0 && lane == 0) {
+      tma_prefetch_desc(&tq1);
+      tma_prefetch_desc(&tq2);
+      tma_prefetch_desc(&tdo);
+      producer<D, CAUSAL>(p, &tq1, &tq2, &tdo, &tk1, &tk2, &tv, base, kbar, full0, empty0, n0, hk, b);
+    }
+  } else {  // ------------------------------------------------------------------------ consumers
+    regs_inc<CONSUMER_REGS>();
+    consumer<T, D, CAUSAL, DQ>(p, base, kbar, full0, empty0, n0, hk, b);
+  }
+}
