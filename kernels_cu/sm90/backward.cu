@@ -49,8 +49,8 @@
 //   K1, K2, V: 3 x BN x D x 2; ring: 2 stages x (Q1, Q2, dO: 3 x BM x D x 2);
 //   dSᵀ: BN x BM x 2 (two 64 x 64 halves, one per consumer warpgroup); lse2/delta: 2 x 2 x BM x 4;
 //   mbarriers (kbar, full[2], empty[2]); 1 KB to align the base to 1024 bytes.
-//   D = 64:  48 KB + 48 KB + 16 KB + 1 KB + ... = 114,728 bytes
-//   D = 128: 96 KB + 96 KB + 16 KB + 1 KB + ... = 214,056 bytes (of 227 KB)
+//   D = 64:  48 KB + 48 KB + 16 KB + 1 KB + 40 + 1024 = 116,776 bytes
+//   D = 128: 96 KB + 96 KB + 16 KB + 1 KB + 40 + 1024 = 215,080 bytes (of 227 KB)
 #include "sm90/hopper.cuh"
 #include "sm90/wgmma.cuh"
 #include "sm90/wgmma_bwd.cuh"
@@ -265,6 +265,7 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
     const u32 kpair = base + (PAIR == 1 ? S::K1 : S::K2);
     for (int hq = 0; hq < group; ++hq) {
       const int h = hk * group + hq;
+      (void)h;  // (used by the dQ accumulator address only)
       for (int t = walk.lo(PAIR); t < walk.hi(PAIR); ++t) {
         if (!walk.template visit<CAUSAL>(PAIR, t)) continue;
         const int stage = g & 1;
@@ -468,6 +469,11 @@ struct ConvertParams {
   i64 B, H, M, Mpad;
   float sm_scale;
 };
+
+// Host packers (scripts/hopper_bwd_probe.py) rely on these sizes.
+static_assert(sizeof(BwdParams) == 184, "BwdParams layout");
+static_assert(sizeof(PrepParams) == 128, "PrepParams layout");
+static_assert(sizeof(ConvertParams) == 112, "ConvertParams layout");
 
 }  // namespace bwd
 }  // namespace pw90
