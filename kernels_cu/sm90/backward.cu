@@ -14,12 +14,13 @@
 // Main kernel: one CTA per (key tile of BN = 128 keys, kv head, batch), 384 threads:
 //   warpgroup 0  producer (setmaxnreg.dec 24): one thread loads, by TMA with 128-byte swizzle,
 //                the resident K1, K2, V of the key tile (only the projections some pass needs)
-//                and then streams, per visited (query head of the group, 64-row query tile),
-//                Q1 / Q2 (only those needed) and dO into a 2-stage ring, plus lse2 and delta of
-//                those 64 rows by 1-D bulk copies (cp.async.bulk) from the padded arrays.
+//                and then streams, per visited (pass, query head of the group, 64-row query
+//                tile), the pass's Q (Q1 in pass 1, Q2 in pass 2) and dO into a 2-stage ring,
+//                plus lse2 and delta of those 64 rows by 1-D bulk copies (cp.async.bulk) from the
+//                padded arrays. Full/empty mbarriers per stage, one more for K1/K2/V.
 //   warpgroups 1, 2  consumers (setmaxnreg.inc 240), 64 keys each (keys n0 + 64 * wg ...).
 //                Per visited query tile, for its 64 keys x 64 queries:
-//                  Sᵀ  = K·Qᵀ     wgmma m64n64k16, A = K rows, B = Q rows (both K-major)
+//                  Sᵀ  = K·Qᵀ     wgmma m64nNCk16, A = K rows, B = Q rows (both K-major)
 //                  dPᵀ = V·dOᵀ    same form
 //                  Pᵀ = exp2(Sᵀ * scale_log2 - lse2[query]), dSᵀ = Pᵀ ⊙ (dPᵀ - delta[query])
 //                  dV += Pᵀ·dO    wgmma m64nDk16, A = Pᵀ from registers (16-bit), B = dO MN-major
@@ -30,27 +31,35 @@
 //                                 result is added to the global accumulator with
 //                                 red.global.add.v2.f32 (each warpgroup adds the contribution of
 //                                 its own 64 keys: no cross-warpgroup synchronisation).
+//                Sᵀ and dPᵀ are computed in QH chunks of NC = 64/QH query columns: QH = 1 at
+//                D = 64, PW90_BWD_QH128 (default 2) at D = 128, to fit the registers.
 //
 // Piecewise pairs, two passes. Accumulating dK1 and dK2 together would need 3 D-wide float32
 // accumulators per thread (dV, dK1, dK2: 192 registers at D = 128 before S and dP), so, as in
 // the mma.sync dkv kernel (kernels_cu/backward.cu), the consumers make two passes over the query
 // tiles: pass 1 visits the tiles with some pair d < w and accumulates dK1 (and dQ1), pass 2 those
 // with some d >= w, dK2 (and dQ2); dK_pair is stored after its pass, dV after both. A
-// straddling tile is visited in both passes. dV counts every (64-key, 64-query) block exactly
-// once: in pass 1 when the block has some d < w (straddling blocks then compute both products,
-// Q1·K1ᵀ and, in two 32-query halves, Q2·K2ᵀ, and select per element), otherwise in pass 2.
+// straddling tile is visited in both passes; in a straddling (64-key, 64-query) block the
+// elements on the other pass's side of d = w are masked (P = 0), so every (query, key) element
+// enters dV, dK and dQ exactly once, from the right projection (pass 1: q1·k1, d < w; pass 2:
+// q2·k2, d >= w). tests/test_sm90_bwd_build_cpu.py checks this bookkeeping on a Python mirror.
 // With grouped-query attention the query heads of the group are walked inside each pass, so
 // dK and dV are summed on chip and stored once, without atomics.
 //
 // Deterministic mode: DQ = false computes only dK1, dK2, dV (bitwise reproducible: no atomics);
 // dQ then comes from a separate pass, e.g. the mma.sync pw_backward_dq kernel.
 //
+// KNOWN GAP (offline build, NVRTC 13): at D = 128 ptxas serialises the wgmma (C7512,
+// insufficient registers: dV + dK are 128 of the 240 registers and the free ones are
+// fragmented) and the DQ = true builds spill; D = 64 builds are clean. -DPW90_BWD_QH128=4 gives
+// unserialised DQ = false builds at D = 128 (with m64n16 S/dP products).
+//
 // Shared memory (bytes), every tile stored as D/64 panels of rows x 128 bytes (TMA box 64 wide):
-//   K1, K2, V: 3 x BN x D x 2; ring: 2 stages x (Q1, Q2, dO: 3 x BM x D x 2);
+//   K1, K2, V: 3 x BN x D x 2; ring: 2 stages x (Q, dO: 2 x BM x D x 2);
 //   dSᵀ: BN x BM x 2 (two 64 x 64 halves, one per consumer warpgroup); lse2/delta: 2 x 2 x BM x 4;
 //   mbarriers (kbar, full[2], empty[2]); 1 KB to align the base to 1024 bytes.
-//   D = 64:  48 KB + 48 KB + 16 KB + 1 KB + 40 + 1024 = 116,776 bytes
-//   D = 128: 96 KB + 96 KB + 16 KB + 1 KB + 40 + 1024 = 215,080 bytes (of 227 KB)
+//   D = 64:  48 KB + 32 KB + 16 KB + 1 KB + 40 + 1024 = 100,392 bytes
+//   D = 128: 96 KB + 64 KB + 16 KB + 1 KB + 40 + 1024 = 182,312 bytes (of 227 KB)
 #include "sm90/hopper.cuh"
 #include "sm90/wgmma.cuh"
 #include "sm90/wgmma_bwd.cuh"
@@ -96,8 +105,8 @@ template <int D> struct Smem {
   static constexpr int K_PANEL = BN * 128, K_TILE = PANELS * K_PANEL;  // bytes
   static constexpr int Q_PANEL = BM * 128, Q_TILE = PANELS * Q_PANEL;
   static constexpr int K1 = 0, K2 = K_TILE, V = 2 * K_TILE;
-  static constexpr int RING = 3 * K_TILE;  // stage s at RING + s * STAGE: Q1, Q2, dO
-  static constexpr int STAGE = 3 * Q_TILE;
+  static constexpr int RING = 3 * K_TILE;  // stage s at RING + s * STAGE: Q (Q1 or Q2), dO
+  static constexpr int STAGE = 2 * Q_TILE;
   static constexpr int DS = RING + STAGES * STAGE;  // dSᵀ: 128 key rows x 128 bytes (64 queries)
   static constexpr int DS_BYTES = BN * BM * 2;
   static constexpr int STATS = DS + DS_BYTES;  // stage s: lse2[BM] then delta[BM], float32
@@ -273,8 +282,7 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
         ++g;
         const int m0 = t * BM;
         const u32 st = base + S::RING + stage * S::STAGE;
-        const u32 q1a = st, q2a = st + S::Q_TILE, doa = st + 2 * S::Q_TILE;
-        const u32 qpa = PAIR == 1 ? q1a : q2a;
+        const u32 qpa = st, doa = st + S::Q_TILE;  // Q of this pass (Q1 or Q2), dO
         const u32 stats = base + S::STATS + stage * S::STATS_STAGE;
         // This warpgroup's 64 keys against the 64 queries of the tile.
         const int dmin = m0 + P - (kw0 + 63), dmax = m0 + BM - 1 + P - kw0;
@@ -309,6 +317,11 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
           wg_wait<0>();
           reg_fence(s);
           reg_fence(dp);
+          // The mask inputs pass through an (empty) asm here, after the wait: otherwise ptxas
+          // computes all the per-element distances before the GEMMs, ~30 registers that the
+          // D = 128 build does not have.
+          int db = dbase, rl = rows_left;
+          asm volatile("" : "+r"(db), "+r"(rl));
 #pragma unroll
           for (int jj = 0; jj < NC / 8; ++jj) {
             const int j = c * (NC / 8) + jj;  // column block of the 64-query tile
@@ -321,9 +334,9 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 const int idx = 4 * jj + 2 * hh + e;
-                const int d = dbase + 8 * j + e - 8 * hh;
+                const int d = db + 8 * j + e - 8 * hh;
                 // branch-free (bitwise, not short-circuit): ptxas otherwise branches per element
-                bool keep = !edge | ((8 * hh < rows_left) & (!CAUSAL | (d >= 0)));
+                bool keep = !edge | ((8 * hh < rl) & (!CAUSAL | (d >= 0)));
                 keep = keep & (!split | (PAIR == 1 ? d < w : d >= w));
                 // select the argument, not the result: no per-element branch around ex2
                 pr[e] = exp2f_approx(keep ? fmaf(s[idx], sl2, -lse2v[e]) : PW90_NEG_INF);
@@ -367,7 +380,7 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
           reg_fence(pa[kk]);
           reg_fence(da[kk]);
         }
-        mbar_arrive(empty0 + 8 * stage);  // Q1/Q2/dO/lse2/delta of this stage no longer read
+        mbar_arrive(empty0 + 8 * stage);  // Q/dO/lse2/delta of this stage no longer read
         if constexpr (DQ) {
           float* dst = p.dq_acc + ((((i64)(PAIR - 1) * p.B + b) * p.H + h) * p.Mpad + m0) * D;
 #pragma unroll
@@ -431,15 +444,13 @@ PW90 void producer(const BwdParams& p, const TmaDesc* tq1, const TmaDesc* tq2, c
         mbar_wait(empty0 + 8 * stage, ((g >> 1) & 1) ^ 1);
         ++g;
         const int m0 = t * BM;
-        const bool lq1 = pair == 1, lq2 = pair == 2;
         const u32 st = base + S::RING + stage * S::STAGE, fb = full0 + 8 * stage;
         const u32 stats = base + S::STATS + stage * S::STATS_STAGE;
-        mbar_expect_tx(fb, ((lq1 ? 1 : 0) + (lq2 ? 1 : 0) + 1) * S::Q_TILE + 2 * BM * 4);
+        mbar_expect_tx(fb, 2 * S::Q_TILE + 2 * BM * 4);
 #pragma unroll
-        for (int pn = 0; pn < S::PANELS; ++pn) {
-          if (lq1) tma_load_4d(st + pn * S::Q_PANEL, tq1, 64 * pn, m0, h, b, fb);
-          if (lq2) tma_load_4d(st + S::Q_TILE + pn * S::Q_PANEL, tq2, 64 * pn, m0, h, b, fb);
-          tma_load_4d(st + 2 * S::Q_TILE + pn * S::Q_PANEL, tdo, 64 * pn, m0, h, b, fb);
+        for (int pn = 0; pn < S::PANELS; ++pn) {  // Q of the pass's pair, then dO
+          tma_load_4d(st + pn * S::Q_PANEL, pair == 1 ? tq1 : tq2, 64 * pn, m0, h, b, fb);
+          tma_load_4d(st + S::Q_TILE + pn * S::Q_PANEL, tdo, 64 * pn, m0, h, b, fb);
         }
         bulk_load(stats, lse2 + m0, BM * 4, fb);
         bulk_load(stats + BM * 4, delta + m0, BM * 4, fb);
