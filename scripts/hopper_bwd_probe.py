@@ -33,8 +33,7 @@ resumes after the case that hung or lost the CUDA context):
 Everything is printed with flush and also written to --out; the whole run stays under about
 4 minutes (phase deadlines below). Not part of the package: the kernels are a standalone
 prototype launched here through cuLaunchKernel. Options: --phases, --opt (extra NVRTC option,
-e.g. -DPW90_WAIT_SPIN_LIMIT=100000000 to turn a pipeline deadlock into a launch error, or
--DPW90_BWD_QH128=4), --cases (comma-separated check-case indices), --via cubin.
+e.g. -DPW90_WAIT_SPIN_LIMIT=100000000 to turn a pipeline deadlock into a launch error), --cases (comma-separated check-case indices), --via cubin.
 """
 from __future__ import annotations
 
@@ -335,7 +334,7 @@ def phase_build(args):
                 fname = f.split("\n", 1)[0].strip()
                 cnt = {k: len(re.findall(k, f)) for k in
                        ("HGMMA", "WARPGROUP.DEPBAR", "UTMALDG", "UBLKCP", "SYNCS", "USETMAXREG", "LDL",
-                        "STL", "RED", "MUFU.EX2", "BAR.SYNC")}
+                        "STL", "REDG", "MUFU.EX2", "BAR.SYNC")}
                 regs = [int(x) for x in re.findall(r"\bR(\d+)\b", f)]
                 say(f"SASS {fname}: max R{max(regs) if regs else '?'}, " +
                     ", ".join(f"{k} {v}" for k, v in cnt.items()))

@@ -31,8 +31,8 @@
 //                                 result is added to the global accumulator with
 //                                 red.global.add.v2.f32 (each warpgroup adds the contribution of
 //                                 its own 64 keys: no cross-warpgroup synchronisation).
-//                Sᵀ and dPᵀ are computed in QH chunks of NC = 64/QH query columns: QH = 1 at
-//                D = 64, PW90_BWD_QH128 (default 2) at D = 128, to fit the registers.
+//                (Sᵀ and dPᵀ can be computed in QH chunks of NC = 64/QH query columns: QH = 1
+//                at D = 64; PW90_BWD_QH128 at D = 128, default 1, the only clean build.)
 //
 // Piecewise pairs, two passes. Accumulating dK1 and dK2 together would need 3 D-wide float32
 // accumulators per thread (dV, dK1, dK2: 192 registers at D = 128 before S and dP), so, as in
@@ -49,10 +49,10 @@
 // Deterministic mode: DQ = false computes only dK1, dK2, dV (bitwise reproducible: no atomics);
 // dQ then comes from a separate pass, e.g. the mma.sync pw_backward_dq kernel.
 //
-// KNOWN GAP (offline build, NVRTC 13): at D = 128 ptxas serialises the wgmma (C7512,
-// insufficient registers: dV + dK are 128 of the 240 registers and the free ones are
-// fragmented) and the DQ = true builds spill; D = 64 builds are clean. -DPW90_BWD_QH128=4 gives
-// unserialised DQ = false builds at D = 128 (with m64n16 S/dP products).
+// Registers (NVRTC 13, offline): every instantiation builds with 0 spills and no wgmma
+// serialisation (consumer peak about 236 of 240 at D = 128 with fused dQ). Fragile: the two
+// passes must stay one run-time loop (two inlined copies made ptxas serialise all wgmma at
+// D = 128, C7512), the masks branch-free, and QH = 1 (QH = 2 or 4 spill with fused dQ).
 //
 // Shared memory (bytes), every tile stored as D/64 panels of rows x 128 bytes (TMA box 64 wide):
 //   K1, K2, V: 3 x BN x D x 2; ring: 2 stages x (Q, dO: 2 x BM x D x 2);
@@ -64,9 +64,9 @@
 #include "sm90/wgmma.cuh"
 #include "sm90/wgmma_bwd.cuh"
 
-// Query chunks of the Sᵀ/dPᵀ products at D = 128 (see Chunks below): 1, 2 or 4.
+// Query chunks of the Sᵀ/dPᵀ products at D = 128 (see Chunks below): 1 (default), 2 or 4.
 #ifndef PW90_BWD_QH128
-#define PW90_BWD_QH128 2
+#define PW90_BWD_QH128 1
 #endif
 
 namespace pw90 {
@@ -153,8 +153,6 @@ template <> struct ToF<f16> {
     return y;
   }
 };
-
-template <int V> struct IntC { static constexpr int value = V; };
 
 PW90 i64 floor_div(i64 a, i64 b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 PW90 i64 ceil_div(i64 a, i64 b) { return -floor_div(-a, b); }
@@ -267,8 +265,11 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
     }
   };
 
-  auto run_pass = [&](auto pairc) {
-    constexpr int PAIR = decltype(pairc)::value;
+  // The two passes share one copy of the code (PAIR is a run-time value): two inlined copies
+  // let ptxas place dK/dV differently in each, and at D = 128 the moves between them made it
+  // serialise every wgmma of the kernel (C7512).
+#pragma unroll 1
+  for (int PAIR = 1; PAIR <= 2; ++PAIR) {
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk[i] = 0.f;
     const u32 kpair = base + (PAIR == 1 ? S::K1 : S::K2);
@@ -406,11 +407,9 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
         }
       }
     }
-    if constexpr (PAIR == 1) store_rows(dk, p.dk1, p.dk1_sb, p.dk1_sh, p.dk1_sr, p.sm_scale);
+    if (PAIR == 1) store_rows(dk, p.dk1, p.dk1_sb, p.dk1_sh, p.dk1_sr, p.sm_scale);
     else store_rows(dk, p.dk2, p.dk2_sb, p.dk2_sh, p.dk2_sr, p.sm_scale);
-  };
-  run_pass(IntC<1>{});
-  run_pass(IntC<2>{});
+  }
   store_rows(dv, p.dv, p.dv_sb, p.dv_sh, p.dv_sr, 1.f);
 }
 
