@@ -460,7 +460,15 @@ def run_case(torch, kern, c, seed):
         for nm, got, r, lo in zip(names, outs, ref, low):
             if mode == "nodq" and nm.startswith("dq"):
                 continue
-            results.append((mode, nm, tolerance.compare(nm, np64(got), r, lo, dtype)))
+            g = np64(got)
+            vd = tolerance.compare(nm, g, r, lo, dtype)  # (not `v`: that is the value tensor)
+            results.append((mode, nm, vd))
+            if not vd.passed:  # where: for the next engineer's debugging
+                err = np.abs(np.nan_to_num(g, nan=np.inf) - r)
+                idx = np.unravel_index(int(np.argmax(err)), err.shape)
+                problems.append(f"{mode} {nm}: {int(np.isnan(g).sum())} NaN of {g.size}; worst at (b, h, row, "
+                                f"col) {tuple(int(x) for x in idx)}: got {g[idx]:.4g}, ref {r[idx]:.4g}; rows "
+                                f"with errors > bound: {_bad_rows(err, vd.bound)}")
         if mode == "nodq":  # deterministic mode: bitwise-equal dK/dV on a second run
             again = [torch.full_like(t, float("nan")) for t in (q1, k1, q2, k2, v)]
             kern.backward(q1, k1, q2, k2, v, o, lse, do, w, causal, again, dq=False)
@@ -469,6 +477,24 @@ def run_case(torch, kern, c, seed):
                 if not nm.startswith("dq") and not torch.equal(a.view(torch.int16), b.view(torch.int16)):
                     problems.append(f"nodq {nm} not bitwise reproducible")
     return results, problems
+
+
+def _bad_rows(err, bound):
+    """Compact list of (b, h, row) index ranges whose max error exceeds bound."""
+    import numpy as np
+
+    rows = np.argwhere(err.max(axis=-1) > bound)
+    if not len(rows):
+        return "none"
+    out, prev = [], None
+    for b, h, r in rows.tolist():
+        if prev and prev[0] == b and prev[1] == h and prev[3] == r - 1:
+            prev[3] = r
+        else:
+            prev = [b, h, r, r]
+            out.append(prev)
+    txt = ", ".join(f"b{b}h{h}:{r0}-{r1}" for b, h, r0, r1 in out[:8])
+    return txt + (f" (+{len(out) - 8} more)" if len(out) > 8 else "")
 
 
 def phase_check(args):
