@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead and a
-# benchmark; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize check overhead bench | all]
+# One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
+# benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize check overhead bench fuzz | all]
 # TEST_PATHS / PYTEST_ARGS narrow the tests, BENCH_ARGS replaces the default --quick.
+# FUZZ_EXAMPLES (default 600, about 5 min on an H200) sets the fuzz step's example count; the examples it finds
+# failing are saved to logs/fuzz_db (copy them into tests/fuzz_db to make them replay).
 # Runs the project from its checkout (no install), as the lent H200 machines require.
 set -uo pipefail
 out=${1:?usage: gpu_run.sh OUTDIR [steps...]}; shift
@@ -15,7 +17,16 @@ status=0
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv;
   python3 -c "import cupy, torch, numpy; print('cupy', cupy.__version__, 'torch', torch.__version__, 'numpy', numpy.__version__)"; } 2>&1 | tee "$logs/env.txt"
 if has tests; then
-  timeout 900 python3 -m pytest -q -ra -m gpu -p no:cacheprovider ${TEST_PATHS:-tests} ${PYTEST_ARGS:-} 2>&1 | tee "$logs/pytest_gpu.log" | tail -25
+  # the fuzz step runs the GPU fuzzer with more examples; the tests step leaves it out then
+  skip_fuzz=""; if has fuzz; then skip_fuzz="--ignore=tests/test_fuzz_gpu.py"; fi
+  timeout 900 python3 -m pytest -q -ra -m gpu -p no:cacheprovider $skip_fuzz ${TEST_PATHS:-tests} ${PYTEST_ARGS:-} 2>&1 | tee "$logs/pytest_gpu.log" | tail -25
+  status=$((status | ${PIPESTATUS[0]}))
+fi
+if has fuzz; then
+  mkdir -p "$logs/fuzz_db"
+  CUPY_PIECEWISE_FUZZ_GPU_EXAMPLES=${FUZZ_EXAMPLES:-600} CUPY_PIECEWISE_FUZZ_DB="$logs/fuzz_db" \
+    timeout 1200 python3 -m pytest -q -ra -m gpu -p no:cacheprovider --hypothesis-show-statistics \
+    tests/test_fuzz_gpu.py 2>&1 | tee "$logs/fuzz_gpu.log" | tail -40
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has sanitize; then
