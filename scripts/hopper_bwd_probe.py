@@ -41,21 +41,17 @@ import argparse
 import ctypes
 import math
 import os
-import queue
 import re
-import shutil
-import statistics
 import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-KERNEL_DIR = ROOT / "kernels_cu"
+import probe_common  # noqa: E402  (scripts/ is on sys.path)
+from probe_common import ROOT, find_tool, say, splice  # noqa: E402
+
 SOURCE = "sm90/backward.cu"
 ELEM = {"bfloat16": "pw90::bf16", "float16": "pw90::f16"}
 THREADS = 384
@@ -93,62 +89,9 @@ NAMES = ([main_name(t, d, c, q) for t in DTYPES for d in (64, 128) for c in (Fal
          + [prep_name(t, d) for t in DTYPES for d in (64, 128)]
          + [conv_name(t, d) for t in DTYPES for d in (64, 128)])
 
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
-
-
-def splice(name: str, seen=None) -> str:
-    """kernels_cu/<name> with our own #include "..." lines (relative to kernels_cu/) inlined."""
-    seen = set() if seen is None else seen
-    if name in seen:
-        return ""
-    seen.add(name)
-    return _INCLUDE.sub(lambda m: splice(m.group(1), seen), (KERNEL_DIR / name).read_text())
-
-
-def say(*args):
-    print(*args, flush=True)
-
-
-def find_tool(name):
-    for cand in (shutil.which(name),
-                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", name)):
-        if cand and os.path.exists(cand):
-            return cand
-    try:  # pip wheels nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm
-        import nvidia
-
-        for base in nvidia.__path__:
-            for p in Path(base).rglob(name):
-                return str(p)
-    except Exception:
-        pass
-    return None
-
-
 def nvrtc_cubin(names, options):
-    """Compile SOURCE with cuda.bindings' NVRTC; -> (cubin bytes, {name: lowered}, log)."""
-    from cuda.bindings import nvrtc as N
-
-    err, prog = N.nvrtcCreateProgram(splice(SOURCE).encode(), b"backward.cu", 0, [], [])
-    for n in names:
-        N.nvrtcAddNameExpression(prog, n.encode())
-    opts = [o.encode() for o in options]
-    (rc,) = N.nvrtcCompileProgram(prog, len(opts), opts)
-    err, size = N.nvrtcGetProgramLogSize(prog)
-    log = b" " * size
-    N.nvrtcGetProgramLog(prog, log)
-    log = log.decode(errors="replace").rstrip("\x00")
-    if int(rc) != 0:
-        raise RuntimeError(f"NVRTC failed: {rc}\n{log}")
-    lowered = {}
-    for n in names:
-        err, low = N.nvrtcGetLoweredName(prog, n.encode())
-        lowered[n] = low.decode() if isinstance(low, bytes) else low
-    err, size = N.nvrtcGetCUBINSize(prog)
-    cubin = b" " * size
-    N.nvrtcGetCUBIN(prog, cubin)  # (cupy's nvrtc.getCUBIN drops the last byte: use this one)
-    N.nvrtcDestroyProgram(prog)
-    return cubin, lowered, log
+    """SOURCE compiled by cuda.bindings' NVRTC: (cubin, {name: lowered}, log)."""
+    return probe_common.nvrtc_cubin(SOURCE, names, options)
 
 
 # ============================================================================ launching
@@ -539,18 +482,7 @@ def phase_check(args):
 
 
 def cuda_time(torch, fn, warmup=3, reps=10):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return probe_common.cuda_time(torch, fn, warmup, reps)
 
 
 TIME_CONFIGS = [(L, D, c) for L in (2048, 8192) for D in (64, 128) for c in (False, True)]
@@ -658,48 +590,8 @@ def _time_config(torch, kern, cpw, L, D, causal):
 # ============================================================================ parent
 
 def run_worker(phase, extra, deadline_s, idle_s, log):
-    """Runs one worker; -> (returncode or 'hang'/'deadline', its lines)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", phase] + extra
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                         cwd=str(ROOT))
-    q: queue.Queue = queue.Queue()
-
-    def pump():
-        for line in p.stdout:
-            q.put(line)
-        q.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    t0 = last = time.time()
-    lines, status = [], None
-    while True:
-        try:
-            line = q.get(timeout=1.0)
-        except queue.Empty:
-            now = time.time()
-            if now - last > idle_s:
-                status = "hang"
-            elif now - t0 > deadline_s:
-                status = "deadline"
-            if status:
-                p.kill()
-                p.wait()
-                break
-            continue
-        if line is None:
-            status = p.wait()
-            break
-        last = time.time()
-        lines.append(line.rstrip("\n"))
-        log(line.rstrip("\n"))
-        if time.time() - t0 > deadline_s:
-            p.kill()
-            p.wait()
-            status = "deadline"
-            break
-    return status, lines
+    """This script's ``--worker phase`` in a fresh process (probe_common.run_worker)."""
+    return probe_common.run_worker(__file__, phase, extra, deadline_s, idle_s, log)
 
 
 def summarise(lines, log):

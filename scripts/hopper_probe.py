@@ -36,21 +36,17 @@ import argparse
 import ctypes
 import math
 import os
-import queue
 import re
-import shutil
-import statistics
 import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-KERNEL_DIR = ROOT / "kernels_cu"
+import probe_common  # noqa: E402  (scripts/ is on sys.path)
+from probe_common import ROOT, find_tool, say, splice  # noqa: E402
+
 SOURCE = "sm90/forward.cu"
 ELEM = {"bfloat16": "pw90::bf16", "float16": "pw90::f16"}
 THREADS = 384
@@ -98,66 +94,12 @@ def name_expr(dtype: str, D: int, causal: bool) -> str:
 
 NAMES = [name_expr(t, d, c) for t in ("bfloat16", "float16") for d in (64, 128) for c in (False, True)]
 
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
-
-
-def splice(name: str, seen=None) -> str:
-    """kernels_cu/<name> with our own #include "..." lines (relative to kernels_cu/) inlined."""
-    seen = set() if seen is None else seen
-    if name in seen:
-        return ""
-    seen.add(name)
-    text = (KERNEL_DIR / name).read_text()
-    return _INCLUDE.sub(lambda m: splice(m.group(1), seen), text)
-
-
-def say(*args):
-    print(*args, flush=True)
-
 
 # ============================================================================ kernel loading
 
-def find_cuobjdump():
-    for cand in (shutil.which("cuobjdump"),
-                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump")):
-        if cand and os.path.exists(cand):
-            return cand
-    try:  # pip wheel nvidia-cuda-cuobjdump
-        import nvidia
-
-        for base in nvidia.__path__:
-            for p in Path(base).rglob("cuobjdump"):
-                return str(p)
-    except Exception:
-        pass
-    return None
-
-
 def nvrtc_cubin(names, options):
-    """Compile SOURCE with cuda.bindings' NVRTC; -> (cubin bytes, {name: lowered}, log)."""
-    from cuda.bindings import nvrtc as N
-
-    src = splice(SOURCE).encode()
-    err, prog = N.nvrtcCreateProgram(src, b"forward.cu", 0, [], [])
-    for n in names:
-        N.nvrtcAddNameExpression(prog, n.encode())
-    opts = [o.encode() for o in options]
-    (rc,) = N.nvrtcCompileProgram(prog, len(opts), opts)
-    err, size = N.nvrtcGetProgramLogSize(prog)
-    log = b" " * size
-    N.nvrtcGetProgramLog(prog, log)
-    log = log.decode(errors="replace").rstrip("\x00")
-    if int(rc) != 0:
-        raise RuntimeError(f"NVRTC failed: {rc}\n{log}")
-    lowered = {}
-    for n in names:
-        err, low = N.nvrtcGetLoweredName(prog, n.encode())
-        lowered[n] = low.decode() if isinstance(low, bytes) else low
-    err, size = N.nvrtcGetCUBINSize(prog)
-    cubin = b" " * size
-    N.nvrtcGetCUBIN(prog, cubin)  # (cupy's nvrtc.getCUBIN drops the last byte: use this one)
-    N.nvrtcDestroyProgram(prog)
-    return cubin, lowered, log
+    """SOURCE compiled by cuda.bindings' NVRTC: (cubin, {name: lowered}, log)."""
+    return probe_common.nvrtc_cubin(SOURCE, names, options)
 
 
 class Kernels:
@@ -297,7 +239,7 @@ def phase_build(args):
     except Exception as e:
         say(f"NVRTC offline: {type(e).__name__}: {str(e)[:2000]}")
     # 3. SASS
-    tool = find_cuobjdump()
+    tool = find_tool("cuobjdump")
     if cubin and tool:
         with tempfile.TemporaryDirectory() as d:
             p = os.path.join(d, "fwd.cubin")
@@ -428,18 +370,7 @@ def phase_check(args):
 
 
 def cuda_time(torch, fn, warmup=3, reps=20):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return probe_common.cuda_time(torch, fn, warmup, reps)
 
 
 def phase_time(args):
@@ -737,50 +668,8 @@ def run_variants(specs, via, log, budget_s=225.0):
 # ============================================================================ parent
 
 def run_worker(phase, extra, deadline_s, idle_s, log):
-    """Runs one worker; -> (returncode or 'hang'/'deadline', last lines)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", phase] + extra
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                         cwd=str(ROOT))
-    q: queue.Queue = queue.Queue()
-
-    def pump():
-        for line in p.stdout:
-            q.put(line)
-        q.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    t0 = time.time()
-    last = time.time()
-    lines = []
-    status = None
-    while True:
-        try:
-            line = q.get(timeout=1.0)
-        except queue.Empty:
-            now = time.time()
-            if now - last > idle_s:
-                status = "hang"
-            elif now - t0 > deadline_s:
-                status = "deadline"
-            if status:
-                p.kill()
-                p.wait()
-                break
-            continue
-        if line is None:
-            status = p.wait()
-            break
-        last = time.time()
-        lines.append(line.rstrip("\n"))
-        log(line.rstrip("\n"))
-        if time.time() - t0 > deadline_s:
-            p.kill()
-            p.wait()
-            status = "deadline"
-            break
-    return status, lines
+    """This script's ``--worker phase`` in a fresh process (probe_common.run_worker)."""
+    return probe_common.run_worker(__file__, phase, extra, deadline_s, idle_s, log)
 
 
 def main():
