@@ -15,7 +15,7 @@ from cupy_backends.cuda.api import runtime as _rt
 
 from .. import validate
 from ..capability import plan_switches
-from ..core import MEMO, ArrayOps, prepare, run_backward, run_forward, signature
+from ..core import MEMO, array_ops, prepare, run_backward, run_forward, signature
 
 __all__ = ["OPS", "key", "attention", "attention_backward", "bfloat16"]
 
@@ -58,67 +58,57 @@ class _on:
             _rt.setDevice(self.prev)
 
 
-def _empty_out(shape, dtype: str, device: int):
+def op_empty(shape, dtype: str, device: int):
     if _rt.getDevice() == device:
         return _empty(shape, _DTYPES[dtype])
     with _on(device):
         return _empty(shape, _DTYPES[dtype])
 
 
-def _empty_like(a, device: int):
+def op_empty_like(a, device: int):
     if _rt.getDevice() == device:
         return _empty(a.shape, a.dtype)
     with _on(device):
         return _empty(a.shape, a.dtype)
 
 
-def _scratch(nbytes: int, device: int):
+def op_scratch(nbytes: int, device: int):
     with _on(device):
         return cupy.empty(nbytes, dtype=cupy.uint8)
 
 
-def _fill(a, value) -> None:
+def op_fill(a, value) -> None:
     with _on(a.device.id):
         a.fill(value)
 
 
-def _copy(a):
+def op_copy(a):
     """A fresh C-contiguous copy (``cupy.ascontiguousarray`` returns ``a`` itself when it
     is contiguous even with a pointer the kernels cannot use; pool blocks are aligned)."""
     with _on(a.device.id):
         return a.copy(order="C")
 
 
-def _as_f32(a):
+def op_as_f32(a):
     if a.dtype == cupy.float32 and a.flags.c_contiguous:
         return a
     with _on(a.device.id):
         return cupy.ascontiguousarray(a, dtype=cupy.float32)
 
 
-def _strides(a) -> tuple:
+def op_strides(a) -> tuple:
     n = a.itemsize
     return tuple(s // n for s in a.strides)
 
 
-def _stream(device: int) -> int:
+def op_stream(device: int) -> int:
     return cupy.cuda.get_current_stream(device).ptr
 
 
-OPS = ArrayOps(
-    library="cupy",
-    ptr=lambda a: a.data.ptr,
-    strides=_strides,
-    shape=lambda a: a.shape,
-    itemsize=lambda a: a.itemsize,
-    empty=_empty_out,
-    empty_like=_empty_like,
-    scratch=_scratch,
-    fill=_fill,
-    copy=_copy,
-    as_f32=_as_f32,
-    stream=_stream,
-)
+op_ptr = operator.attrgetter("data.ptr")
+op_shape = operator.attrgetter("shape")
+op_itemsize = operator.attrgetter("itemsize")
+OPS = array_ops("cupy", globals())
 
 
 _strides_of = operator.attrgetter("strides")
