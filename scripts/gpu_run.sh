@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize check overhead bench fuzz | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize check overhead bench fuzz probes | all]
+# probes (not in all): the Hopper forward and backward probes (scripts/hopper_probe.py,
+# scripts/hopper_bwd_probe.py), about 4 minutes each, logs in logs/hopper_*.txt.
 # TEST_PATHS / PYTEST_ARGS narrow the tests, BENCH_ARGS replaces the default --quick.
 # FUZZ_EXAMPLES (default 600, about 5 min on an H200) sets the fuzz step's example count; the examples it finds
 # failing are saved to logs/fuzz_db (copy them into tests/fuzz_db to make them replay).
@@ -13,6 +15,7 @@ logs="$out/logs"
 mkdir -p "$logs"
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
 has() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
+asked() { [[ " $steps " == *" $1 "* ]]; }
 status=0
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv;
   python3 -c "import cupy, torch, numpy; print('cupy', cupy.__version__, 'torch', torch.__version__, 'numpy', numpy.__version__)"; } 2>&1 | tee "$logs/env.txt"
@@ -49,6 +52,13 @@ if has bench; then
   timeout 900 python3 bench/bench.py ${BENCH_ARGS:---quick} --out "$out/bench" 2>&1 | tee "$logs/bench.log" | tail -45
   status=$((status | ${PIPESTATUS[0]}))
   tar czf "$out/bench.tgz" -C "$out" bench && rm -rf "$out/bench"
+fi
+if asked probes; then
+  for probe in hopper_probe hopper_bwd_probe; do
+    timeout 280 python3 scripts/$probe.py --out "$logs/$probe.txt" > "$logs/$probe.log" 2>&1
+    rc=$?; echo "$probe: exit $rc"; tail -12 "$logs/$probe.log"
+    status=$((status | rc))
+  done
 fi
 tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$logs"
 exit $status
