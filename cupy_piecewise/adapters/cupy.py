@@ -15,7 +15,7 @@ from cupy_backends.cuda.api import runtime as _rt
 
 from .. import validate
 from ..capability import plan_switches
-from ..core import MEMO, array_ops, prepare, run_backward, run_forward, signature
+from ..core import MEMO, ArrayOps, prepare, run_backward, run_forward, signature
 
 __all__ = ["OPS", "key", "attention", "attention_backward", "bfloat16"]
 
@@ -58,57 +58,67 @@ class _on:
             _rt.setDevice(self.prev)
 
 
-def op_empty(shape, dtype: str, device: int):
+def _empty_out(shape, dtype: str, device: int):
     if _rt.getDevice() == device:
         return _empty(shape, _DTYPES[dtype])
     with _on(device):
         return _empty(shape, _DTYPES[dtype])
 
 
-def op_empty_like(a, device: int):
+def _empty_like(a, device: int):
     if _rt.getDevice() == device:
         return _empty(a.shape, a.dtype)
     with _on(device):
         return _empty(a.shape, a.dtype)
 
 
-def op_scratch(nbytes: int, device: int):
+def _scratch(nbytes: int, device: int):
     with _on(device):
         return cupy.empty(nbytes, dtype=cupy.uint8)
 
 
-def op_fill(a, value) -> None:
+def _fill(a, value) -> None:
     with _on(a.device.id):
         a.fill(value)
 
 
-def op_copy(a):
+def _copy(a):
     """A fresh C-contiguous copy (``cupy.ascontiguousarray`` returns ``a`` itself when it
     is contiguous even with a pointer the kernels cannot use; pool blocks are aligned)."""
     with _on(a.device.id):
         return a.copy(order="C")
 
 
-def op_as_f32(a):
+def _as_f32(a):
     if a.dtype == cupy.float32 and a.flags.c_contiguous:
         return a
     with _on(a.device.id):
         return cupy.ascontiguousarray(a, dtype=cupy.float32)
 
 
-def op_strides(a) -> tuple:
+def _strides(a) -> tuple:
     n = a.itemsize
     return tuple(s // n for s in a.strides)
 
 
-def op_stream(device: int) -> int:
+def _stream(device: int) -> int:
     return cupy.cuda.get_current_stream(device).ptr
 
 
-op_ptr = operator.attrgetter("data.ptr")
-op_shape = operator.attrgetter("shape")
-op_itemsize = operator.attrgetter("itemsize")
-OPS = array_ops("cupy", globals())
+OPS = ArrayOps(
+    library="cupy",
+    ptr=lambda a: a.data.ptr,
+    strides=_strides,
+    shape=lambda a: a.shape,
+    itemsize=lambda a: a.itemsize,
+    empty=_empty_out,
+    empty_like=_empty_like,
+    scratch=_scratch,
+    fill=_fill,
+    copy=_copy,
+    as_f32=_as_f32,
+    stream=_stream,
+)
 
 
 _strides_of = operator.attrgetter("strides")

@@ -12,7 +12,7 @@ import operator
 
 import torch
 
-from ..core import array_ops, run_backward, run_forward, signature
+from ..core import ArrayOps, run_backward, run_forward, signature
 
 Tensor = torch.Tensor
 
@@ -37,28 +37,28 @@ _devices = _Devices()
 _empty = torch.empty
 
 
-def op_empty(shape, dtype: str, device: int):
+def _empty_out(shape, dtype: str, device: int):
     return _empty(shape, dtype=_DTYPES[dtype], device=_devices[device])
 
 
 _CONTIGUOUS = torch.contiguous_format
 
 
-def op_empty_like(t, device=None):
+def _empty_like(t, device=None):
     if _empty is torch.empty:  # ~0.6 us cheaper than torch.empty(shape, dtype=, device=)
         return torch.empty_like(t, memory_format=_CONTIGUOUS)
     return _empty(t.shape, dtype=t.dtype, device=t.device)  # the tests' NaN-filling hook
 
 
-def op_scratch(nbytes: int, device: int):
+def _scratch(nbytes: int, device: int):
     return torch.empty(nbytes, dtype=torch.uint8, device=_devices[device])
 
 
-def op_fill(t, value) -> None:
+def _fill(t, value) -> None:
     t.fill_(value)
 
 
-def op_copy(t):
+def _copy(t):
     """A fresh contiguous copy (``Tensor.contiguous()`` may return ``t`` itself even when
     the kernels cannot read it: a storage offset breaking 16-byte alignment)."""
     c = torch.empty(t.shape, dtype=t.dtype, device=t.device)
@@ -66,7 +66,7 @@ def op_copy(t):
     return c
 
 
-def op_as_f32(t):
+def _as_f32(t):
     if t.dtype == torch.float32 and t.is_contiguous():
         return t
     return t.to(torch.float32, memory_format=torch.contiguous_format)
@@ -77,17 +77,26 @@ def op_as_f32(t):
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def op_stream(index: int) -> int:
+def _stream(index: int) -> int:
     if _raw_stream is not None:
         return _raw_stream(index)
     return torch.cuda.current_stream(index).cuda_stream
 
 
-op_ptr = Tensor.data_ptr
-op_strides = Tensor.stride
-op_shape = operator.attrgetter("shape")
-op_itemsize = Tensor.element_size
-OPS = array_ops("torch", globals())
+OPS = ArrayOps(
+    library="torch",
+    ptr=torch.Tensor.data_ptr,
+    strides=torch.Tensor.stride,
+    shape=lambda t: t.shape,
+    itemsize=torch.Tensor.element_size,
+    empty=_empty_out,
+    empty_like=_empty_like,
+    scratch=_scratch,
+    fill=_fill,
+    copy=_copy,
+    as_f32=_as_f32,
+    stream=_stream,
+)
 
 
 _device_of = operator.attrgetter("device")

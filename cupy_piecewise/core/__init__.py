@@ -10,7 +10,7 @@ pointers, element strides, allocations and a stream; everything else lives here 
   fill (``o = 0``, ``lse = -inf``, zero gradients) and the clamping of ``w``.
 """
 from .memo import Memo
-from .plan import MEMO, ArrayOps, Call, array_ops, clamp_w, prepare, run_backward, run_forward, signature
+from .plan import MEMO, ArrayOps, Call, clamp_w, prepare, run_backward, run_forward, signature
 
-__all__ = ["MEMO", "Memo", "ArrayOps", "array_ops", "Call", "clamp_w", "prepare", "run_forward", "run_backward",
+__all__ = ["MEMO", "Memo", "ArrayOps", "Call", "clamp_w", "prepare", "run_forward", "run_backward",
            "signature"]

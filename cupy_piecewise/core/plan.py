@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple, Optional
 from .. import capability, launch, validate
 from .memo import Memo
 
-__all__ = ["ArrayOps", "array_ops", "Call", "prepare", "run_forward", "run_backward", "clamp_w", "signature",
+__all__ = ["ArrayOps", "Call", "prepare", "run_forward", "run_backward", "clamp_w", "signature",
            "MEMO"]
 
 
@@ -50,13 +50,6 @@ class ArrayOps(NamedTuple):
     copy: Callable
     as_f32: Callable
     stream: Callable
-
-
-def array_ops(library: str, namespace) -> ArrayOps:
-    """The :class:`ArrayOps` of an adapter module: ``namespace`` (its ``globals()``) holds
-    one function per field, named ``op_<field>`` (``op_ptr``, ``op_empty``, ...). Raises
-    KeyError naming a missing one."""
-    return ArrayOps(library, *(namespace[f"op_{f}"] for f in ArrayOps._fields[1:]))
 
 
 class Call(NamedTuple):
