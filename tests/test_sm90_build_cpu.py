@@ -7,24 +7,18 @@ argument validation of cupy_piecewise/tma.py, which needs no driver.
 """
 from __future__ import annotations
 
+import os
 import re
-from pathlib import Path
+import sys
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ROOT / "kernels_cu"
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+sys.path.insert(0, os.path.dirname(__file__))
+import sm90_build  # noqa: E402
+
 ELEM = {"bfloat16": "pw90::bf16", "float16": "pw90::f16"}
 NAMES = [f"pw90_forward<{ELEM[t]}, {d}, {'true' if c else 'false'}>"
          for t in ("bfloat16", "float16") for d in (64, 128) for c in (False, True)]
-
-
-def _splice(name, seen):
-    if name in seen:
-        return ""
-    seen.add(name)
-    return _INCLUDE.sub(lambda m: _splice(m.group(1), seen), (KERNELS / name).read_text())
 
 
 #: compile-time variants of the consumer loop (kernels_cu/sm90/forward.cu), A/B-tested on a GPU
@@ -36,36 +30,7 @@ VARIANTS = ["PW90_OVERLAP=0", "PW90_DEFER=1 PW90_OVERLAP=0", "PW90_OVERLAP=1",
 
 
 def _compile(defines=()):
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-        nvrtc.getVersion()
-    except Exception as e:  # pragma: no cover - depends on the machine
-        pytest.skip(f"NVRTC unavailable: {e!r}")
-    src = _splice("sm90/forward.cu", set())
-    prog = nvrtc.createProgram(src, "forward.cu", [], [])
-    try:
-        for n in NAMES:
-            nvrtc.addNameExpression(prog, n)
-        try:
-            nvrtc.compileProgram(prog, ["-std=c++17", "-arch=sm_90a", "-Xptxas=-v"]
-                                 + [f"-D{d}" for d in defines])
-        except nvrtc.NVRTCError:
-            pytest.fail("NVRTC failed:\n" + nvrtc.getProgramLog(prog))
-        log = nvrtc.getProgramLog(prog)
-        ptx = nvrtc.getPTX(prog)
-        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-        lowered = {n: nvrtc.getLoweredName(prog, n) for n in NAMES}
-    finally:
-        nvrtc.destroyProgram(prog)
-    blocks, cur = {}, None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)'", line)
-        if m:
-            cur = m.group(1)
-            blocks[cur] = ""
-        elif cur is not None:
-            blocks[cur] += line + "\n"
-    return log, ptx, lowered, blocks
+    return sm90_build.build("sm90/forward.cu", NAMES, defines)
 
 
 @pytest.fixture(scope="module")

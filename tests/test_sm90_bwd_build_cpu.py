@@ -11,15 +11,17 @@ a change that makes ptxas spill or serialise wgmma (C7512/C7515) fails here.
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, os.path.dirname(__file__))
+import sm90_build  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ROOT / "kernels_cu"
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 ELEM = {"bfloat16": "pw90::bf16", "float16": "pw90::f16"}
 
 
@@ -38,13 +40,6 @@ def _known_gap(t, d, c, q):
     return False
 
 
-def _splice(name, seen):
-    if name in seen:
-        return ""
-    seen.add(name)
-    return _INCLUDE.sub(lambda m: _splice(m.group(1), seen), (KERNELS / name).read_text())
-
-
 def _probe():
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
@@ -56,44 +51,16 @@ def _probe():
 
 @pytest.fixture(scope="module")
 def build():
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-        nvrtc.getVersion()
-    except Exception as e:  # pragma: no cover - depends on the machine
-        pytest.skip(f"NVRTC unavailable: {e!r}")
     probe = _probe()
-    src = _splice("sm90/backward.cu", set())
-    # the probe's host-side mirrors must match the C++ layout
-    src += ("\nstatic_assert(pw90::bwd::Smem<64>::BYTES == %d, \"probe smem_bytes(64)\");"
-            "\nstatic_assert(pw90::bwd::Smem<128>::BYTES == %d, \"probe smem_bytes(128)\");"
-            "\nstatic_assert(sizeof(pw90::bwd::BwdParams) == %d, \"probe _BWD_PARAMS\");"
-            "\nstatic_assert(sizeof(pw90::bwd::PrepParams) == %d, \"probe _PREP_PARAMS\");"
-            "\nstatic_assert(sizeof(pw90::bwd::ConvertParams) == %d, \"probe _CONV_PARAMS\");\n"
-            % (probe.smem_bytes(64), probe.smem_bytes(128), probe._BWD_PARAMS.size,
-               probe._PREP_PARAMS.size, probe._CONV_PARAMS.size))
-    prog = nvrtc.createProgram(src, "backward.cu", [], [])
-    try:
-        for n in NAMES:
-            nvrtc.addNameExpression(prog, n)
-        try:
-            nvrtc.compileProgram(prog, ["-std=c++17", "-arch=sm_90a", "-Xptxas=-v"])
-        except nvrtc.NVRTCError:
-            pytest.fail("NVRTC failed:\n" + nvrtc.getProgramLog(prog))
-        log = nvrtc.getProgramLog(prog)
-        ptx = nvrtc.getPTX(prog)
-        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-        lowered = {n: nvrtc.getLoweredName(prog, n) for n in NAMES}
-    finally:
-        nvrtc.destroyProgram(prog)
-    blocks, cur = {}, None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)'", line)
-        if m:
-            cur = m.group(1)
-            blocks[cur] = ""
-        elif cur is not None:
-            blocks[cur] += line + "\n"
-    return log, ptx, lowered, blocks
+    src = ("\nstatic_assert(pw90::bwd::Smem<64>::BYTES == %d, \"probe smem_bytes(64)\");"
+           "\nstatic_assert(pw90::bwd::Smem<128>::BYTES == %d, \"probe smem_bytes(128)\");"
+           "\nstatic_assert(sizeof(pw90::bwd::BwdParams) == %d, \"probe _BWD_PARAMS\");"
+           "\nstatic_assert(sizeof(pw90::bwd::PrepParams) == %d, \"probe _PREP_PARAMS\");"
+           "\nstatic_assert(sizeof(pw90::bwd::ConvertParams) == %d, \"probe _CONV_PARAMS\");\n"
+           % (probe.smem_bytes(64), probe.smem_bytes(128), probe._BWD_PARAMS.size,
+              probe._PREP_PARAMS.size, probe._CONV_PARAMS.size))
+    # the probe's host-side mirrors must match the C++ layout (static_asserts above)
+    return sm90_build.build("sm90/backward.cu", NAMES, extra_source=src)
 
 
 def _check_clean(build, name):
