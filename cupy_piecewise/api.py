@@ -67,7 +67,8 @@ def adapter_for(x):
     return mod
 
 
-def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None, return_lse=False):
+def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None, return_lse=False,
+              deterministic=False):
     """Piecewise attention forward.
 
     The score of query ``i`` and key ``j`` is ``sm_scale * q2[i]·k2[j]`` when the
@@ -89,6 +90,10 @@ def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None,
         sm_scale: score scale, a finite positive real; ``None`` means
             ``1 / sqrt(D)``.
         return_lse: also return the log-sum-exp of the scores.
+        deterministic: (torch autograd) compute the gradients of this call
+            bitwise reproducibly, as :func:`attention_backward` does with
+            ``deterministic=True``; ``torch.use_deterministic_algorithms(True)``
+            has the same effect. The forward itself is always deterministic.
 
     All five arrays come from one library (NumPy, CuPy, torch, or any other
     with ``__dlpack__``), live on one device and share one dtype:
@@ -125,10 +130,12 @@ def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None,
         ((1, 2, 4, 16), dtype('float64'), (1, 2, 4), dtype('float32'))
     """
     return adapter_for(q1).attention(q1, k1, q2, k2, v, dist_threshold, causal=causal,
-                                     sm_scale=sm_scale, return_lse=return_lse)
+                                     sm_scale=sm_scale, return_lse=return_lse,
+                                     deterministic=deterministic)
 
 
-def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=False, sm_scale=None):
+def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=False, sm_scale=None,
+                       deterministic=False):
     """Gradients of piecewise attention.
 
     With ``p`` the attention probabilities (recomputed from ``lse``),
@@ -144,6 +151,12 @@ def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=
         o: the output of :func:`attention`, shape ``(B, H, M, D)``, input dtype.
         lse: the ``lse`` of :func:`attention` (``return_lse=True``), shape
             ``(B, H, M)``, float32 (float64 accepted for CPU arrays).
+        deterministic: bitwise-identical gradients from run to run (default
+            False). Only the Hopper backward (sm_90, head dims 64 and 128) is
+            otherwise not: it adds dQ contributions with float32 atomics, whose
+            order varies; with True it computes dQ in a separate kernel instead
+            (slower: see README, "Kernel paths"). Every other path is
+            deterministic either way.
 
     Returns:
         ``(dq1, dk1, dq2, dk2, dv)`` in the input dtype: ``dq1``, ``dq2`` of
@@ -167,4 +180,5 @@ def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=
         ((1, 2, 4, 16), (1, 1, 6, 16))
     """
     return adapter_for(q1).attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold,
-                                              causal=causal, sm_scale=sm_scale)
+                                              causal=causal, sm_scale=sm_scale,
+                                              deterministic=deterministic)

@@ -12,7 +12,7 @@ import sys
 import time
 
 from . import capability
-from .compile import HOPPER_KERNELS, Variant, compile_offline
+from .compile import HOPPER_KERNELS, HOPPER_ROW_KERNELS, Variant, compile_offline
 
 
 def variants_for(cc, hopper: bool = False) -> list[Variant]:
@@ -21,7 +21,7 @@ def variants_for(cc, hopper: bool = False) -> list[Variant]:
     if hopper:
         return [Variant(phase, dtype, d, None, causal) for phase in HOPPER_KERNELS
                 for dtype in capability.TABLE_DTYPES for d in capability.HOPPER_HEAD_DIMS
-                for causal in (False, True)]
+                for causal in ((False,) if phase in HOPPER_ROW_KERNELS else (False, True))]
     out = set()
     for phase, head_dim, dtype, causal, tiles in capability.selectable_configs(cc):
         out.add(Variant(phase, dtype, head_dim, tiles, causal))

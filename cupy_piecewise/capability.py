@@ -59,6 +59,7 @@ __all__ = [
     "path_override",
     "HOPPER_HEAD_DIMS",
     "hopper_shared_bytes",
+    "hopper_bwd_shared_bytes",
     "shared_bytes",
     "check_config",
     "lookup",
@@ -137,6 +138,24 @@ def hopper_shared_bytes(head_dim: int) -> int:
     q_tile = panels * HOPPER_BLOCK_M * 128
     k_tile = panels * HOPPER_BLOCK_N[head_dim] * 128
     return 2 * q_tile + 2 * 3 * k_tile + 8 * (1 + 4 * 2) + 1024
+
+
+#: Query rows per streamed tile and key rows per block of the Hopper backward
+#: (kernels_cu/sm90/backward.cu, pw90::bwd::BM / BN).
+HOPPER_BWD_BLOCK_M = 64
+HOPPER_BWD_BLOCK_N = 128
+
+
+def hopper_bwd_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of the Hopper backward (mirrors ``pw90::bwd::Smem<D>::BYTES``;
+    checked by tests/test_traits_cpu.py): resident K1, K2, V of the key tile; two ring stages
+    of (Q, dO); two dSᵀ buffers (128 keys x 64 queries, 16-bit); two stages of lse2 and delta
+    (64 float32 each); five mbarriers; 1 KB to align the base."""
+    panels = head_dim // 64
+    k_tile = panels * HOPPER_BWD_BLOCK_N * 128
+    q_tile = panels * HOPPER_BWD_BLOCK_M * 128
+    ds = HOPPER_BWD_BLOCK_N * HOPPER_BWD_BLOCK_M * 2
+    return 3 * k_tile + 2 * 2 * q_tile + 2 * ds + 2 * 2 * HOPPER_BWD_BLOCK_M * 4 + 8 * 5 + 1024
 
 
 _switches = (_override, _path)

@@ -22,15 +22,25 @@ from .kernel_sources import kernel_dir
 #: kernel file per phase; the delta pre-pass lives with the backward kernels.
 SOURCE_FILE = {"fwd": "forward.cu", "fwd_decode": "forward.cu", "fwd_combine": "forward.cu",
                "bwd_dq": "backward.cu", "bwd_dkv": "backward.cu", "bwd_delta": "backward.cu",
-               "fwd_sm90": "sm90/forward.cu"}
+               "fwd_sm90": "sm90/forward.cu", "bwd_sm90": "sm90/backward.cu",
+               "bwd_sm90_det": "sm90/backward.cu", "bwd_sm90_prep": "sm90/backward.cu",
+               "bwd_sm90_dq": "sm90/backward.cu"}
 _TEMPLATE = {"fwd": "pw_forward", "fwd_decode": "pw_forward", "fwd_combine": "pw_forward_combine",
              "bwd_dq": "pw_backward_dq", "bwd_dkv": "pw_backward_dkv",
-             "bwd_delta": "pw_backward_delta", "fwd_sm90": "pw90_forward"}
+             "bwd_delta": "pw_backward_delta", "fwd_sm90": "pw90_forward",
+             "bwd_sm90": "pw90_bwd", "bwd_sm90_det": "pw90_bwd", "bwd_sm90_prep": "pw90_bwd_prep",
+             "bwd_sm90_dq": "pw90_bwd_dq_convert"}
 #: per-row helper kernels: no tiles, 256 threads (a warp per row)
 ROW_KERNELS = ("bwd_delta", "fwd_combine")
-#: kernels with their tiles fixed inside (wgmma + TMA; kernels_cu/sm90/): sm_90a only
-HOPPER_KERNELS = ("fwd_sm90",)
-#: threads of a Hopper forward block: a producer warpgroup and two consumer warpgroups
+#: kernels with their tiles fixed inside (wgmma + TMA; kernels_cu/sm90/): sm_90a only.
+#: bwd_sm90 computes all five gradients (dQ by float32 atomics), bwd_sm90_det only dK1, dK2,
+#: dV (deterministic mode: dQ from the mma.sync dq kernel); bwd_sm90_prep (delta, lse in
+#: base 2, zeroed dQ accumulator) runs before and bwd_sm90_dq (accumulator -> dQ) after.
+HOPPER_KERNELS = ("fwd_sm90", "bwd_sm90", "bwd_sm90_det", "bwd_sm90_prep", "bwd_sm90_dq")
+#: Hopper kernels with a warp per row (no causal flag, 256 threads)
+HOPPER_ROW_KERNELS = ("bwd_sm90_prep", "bwd_sm90_dq")
+#: threads of a Hopper forward or backward block: a producer warpgroup and two consumer
+#: warpgroups
 HOPPER_THREADS = 384
 _ELEM = {"float16": "half_t", "bfloat16": "bf16_t"}
 #: the Hopper kernels' own element tags (kernels_cu/sm90/hopper.cuh)
@@ -74,7 +84,12 @@ class Variant:
         elem = _ELEM[self.dtype]
         if self.phase in HOPPER_KERNELS:
             elem = _ELEM90[self.dtype]
-            return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}, {'true' if self.causal else 'false'}>"
+            if self.phase in HOPPER_ROW_KERNELS:
+                return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}>"
+            flags = "true" if self.causal else "false"
+            if self.phase in ("bwd_sm90", "bwd_sm90_det"):  # fused dQ or not
+                flags += ", true" if self.phase == "bwd_sm90" else ", false"
+            return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}, {flags}>"
         if self.phase in ROW_KERNELS:
             return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}>"
         t = self.tiles
@@ -84,9 +99,11 @@ class Variant:
 
     @property
     def threads(self) -> int:
+        if self.phase in ROW_KERNELS or self.phase in HOPPER_ROW_KERNELS:
+            return 256
         if self.phase in HOPPER_KERNELS:
             return HOPPER_THREADS
-        return 256 if self.phase in ROW_KERNELS else 32 * self.tiles.num_warps
+        return 32 * self.tiles.num_warps
 
     @property
     def options(self) -> tuple[str, ...]:

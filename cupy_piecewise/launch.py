@@ -126,6 +126,12 @@ def plan(problem, phase: str) -> Variant:
     return variant
 
 
+#: Dynamic shared memory of the Hopper kernels by phase (the row kernels use none).
+_HOPPER_SMEM = {"fwd_sm90": capability.hopper_shared_bytes,
+                "bwd_sm90": capability.hopper_bwd_shared_bytes,
+                "bwd_sm90_det": capability.hopper_bwd_shared_bytes}
+
+
 def _kernel(device: int, variant: Variant) -> tuple[int, int]:
     """(CUfunction handle, dynamic shared bytes) for ``variant``, loaded on ``device``.
 
@@ -139,7 +145,7 @@ def _kernel(device: int, variant: Variant) -> tuple[int, int]:
     import cupy
 
     if variant.phase in HOPPER_KERNELS:
-        smem = capability.hopper_shared_bytes(variant.head_dim)
+        smem = _HOPPER_SMEM.get(variant.phase, lambda d: 0)(variant.head_dim)
     else:
         smem = 0 if variant.tiles is None else capability.shared_bytes(
             variant.phase, variant.head_dim, variant.tiles)
@@ -362,13 +368,17 @@ def use_hopper(problem, split: bool = True) -> bool:
     return blocks >= _multiprocessors(problem.device)
 
 
-def _tma_describable(problem, strides) -> bool:
-    """True when TMA tensor maps can describe q1, k1, q2, k2, v with these element strides:
-    every axis longer than 1 needs a positive stride below 2^40 bytes (a broadcast axis,
-    stride 0, cannot be described; the mma.sync kernels read it in place instead)."""
+def _tma_describable(problem, strides, dout=None) -> bool:
+    """True when TMA tensor maps can describe q1, k1, q2, k2, v (and ``dout``, when given)
+    with these element strides: every axis longer than 1 needs a positive stride below 2^40
+    bytes (a broadcast axis, stride 0, cannot be described; the mma.sync kernels read it in
+    place instead)."""
     q_shape = (problem.B, problem.H, problem.M)
     k_shape = (problem.B, problem.Hkv, problem.N)
-    for shape, st in zip((q_shape, k_shape, q_shape, k_shape, k_shape), strides[:5]):
+    pairs = list(zip((q_shape, k_shape, q_shape, k_shape, k_shape), strides[:5]))
+    if dout is not None:
+        pairs.append((q_shape, dout))
+    for shape, st in pairs:
         for n, s in zip(shape, st[:3]):
             if n > 1 and not 0 < s * 2 < (1 << 40):
                 return False
@@ -440,30 +450,166 @@ class HopperLaunches:
         _launch_all(self.device, self._steps, stream, ctypes.addressof(args))
 
 
-def backward_launches(problem, strides) -> Launches:
+def backward_launches(problem, strides, *, deterministic: bool = False):
     """Prepare the backward of ``problem``.
 
     ``strides``: element strides of q1, k1, q2, k2, v, o, dout, dq1, dk1, dq2, dk2, dv;
     lse and delta are contiguous float32 (B, H, M) arrays (delta is scratch). dk/dv of a
     grouped-query problem are summed over the query heads of each group in the kernel.
     With ``M == 0`` the dk/dv kernel still runs and writes zeros.
+
+    On a compute capability 9.0 GPU the Hopper backward (:class:`HopperBackward`) runs when
+    :func:`use_hopper_backward` says so; otherwise the mma.sync kernels (delta pre-pass, dq,
+    dk/dv), which are deterministic. ``deterministic`` makes the Hopper path bitwise
+    reproducible (dQ by the mma.sync dq kernel instead of float32 atomics).
     """
     _check_grid(problem)
     _driver()
+    names = ("q1", "k1", "q2", "k2", "v", "o", "dout", "dq1", "dk1", "dq2", "dk2", "dv")
+    views = dict(zip(names, map(tuple, strides)))
+    if use_hopper_backward(problem) and _tma_describable(problem, strides[:5], strides[6]):
+        return HopperBackward(problem, views, deterministic)
     steps = []
     if problem.M > 0:
-        steps.append(_step(problem, plan(problem, "bwd_delta"),
-                           (math.ceil(problem.H * problem.M / 8), problem.B, 1)))
-        dq = plan(problem, "bwd_dq")
-        steps.append(_step(problem, dq, (math.ceil(problem.M / dq.tiles.block_m), problem.H,
-                                         problem.B)))
+        steps += _mma_dq_steps(problem)
     if problem.N > 0:
         dkv = plan(problem, "bwd_dkv")
         steps.append(_step(problem, dkv, (math.ceil(problem.N / dkv.tiles.block_n), problem.Hkv,
                                           problem.B)))
-    names = ("q1", "k1", "q2", "k2", "v", "o", "dout", "dq1", "dk1", "dq2", "dk2", "dv")
-    views = dict(zip(names, map(tuple, strides)))
     return Launches(problem.device, BACKWARD_ARRAYS, views, steps, _pack(problem, views))
+
+
+def _mma_dq_steps(problem) -> list:
+    """The mma.sync delta pre-pass and dq kernel of ``problem`` (``M > 0``)."""
+    dq = plan(problem, "bwd_dq")
+    return [_step(problem, plan(problem, "bwd_delta"),
+                  (math.ceil(problem.H * problem.M / 8), problem.B, 1)),
+            _step(problem, dq, (math.ceil(problem.M / dq.tiles.block_m), problem.H, problem.B))]
+
+
+def use_hopper_backward(problem) -> bool:
+    """True when ``problem``'s backward runs the Hopper kernels (wgmma + TMA, sm_90a): a
+    compute capability 9.0 GPU, float16/bfloat16, a head dim in
+    :data:`capability.HOPPER_HEAD_DIMS`, queries and keys, and no ``CUPY_PIECEWISE_PATH=mma``.
+    (The caller also needs strides a tensor map can describe: :func:`_tma_describable`.)"""
+    if (problem.D not in capability.HOPPER_HEAD_DIMS or not (problem.M and problem.N)
+            or problem.dtype not in ("float16", "bfloat16")):
+        return False
+    return (_compute_capability(problem.device) == (9, 0)
+            and capability.path_override() != "mma")
+
+
+#: Parameter structs of kernels_cu/sm90/backward.cu (pw90::bwd): PrepParams (o and dout
+#: views, lse, lse2, delta, dq accumulator, B, H, M, Mpad), BwdParams (dk1, dk2, dv views, dq
+#: accumulator, lse2, delta, B, H, group, M, N, Mpad, w, scale_log2, sm_scale) and
+#: ConvertParams (dq1, dq2 views, accumulator, B, H, M, Mpad, sm_scale).
+_BWD_PREP = struct.Struct("<Qqqq Qqqq QQQQ qqqq")
+_BWD_MAIN = struct.Struct("<Qqqq Qqqq Qqqq QQQ qqqqqqq ff")
+_BWD_CONV = struct.Struct("<Qqqq Qqqq Q qqqq f4x")
+
+
+class HopperBackward:
+    """The Hopper backward of one signature, with :class:`Launches`' interface.
+
+    Launches, on one stream: ``pw90_bwd_prep`` (delta = rowsum(dO * O), lse in base 2,
+    padded to whole 64-row tiles, and a zeroed float32 dQ accumulator), ``pw90_bwd`` (one
+    block per 128-key tile: dK1, dK2, dV in registers, dQ added to the accumulator with
+    float32 atomics) and ``pw90_bwd_dq_convert`` (accumulator -> dq1, dq2). Deterministic:
+    the mma.sync delta and dq kernels compute dq1, dq2 without atomics and ``pw90_bwd``
+    computes only dK1, dK2, dV.
+
+    Its workspace (``workspace_bytes``, passed to :meth:`run`): lse2 and delta of
+    (B, H, Mpad) float32, then (fused dQ only) the (2, B, H, Mpad, D) float32 accumulator.
+    Tensor maps of q1, q2, dout (64-row boxes) and k1, k2, v (128-row boxes) are cached per
+    pointer tuple like :class:`HopperLaunches`'.
+    """
+
+    __slots__ = ("device", "arrays", "strides", "workspace_bytes", "deterministic", "_steps",
+                 "_mma", "_prep", "_main", "_conv", "_offsets", "_shapes", "_boxes", "_dtype",
+                 "_maps", "_lock")
+
+    def __init__(self, problem, views, deterministic: bool = False):
+        p = problem
+        bm, bn = capability.HOPPER_BWD_BLOCK_M, capability.HOPPER_BWD_BLOCK_N
+        self.device = p.device
+        self.arrays = BACKWARD_ARRAYS
+        self.strides = views
+        self.deterministic = bool(deterministic)
+        mpad = math.ceil(p.M / bm) * bm
+        rows = p.B * p.H * mpad
+        self._offsets = (0, 4 * rows, 8 * rows)  # lse2, delta, dq accumulator
+        self.workspace_bytes = 8 * rows + (0 if deterministic else 2 * 4 * rows * p.D)
+        prep = Variant("bwd_sm90_prep", p.dtype, p.D, None, False)
+        main = Variant("bwd_sm90_det" if deterministic else "bwd_sm90", p.dtype, p.D, None, p.causal)
+        steps = [_step(p, prep, (math.ceil(p.H * mpad / 8), p.B, 1)),
+                 _step(p, main, (math.ceil(p.N / bn), p.Hkv, p.B))]
+        if not deterministic:
+            conv = Variant("bwd_sm90_dq", p.dtype, p.D, None, False)
+            steps.append(_step(p, conv, (math.ceil(p.H * p.M / 8), p.B, 1)))
+        self._steps = tuple(steps)
+        # the mma.sync delta + dq kernels (deterministic dQ), sharing the call's Params block
+        self._mma = (Launches(p.device, BACKWARD_ARRAYS, views, _mma_dq_steps(p),
+                              _pack(p, views)) if deterministic else None)
+        so, sd = views["o"], views["dout"]
+        self._prep = _BWD_PREP.pack(0, *so[:3], 0, *sd[:3], 0, 0, 0, 0, p.B, p.H, p.M, mpad)
+        dk1, dk2, dv = views["dk1"], views["dk2"], views["dv"]
+        n_dist = p.M + p.N + 1
+        w = max(-n_dist, min(n_dist, int(p.w)))
+        self._main = _BWD_MAIN.pack(0, *dk1[:3], 0, *dk2[:3], 0, *dv[:3], 0, 0, 0, p.B, p.H, p.H // p.Hkv,
+                                    p.M, p.N, mpad, w, p.sm_scale * _LOG2E, p.sm_scale)
+        dq1, dq2 = views["dq1"], views["dq2"]
+        self._conv = _BWD_CONV.pack(0, *dq1[:3], 0, *dq2[:3], 0, p.B, p.H, p.M, mpad, p.sm_scale)
+        q_shape, k_shape = (p.B, p.H, p.M, p.D), (p.B, p.Hkv, p.N, p.D)
+        self._shapes = (q_shape, q_shape, q_shape, k_shape, k_shape, k_shape)
+        self._boxes = (bm, bm, bm, bn, bn, bn)
+        self._dtype = p.dtype
+        self._maps: dict = {}
+        self._lock = threading.Lock()
+
+    def _encode(self, ptrs):
+        from . import tma
+
+        names = ("q1", "q2", "dout", "k1", "k2", "v")
+        m = [tma.tensor_map_bhld(ptr, shape, self.strides[n], self._dtype, box)
+             for ptr, shape, n, box in zip(ptrs, self._shapes, names, self._boxes)]
+        return tuple(x.address() for x in m), m
+
+    def run(self, ptrs, stream: int, workspace: int = 0) -> None:
+        """Launch on ``stream`` with the pointers of :data:`BACKWARD_ARRAYS` (q1, k1, q2, k2,
+        v, o, lse, dout, dq1, dk1, dq2, dk2, dv, delta) and ``workspace`` (device pointer to
+        :attr:`workspace_bytes` bytes, valid on ``stream`` until the work ends)."""
+        q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, delta = ptrs
+        if self._mma is not None:
+            self._mma.run(ptrs, stream)
+        key = (q1, q2, do, k1, k2, v)
+        hit = self._maps.get(key)
+        if hit is None:
+            hit = self._encode(key)
+            with self._lock:
+                if len(self._maps) >= _HOPPER_MAPS_MAX:
+                    self._maps.clear()
+                self._maps[key] = hit
+        lse2, dlt = workspace + self._offsets[0], workspace + self._offsets[1]
+        acc = 0 if self.deterministic else workspace + self._offsets[2]
+        prep = ctypes.create_string_buffer(self._prep, _BWD_PREP.size)
+        struct.pack_into("<Q", prep, 0, o)
+        struct.pack_into("<Q", prep, 32, do)
+        struct.pack_into("<QQQQ", prep, 64, lse, lse2, dlt, acc)
+        main = ctypes.create_string_buffer(self._main, _BWD_MAIN.size)
+        for off, ptr in ((0, dk1), (32, dk2), (64, dv)):
+            struct.pack_into("<Q", main, off, ptr)
+        struct.pack_into("<QQQ", main, 96, acc, lse2, dlt)
+        a_prep = (ctypes.c_void_p * 1)(ctypes.addressof(prep))
+        a_main = (ctypes.c_void_p * 7)(*hit[0], ctypes.addressof(main))
+        _launch_all(self.device, self._steps[:1], stream, ctypes.addressof(a_prep))
+        _launch_all(self.device, self._steps[1:2], stream, ctypes.addressof(a_main))
+        if not self.deterministic:
+            conv = ctypes.create_string_buffer(self._conv, _BWD_CONV.size)
+            struct.pack_into("<Q", conv, 0, dq1)
+            struct.pack_into("<Q", conv, 32, dq2)
+            struct.pack_into("<Q", conv, 64, acc)
+            a_conv = (ctypes.c_void_p * 1)(ctypes.addressof(conv))
+            _launch_all(self.device, self._steps[2:], stream, ctypes.addressof(a_conv))
 
 
 _launches: dict[tuple, Launches] = {}
@@ -477,7 +623,7 @@ def _cached(kind, problem, refs, extra):
     hit = _launches.get(key)
     if hit is None:
         hit = (forward_launches(problem, strides, split=extra) if kind == "fwd"
-               else backward_launches(problem, strides))
+               else backward_launches(problem, strides, deterministic=extra))
         if len(_launches) >= _LAUNCHES_MAX:
             _launches.clear()
         _launches[key] = hit
@@ -509,16 +655,25 @@ def forward(problem, q1, k1, q2, k2, v, o, lse, *, stream: int, workspace=None) 
 
 
 def backward(problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, delta, *,
-             stream: int) -> None:
+             stream: int, workspace=None, deterministic: bool = False) -> None:
     """Launch the backward kernels: writes every element of the five gradients.
 
     Args: as :func:`forward`, plus ``do`` (ArrayRef, (B, H, M, D)), the gradient outputs
     ``dq1``, ``dq2`` ((B, H, M, D)) and ``dk1``, ``dk2``, ``dv`` ((B, Hkv, N, D)) as
     ArrayRef in the input dtype, ``lse`` and ``delta`` as pointers of contiguous float32
     (B, H, M) arrays (``delta`` is scratch). dk/dv of a grouped-query problem are summed
-    over the query heads of each group in the kernel.
+    over the query heads of each group in the kernel. ``workspace``: ``nbytes ->
+    (keepalive, device pointer)`` on the caller's stream, required by the Hopper backward
+    (without it the mma.sync kernels run). ``deterministic``: bitwise-reproducible
+    gradients (see :func:`backward_launches`).
     """
     views = (q1, k1, q2, k2, v, o, do, dq1, dk1, dq2, dk2, dv)
-    launches = _cached("bwd", problem, views, None)
+    launches = _cached("bwd", problem, views, bool(deterministic))
+    keep, ws = None, 0
+    if launches.workspace_bytes:
+        if workspace is None:
+            raise ValueError("the Hopper backward needs a workspace allocator")
+        keep, ws = workspace(launches.workspace_bytes)
     launches.run((q1.ptr, k1.ptr, q2.ptr, k2.ptr, v.ptr, o.ptr, lse, do.ptr,
-                  dq1.ptr, dk1.ptr, dq2.ptr, dk2.ptr, dv.ptr, delta), stream)
+                  dq1.ptr, dk1.ptr, dq2.ptr, dk2.ptr, dv.ptr, delta), stream, ws)
+    del keep

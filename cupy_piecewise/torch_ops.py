@@ -104,13 +104,16 @@ def _fwd_impl(q1, k1, q2, k2, v, w, causal, sm_scale, call=None, need_lse=True):
     return torch_cpu.forward(q1, k1, q2, k2, v, p.w, p.causal, p.sm_scale)
 
 
-def _bwd_impl(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale, call=None):
-    """Body of ``cupy_piecewise::bwd``; ``call`` when the caller already checked."""
+def _bwd_impl(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale, call=None, deterministic=False):
+    """Body of ``cupy_piecewise::bwd``; ``call`` when the caller already checked.
+    ``deterministic`` or ``torch.use_deterministic_algorithms(True)``: bitwise-reproducible
+    gradients."""
     if call is None:
         call = _call(q1, k1, q2, k2, v, w, causal, sm_scale)
     p = call.problem
     if p.device is not None:
-        return _adapter.backward(call, do, q1, k1, q2, k2, v, o, lse)
+        det = deterministic or torch.are_deterministic_algorithms_enabled()
+        return _adapter.backward(call, do, q1, k1, q2, k2, v, o, lse, det)
     args = (do, q1, k1, q2, k2, v, o, lse, p.w, p.causal, p.sm_scale)
     if torch.is_autocast_enabled("cpu"):
         with torch.autocast("cpu", enabled=False):
@@ -120,14 +123,16 @@ def _bwd_impl(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale, call=None):
 
 @torch.library.custom_op("cupy_piecewise::fwd", mutates_args=())
 def fwd_op(
-    q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, w: int, causal: bool, sm_scale: float
+    q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, w: int, causal: bool, sm_scale: float,
+    deterministic: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Piecewise attention forward -> (o (B, H, M, D), lse (B, H, M)); see :func:`attention`."""
+    """Piecewise attention forward -> (o (B, H, M, D), lse (B, H, M)); see :func:`attention`.
+    ``deterministic`` is for the backward its autograd formula runs."""
     return _fwd_impl(q1, k1, q2, k2, v, w, causal, sm_scale)
 
 
 @fwd_op.register_fake
-def _fwd_fake(q1, k1, q2, k2, v, w, causal, sm_scale):
+def _fwd_fake(q1, k1, q2, k2, v, w, causal, sm_scale, deterministic=False):
     B, H, M, D = q1.shape
     o = q1.new_empty((B, H, M, D))
     lse = q1.new_empty((B, H, M), dtype=torch_cpu.lse_dtype(q1.dtype, q1.device))
@@ -137,14 +142,15 @@ def _fwd_fake(q1, k1, q2, k2, v, w, causal, sm_scale):
 @torch.library.custom_op("cupy_piecewise::bwd", mutates_args=())
 def bwd_op(
     do: Tensor, q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-    w: int, causal: bool, sm_scale: float,
+    w: int, causal: bool, sm_scale: float, deterministic: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Piecewise attention backward -> (dq1, dk1, dq2, dk2, dv); see :func:`attention_backward`."""
-    return _bwd_impl(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale)
+    return _bwd_impl(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale,
+                     deterministic=deterministic)
 
 
 @bwd_op.register_fake
-def _bwd_fake(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale):
+def _bwd_fake(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale, deterministic=False):
     return (
         q1.new_empty(q1.shape), k1.new_empty(k1.shape), q2.new_empty(q2.shape),
         k2.new_empty(k2.shape), v.new_empty(v.shape),
@@ -152,10 +158,11 @@ def _bwd_fake(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale):
 
 
 def _setup_context(ctx, inputs, output):
-    q1, k1, q2, k2, v, w, causal, sm_scale = inputs
+    q1, k1, q2, k2, v, w, causal, sm_scale = inputs[:8]
     o, lse = output
     ctx.save_for_backward(q1, k1, q2, k2, v, o, lse)
     ctx.w, ctx.causal, ctx.sm_scale = w, causal, sm_scale
+    ctx.deterministic = bool(inputs[8]) if len(inputs) > 8 else False
     ctx.mark_non_differentiable(lse)
 
 
@@ -163,9 +170,10 @@ def _backward(ctx, do, dlse):
     q1, k1, q2, k2, v, o, lse = ctx.saved_tensors
     need = ctx.needs_input_grad[:5]
     if not any(need):
-        return None, None, None, None, None, None, None, None
-    grads = bwd_op(do, q1, k1, q2, k2, v, o, lse, ctx.w, ctx.causal, ctx.sm_scale)
-    return tuple(g if n else None for g, n in zip(grads, need)) + (None, None, None)
+        return (None,) * 9
+    grads = bwd_op(do, q1, k1, q2, k2, v, o, lse, ctx.w, ctx.causal, ctx.sm_scale,
+                   ctx.deterministic)
+    return tuple(g if n else None for g, n in zip(grads, need)) + (None, None, None, None)
 
 
 fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -237,24 +245,25 @@ class _Attention(torch.autograd.Function):
     backward raises."""
 
     @staticmethod
-    def forward(ctx, call, q1, k1, q2, k2, v):
+    def forward(ctx, call, deterministic, q1, k1, q2, k2, v):
         p = call.problem
         o, lse = _fwd_impl(q1, k1, q2, k2, v, p.w, p.causal, p.sm_scale, call)
         ctx.save_for_backward(q1, k1, q2, k2, v, o, lse)
-        ctx.call = call
+        ctx.call, ctx.deterministic = call, deterministic
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do, dlse):
-        need = ctx.needs_input_grad[1:]
+        need = ctx.needs_input_grad[2:]
         if not any(need):
-            return (None,) * 6
+            return (None,) * 7
         q1, k1, q2, k2, v, o, lse = ctx.saved_tensors
         p = ctx.call.problem
-        grads = _bwd_impl(do, q1, k1, q2, k2, v, o, lse, p.w, p.causal, p.sm_scale, ctx.call)
-        return (None,) + tuple(g if n else None for g, n in zip(grads, need))
+        grads = _bwd_impl(do, q1, k1, q2, k2, v, o, lse, p.w, p.causal, p.sm_scale, ctx.call,
+                          ctx.deterministic)
+        return (None, None) + tuple(g if n else None for g, n in zip(grads, need))
 
 
 def _autocast(q1, k1, q2, k2, v):
@@ -274,6 +283,7 @@ _W_LIMIT = 1 << 62
 def attention(
     q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, dist_threshold: int, *,
     causal: bool = False, sm_scale: Optional[float] = None, return_lse: bool = False,
+    deterministic: bool = False,
 ):
     """Piecewise attention of torch tensors, differentiable.
 
@@ -290,6 +300,9 @@ def attention(
         causal: exclude keys after the query (``d < 0``).
         sm_scale: score scale; ``None`` means ``1/sqrt(D)``.
         return_lse: also return ``lse``.
+        deterministic: make the gradients autograd computes for this call bitwise
+            reproducible (see :func:`attention_backward`); so does
+            ``torch.use_deterministic_algorithms(True)``.
 
     Devices and dtypes:
         CUDA: float16 or bfloat16, ``D`` in 16, 32, 64, 128 (float32 inputs are run in
@@ -313,6 +326,7 @@ def attention(
         ValueError: wrong rank, shapes that disagree, ``H % Hkv != 0``, mixed devices,
             a head dim the CUDA kernels do not support, non-positive ``sm_scale``.
     """
+    det = validate.check_deterministic(deterministic)
     if _any_autocast() and isinstance(q1, Tensor):
         q1, k1, q2, k2, v = _autocast(q1, k1, q2, k2, v)
     if _is_compiling():
@@ -322,7 +336,7 @@ def attention(
         w = dist_threshold
         if isinstance(w, int) and not isinstance(w, bool):
             w = max(-_W_LIMIT, min(_W_LIMIT, w))
-        o, lse = fwd_op(q1, k1, q2, k2, v, w, causal, scale)
+        o, lse = fwd_op(q1, k1, q2, k2, v, w, causal, scale, det)
     else:
         call = _call(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale)
         route = _route(q1, k1, q2, k2, v)
@@ -332,15 +346,16 @@ def attention(
         elif route == _DIRECT:  # nothing to record: lse only if asked for
             o, lse = _fwd_impl(q1, k1, q2, k2, v, p.w, p.causal, p.sm_scale, call, return_lse)
         elif route == _FUNCTION:
-            o, lse = _Attention.apply(call, q1, k1, q2, k2, v)
+            o, lse = _Attention.apply(call, det, q1, k1, q2, k2, v)
         else:
-            o, lse = fwd_op(q1, k1, q2, k2, v, p.w, p.causal, p.sm_scale)
+            o, lse = fwd_op(q1, k1, q2, k2, v, p.w, p.causal, p.sm_scale, det)
     return (o, lse) if return_lse else o
 
 
 def attention_backward(
     do: Tensor, q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, o: Tensor, lse: Tensor,
     dist_threshold: int, *, causal: bool = False, sm_scale: Optional[float] = None,
+    deterministic: bool = False,
 ):
     """Gradients of piecewise attention, without autograd.
 
@@ -349,6 +364,9 @@ def attention_backward(
         q1, k1, q2, k2, v, dist_threshold, causal, sm_scale: as given to :func:`attention`.
         o, lse: the forward outputs (``attention(..., return_lse=True)``); ``lse``
             float32 (float64 accepted for CPU tensors).
+        deterministic: bitwise-identical gradients run to run (the Hopper backward then
+            computes dQ without float32 atomics); also on with
+            ``torch.use_deterministic_algorithms(True)``. Other paths always are.
 
     Returns:
         ``(dq1, dk1, dq2, dk2, dv)`` in the input dtype, contiguous: ``dq*`` of shape
@@ -359,10 +377,11 @@ def attention_backward(
         TypeError / ValueError: as :func:`attention`, and for ``o``, ``lse``, ``do``
             of the wrong library, device, shape or dtype.
     """
+    det = validate.check_deterministic(deterministic)
     call = _call(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale)
     p = call.problem
     validate.check_backward_inputs(p, o, lse, do)
     args = (do, q1, k1, q2, k2, v, o, lse, p.w, p.causal, p.sm_scale)
     if _direct_ok(do, q1, k1, q2, k2, v, o, lse):
-        return _bwd_impl(*args, call)
-    return bwd_op(*args)
+        return _bwd_impl(*args, call, det)
+    return bwd_op(*args, det)

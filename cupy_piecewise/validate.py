@@ -24,6 +24,7 @@ __all__ = [
     "check_inputs",
     "check_backward_inputs",
     "check_gpu_support",
+    "check_deterministic",
     "library_of",
     "dtype_name",
     "GPU_DTYPES",
@@ -154,6 +155,14 @@ def _check_causal(causal) -> bool:
     if isinstance(causal, (bool, np.bool_)):
         return bool(causal)
     raise TypeError(f"causal must be a bool, got {type(causal).__qualname__} {causal!r}")
+
+
+def check_deterministic(deterministic) -> bool:
+    """``deterministic`` as a bool; TypeError (naming it) for anything but a bool."""
+    if isinstance(deterministic, (bool, np.bool_)):
+        return bool(deterministic)
+    raise TypeError(f"deterministic must be a bool, got {type(deterministic).__qualname__} "
+                    f"{deterministic!r}")
 
 
 def _check_sm_scale(sm_scale, D: int) -> float:

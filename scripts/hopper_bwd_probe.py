@@ -63,12 +63,10 @@ PHASES = {"build": (70, 60), "check": (95, 30), "time": (70, 45)}
 
 
 def smem_bytes(D: int) -> int:
-    """Dynamic shared memory of pw90_bwd<T, D, *, *>: mirrors pw90::bwd::Smem<D>::BYTES."""
-    k_tile = (D // 64) * BN * 128
-    q_tile = (D // 64) * BM * 128
-    ds = 3 * k_tile + 2 * 2 * q_tile
-    bars = ds + BN * BM * 2 + 2 * 2 * BM * 4
-    return bars + 8 * 5 + 1024
+    """Dynamic shared memory of pw90_bwd<T, D, *, *> (pw90::bwd::Smem<D>::BYTES)."""
+    from cupy_piecewise import capability
+
+    return capability.hopper_bwd_shared_bytes(D)
 
 
 def main_name(dtype, D, causal, dq):

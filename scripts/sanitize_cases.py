@@ -1,5 +1,6 @@
 """Forward and backward once per kernel path x dtype x causal x D at a size that is not a
-tile multiple (the Hopper forward forced as well as the mma.sync kernels).
+tile multiple (the Hopper forward and backward forced as well as the mma.sync kernels; the
+Hopper backward with fused dQ and in deterministic mode).
 
 Run under compute-sanitizer (memcheck, racecheck) by scripts/gpu_run.sh; each case is also
 checked against the reference, so a clean report is a report on correct runs.
@@ -19,9 +20,10 @@ for path in ("mma", "hopper"):  # the mma.sync kernels, then the Hopper forward 
     for dtype in ("float16", "bfloat16"):
         for causal in (False, True):
             for D in (64, 128):
-                run_case(D=D, dtype=dtype, causal=causal, M=150, N=201, w=40, group=2,
-                         transposed=(D == 128))
-                print(f"ok {path} {dtype} causal={causal} D={D}", flush=True)
+                for det in (False, True) if path == "hopper" else (False,):
+                    run_case(D=D, dtype=dtype, causal=causal, M=150, N=201, w=40, group=2,
+                             transposed=(D == 128), deterministic=det)
+                    print(f"ok {path} {dtype} causal={causal} D={D} deterministic={det}", flush=True)
 os.environ.pop(capability.PATH_VAR)
 capability.refresh_env_override()
 

@@ -177,3 +177,25 @@ def test_import_needs_neither_cupy_nor_torch():
 
     code = "import sys, cupy_piecewise; assert 'cupy' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_deterministic_flag(library):
+    """``deterministic``: a bool on every entry point (the CPU paths are deterministic, so
+    the results are those of the default); anything else is a TypeError naming it."""
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(s) for s in [(1, 2, 5, 16), (1, 1, 7, 16)] * 2 + [(1, 1, 7, 16)]]
+    if library == "torch":
+        arrays = [torch.from_numpy(a) for a in arrays]
+    o, lse = cpw.attention(*arrays, 2, return_lse=True, deterministic=True)
+    want = cpw.attention(*arrays, 2, return_lse=True)
+    assert all((np.asarray(a) == np.asarray(b)).all() for a, b in zip((o, lse), want))
+    do = arrays[0] * 0.5
+    grads = cpw.attention_backward(do, *arrays, o, lse, 2, deterministic=True)
+    ref = cpw.attention_backward(do, *arrays, o, lse, 2)
+    assert all((np.asarray(a) == np.asarray(b)).all() for a, b in zip(grads, ref))
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match="deterministic"):
+            cpw.attention(*arrays, 2, deterministic=bad)
+        with pytest.raises(TypeError, match="deterministic"):
+            cpw.attention_backward(do, *arrays, o, lse, 2, deterministic=bad)

@@ -74,8 +74,9 @@ def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatc
 
 
 def test_hopper_kernels_build_for_sm90a(capsys):
-    """--arch sm_90a compiles every Hopper forward variant the launch layer can select
-    (the names launch.HopperLaunches asks for), with no spills."""
+    """--arch sm_90a compiles every Hopper variant the launch layer can select (the names
+    launch.HopperLaunches and launch.HopperBackward ask for), with no spills: 8 forward,
+    16 backward (fused dQ or deterministic), 4 prep and 4 dQ-convert kernels."""
     try:
         from cupy_backends.cuda.libs import nvrtc
 
@@ -84,4 +85,7 @@ def test_hopper_kernels_build_for_sm90a(capsys):
         pytest.skip(f"NVRTC cannot be loaded: {e}")
     assert build_check.main(["--arch", "sm_90a"]) == 0
     out = capsys.readouterr().out
-    assert "8 variants compiled for sm_90a" in out and "pw90_forward<pw90::bf16, 128, true>" in out
+    assert "32 variants compiled for sm_90a" in out and "pw90_forward<pw90::bf16, 128, true>" in out
+    for name in ("pw90_bwd<pw90::f16, 128, true, true>", "pw90_bwd<pw90::bf16, 64, false, false>",
+                 "pw90_bwd_prep<pw90::bf16, 64>", "pw90_bwd_dq_convert<pw90::f16, 128>"):
+        assert name in out, name

@@ -81,8 +81,10 @@ class _FakeLaunch:
 
         return Launches()
 
-    def backward(self, problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, delta, *, stream):
+    def backward(self, problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, delta, *, stream,
+                 workspace=None, deterministic=False):
         assert isinstance(lse, int) and isinstance(delta, int) and stream == 1234
+        assert callable(workspace) and deterministic in (False, True)
         assert problem.B and problem.H and problem.M and problem.N, "launched an empty problem"
         self.calls.append(("bwd", (q1, k1, q2, k2, v, o, lse, do)))
         dt = getattr(torch, problem.dtype)

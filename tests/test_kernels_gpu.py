@@ -38,7 +38,7 @@ def _ids(c):
             f"-w{c['w']}-g{c['group']}{'-T' if c['transposed'] else ''}")
 
 
-def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1):
+def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1, deterministic=False):
     import cupy
 
     import cupy_piecewise
@@ -79,19 +79,28 @@ def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1):
     do_d = to_device(do_h, dtype, transposed)
     with poisoned_outputs():
         outs = cupy_piecewise.attention_backward(do_d, *dev, o, lse, int(w), causal=causal,
-                                                 sm_scale=float(sm_scale))
+                                                 sm_scale=float(sm_scale),
+                                                 deterministic=deterministic)
     for name, got, ref, low in zip(("dq1", "dk1", "dq2", "dk2", "dv"), outs, grads_ref, grads_low):
         assert got.dtype == dev[0].dtype
         verdict = tolerance.compare(name, to_host(got), ref, low, dtype)
         assert verdict.passed, f"{verdict} (input seed {seed})"
     for a, b in zip(dev, before):
         assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), "an input was written"
+    if deterministic:  # a second run gives the same bits
+        with poisoned_outputs():
+            again = cupy_piecewise.attention_backward(do_d, *dev, o, lse, int(w), causal=causal,
+                                                      sm_scale=float(sm_scale), deterministic=True)
+        for name, a, b in zip(("dq1", "dk1", "dq2", "dk2", "dv"), outs, again):
+            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), \
+                f"{name} differs between two deterministic runs"
 
 
 @pytest.fixture(params=["mma", "hopper"])
 def kernel_path(request, monkeypatch):
-    """Each case on the mma.sync kernels and on the Hopper forward (CUPY_PIECEWISE_PATH;
-    where the GPU or the case has no Hopper kernel both runs take the mma.sync path)."""
+    """Each case on the mma.sync kernels and on the Hopper forward and backward
+    (CUPY_PIECEWISE_PATH; where the GPU or the case has no Hopper kernel both runs take the
+    mma.sync path)."""
     from cupy_piecewise import capability
 
     monkeypatch.setenv(capability.PATH_VAR, request.param)
@@ -112,8 +121,19 @@ def test_w_on_and_off_tile_edges(kernel_path, dtype, causal, w, D):
     run_case(D=D, dtype=dtype, causal=causal, M=700, N=900, w=w, group=2, transposed=False)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+def test_deterministic_backward(kernel_path, dtype, causal, D):
+    """deterministic=True: gradients by the tolerance rule and the same bits twice (on
+    Hopper: dQ by the mma.sync dq kernel, dK/dV by the Hopper kernel without atomics)."""
+    run_case(D=D, dtype=dtype, causal=causal, M=700, N=900, w=300, group=2, transposed=False,
+             deterministic=True)
+
+
 def test_hopper_path_is_taken_on_hopper(monkeypatch):
-    """On an H200 a large enough problem runs the wgmma + TMA forward by default."""
+    """On an H200 a large enough problem runs the wgmma + TMA forward and backward by
+    default."""
     import cupy
 
     from cupy_piecewise import capability, launch
@@ -127,6 +147,7 @@ def test_hopper_path_is_taken_on_hopper(monkeypatch):
     assert launch.use_hopper(p)
     contiguous = (16 * 4096 * 128, 4096 * 128, 128, 1)
     assert isinstance(launch.forward_launches(p, (contiguous,) * 6), launch.HopperLaunches)
+    assert isinstance(launch.backward_launches(p, (contiguous,) * 12), launch.HopperBackward)
 
 
 def test_public_api_cupy_float16_matches_reference():
@@ -186,9 +207,12 @@ def test_public_api_cupy_memo_and_lse_skip(M, N):
     assert shifted.strides == dev[0].strides and shifted.data.ptr % 16 == 2
     assert cupy.array_equal(cupy_piecewise.attention(shifted, *dev[1:], w), o)
     do = cupy.asarray(rng.standard_normal(o.shape).astype(np.float16))
-    grads = cupy_piecewise.attention_backward(do, *dev, o, lse, w)
-    shifted_grads = cupy_piecewise.attention_backward(do, shifted, *dev[1:], o, lse, w)
-    for g, h in zip(grads, shifted_grads):  # deterministic kernels, same values
+    # deterministic mode (the default Hopper backward adds dQ with atomics in varying order):
+    # the copied misaligned input must give the same bits
+    grads = cupy_piecewise.attention_backward(do, *dev, o, lse, w, deterministic=True)
+    shifted_grads = cupy_piecewise.attention_backward(do, shifted, *dev[1:], o, lse, w,
+                                                      deterministic=True)
+    for g, h in zip(grads, shifted_grads):
         assert cupy.array_equal(g, h)
 
 

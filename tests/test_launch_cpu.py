@@ -106,6 +106,15 @@ class _FakeDriver:
             p = self.launches[-1]["args"][5]
             self.launches[-1]["params"] = ctypes.string_at(p, launch._HOPPER_PARAMS.size)
             return
+        if fn.phase.startswith("bwd_sm90"):  # Hopper backward: its own structs (+ maps)
+            size = {"bwd_sm90_prep": launch._BWD_PREP, "bwd_sm90_dq": launch._BWD_CONV}.get(
+                fn.phase, launch._BWD_MAIN).size
+            n = 1 if fn.phase in ("bwd_sm90_prep", "bwd_sm90_dq") else 7
+            arr = list((ctypes.c_void_p * n).from_address(args))
+            self.launches.append(dict(ctx=self.ctx, fn=fn, grid=(gx, gy, gz), block=(bx, by, bz),
+                                      smem=smem, stream=stream, args=arr,
+                                      params=ctypes.string_at(arr[-1], size)))
+            return
         block_addr = ctypes.c_void_p.from_address(args).value
         block = list((ctypes.c_int64 * len(launch.PARAM_FIELDS)).from_address(block_addr))
         self.launches.append(dict(ctx=self.ctx, fn=fn, grid=(gx, gy, gz), block=(bx, by, bz), smem=smem,
@@ -216,6 +225,84 @@ def test_backward_launches(fake_gpu):
         f = call["params"]
         for name, ptr in zip(launch.BACKWARD_ARRAYS, ptrs):
             assert f[name if name in ("lse", "delta") else f"{name}.ptr"] == ptr
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_hopper_backward_launches(fake_gpu, monkeypatch, deterministic):
+    """On sm_90 (D 64/128) the backward is prep -> pw90_bwd -> dq convert (fused dQ) or the
+    mma.sync delta + dq kernels, prep and pw90_bwd without dQ (deterministic); tensor maps
+    in kernel order q1, q2, dout, k1, k2, v; the workspace split into lse2, delta and the
+    float32 dQ accumulator; every parameter struct filled from the problem and pointers."""
+    from cupy_piecewise import tma
+
+    drv, _ = fake_gpu
+    monkeypatch.delenv(capability.PATH_VAR)
+    capability.refresh_env_override()
+    encoded = []
+
+    class FakeMap:
+        def __init__(self, ptr, shape, strides, dtype, box):
+            self.info = (ptr, tuple(shape), tuple(strides), dtype, box)
+            encoded.append(self.info)
+
+        def address(self):
+            return self.info[0] + 1
+
+    monkeypatch.setattr(tma, "tensor_map_bhld",
+                        lambda ptr, shape, strides, dtype, box: FakeMap(ptr, shape, strides, dtype, box))
+    B, H, Hkv, M, N, D = 2, 8, 2, 100, 300, 64
+    p = Problem("torch", B, H, Hkv, M, N, D, "float16", 50, True, 0.125, 0)
+    q, k = _contiguous((B, H, M, D)), _contiguous((B, Hkv, N, D))
+    strides = (q, k, q, k, k, q, q, q, k, q, k, k)
+    run = launch.backward_launches(p, strides, deterministic=deterministic)
+    assert isinstance(run, launch.HopperBackward)
+    mpad = 128  # M rounded up to 64-row tiles
+    rows = B * H * mpad
+    assert run.workspace_bytes == 8 * rows + (0 if deterministic else 2 * 4 * rows * D)
+    ptrs = tuple(0x10000 * (i + 1) for i in range(len(launch.BACKWARD_ARRAYS)))
+    named = dict(zip(launch.BACKWARD_ARRAYS, ptrs))
+    ws = 0x900000
+    run.run(ptrs, stream=5, workspace=ws)
+    run.run(ptrs, stream=5, workspace=ws)
+    assert len(encoded) == 6  # maps reused by the second call
+    assert [e[0] for e in encoded] == [named[n] for n in ("q1", "q2", "dout", "k1", "k2", "v")]
+    assert [e[4] for e in encoded] == [64, 64, 64, 128, 128, 128]
+    calls = drv.launches[len(drv.launches) // 2:]  # the second run
+    phases = [c["fn"].phase for c in calls]
+    if deterministic:
+        assert phases == ["bwd_delta", "bwd_dq", "bwd_sm90_prep", "bwd_sm90_det"]
+        assert calls[1]["params"]["dq1.ptr"] == named["dq1"] and calls[1]["params"]["delta"] == named["delta"]
+        calls = calls[2:]
+    else:
+        assert phases == ["bwd_sm90_prep", "bwd_sm90", "bwd_sm90_dq"]
+    prep, main = calls[0], calls[1]
+    assert prep["grid"] == (math.ceil(H * mpad / 8), B, 1) and prep["block"] == (256, 1, 1)
+    assert main["grid"] == (math.ceil(N / 128), Hkv, B) and main["block"] == (384, 1, 1)
+    assert main["fn"].causal and main["stream"] == 5
+    acc = 0 if deterministic else ws + 8 * rows
+    f = launch._BWD_PREP.unpack(prep["params"])
+    assert f[0] == named["o"] and f[4] == named["dout"] and f[1:4] == q[:3]
+    assert f[8:12] == (named["lse"], ws, ws + 4 * rows, acc) and f[12:] == (B, H, M, mpad)
+    f = launch._BWD_MAIN.unpack(main["params"])
+    assert (f[0], f[4], f[8]) == (named["dk1"], named["dk2"], named["dv"]) and f[1:4] == k[:3]
+    assert f[12:15] == (acc, ws, ws + 4 * rows)
+    assert f[15:22] == (B, H, H // Hkv, M, N, mpad, 50)
+    assert f[22] == pytest.approx(0.125 * 1.4426950408889634) and f[23] == 0.125
+    assert main["args"][:6] == [named[n] + 1 for n in ("q1", "q2", "dout", "k1", "k2", "v")]
+    if not deterministic:
+        conv = calls[2]
+        assert conv["grid"] == (math.ceil(H * M / 8), B, 1)
+        f = launch._BWD_CONV.unpack(conv["params"])
+        assert (f[0], f[4], f[8]) == (named["dq1"], named["dq2"], acc) and f[1:4] == q[:3]
+        assert f[9:13] == (B, H, M, mpad) and f[13] == 0.125
+    # what stays on the mma.sync kernels: other head dims, CUPY_PIECEWISE_PATH=mma, a
+    # broadcast (stride 0) dout
+    assert isinstance(launch.backward_launches(dataclasses.replace(p, D=32), strides), launch.Launches)
+    dob = (0, q[1], q[2], 1)
+    assert isinstance(launch.backward_launches(p, strides[:6] + (dob,) + strides[7:]), launch.Launches)
+    monkeypatch.setenv(capability.PATH_VAR, "mma")
+    capability.refresh_env_override()
+    assert isinstance(launch.backward_launches(p, strides), launch.Launches)
 
 
 def test_launch_switches_context_and_restores_it(fake_gpu):

@@ -216,13 +216,14 @@ def test_only_some_inputs_require_grad():
 
     ctx = Ctx()
     ctx.saved_tensors = (q1, k1, q2.detach(), k2, v.detach(), o.detach(), lse)
-    ctx.needs_input_grad = (False, False, True, False, True, False, False, False)
-    ctx.w, ctx.causal, ctx.sm_scale = 2, True, 1 / math.sqrt(8)
+    # the operator's inputs: q1, k1, q2, k2, v, w, causal, sm_scale, deterministic
+    ctx.needs_input_grad = (False, False, True, False, True, False, False, False, False)
+    ctx.w, ctx.causal, ctx.sm_scale, ctx.deterministic = 2, True, 1 / math.sqrt(8), False
     grads = torch_ops._backward(ctx, do, None)
-    assert len(grads) == 8
+    assert len(grads) == 9
     assert [g is not None for g in grads] == list(ctx.needs_input_grad)
-    ctx.needs_input_grad = (False,) * 8
-    assert torch_ops._backward(ctx, do, None) == (None,) * 8
+    ctx.needs_input_grad = (False,) * 9
+    assert torch_ops._backward(ctx, do, None) == (None,) * 9
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["autograd.Function", "custom_op"])

@@ -134,16 +134,27 @@ def test_small_head_dims(nan_outputs, D):
         tolerance.assert_close(n, np64(leaf.grad), r, lw, "bfloat16")
 
 
-def test_attention_backward_matches_autograd(nan_outputs):
+@pytest.mark.parametrize("how", ["argument", "torch.use_deterministic_algorithms"])
+def test_attention_backward_matches_autograd(nan_outputs, how):
+    """attention_backward and autograd run the same kernels: in deterministic mode (asked
+    for either way) their gradients are equal bit for bit."""
     ins = make(1, 4, 2, 150, 170, 64, torch.float16, "transposed", seed=5)
     leaves = [t.detach().requires_grad_() for t in ins]
-    o, lse = cupy_piecewise.attention(*leaves, 30, causal=True, return_lse=True)
-    do = torch.randn_like(o)
-    o.backward(do)
-    grads = cupy_piecewise.attention_backward(do, *ins, o.detach(), lse, 30, causal=True)
+    flag = how == "argument"
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(not flag or was)
+    try:
+        o, lse = cupy_piecewise.attention(*leaves, 30, causal=True, return_lse=True,
+                                          deterministic=flag)
+        do = torch.randn_like(o)
+        o.backward(do)
+        grads = cupy_piecewise.attention_backward(do, *ins, o.detach(), lse, 30, causal=True,
+                                                  deterministic=flag)
+    finally:
+        torch.use_deterministic_algorithms(was)
     for n, leaf, g in zip(NAMES, leaves, grads):
         assert g.is_contiguous()
-        torch.testing.assert_close(g, leaf.grad, msg=n)  # same kernels: exact if deterministic
+        assert torch.equal(g, leaf.grad), n
 
 
 def test_empty_sizes():
@@ -158,13 +169,13 @@ def test_empty_sizes():
 
 
 def _record_launches(monkeypatch):
-    """Spy on launch.Launches.run and launch.HopperLaunches.run, through which every kernel
-    launch goes; returns the list of calls as dicts: 'kind' ('fwd'/'bwd'), 'ptr' and
-    'strides' by array name, and 'stream'."""
+    """Spy on launch.Launches.run, launch.HopperLaunches.run and launch.HopperBackward.run,
+    through which every kernel launch goes; returns the list of calls as dicts: 'kind'
+    ('fwd'/'bwd'), 'ptr' and 'strides' by array name, and 'stream'."""
     from cupy_piecewise import launch
 
     calls = []
-    for cls in (launch.Launches, launch.HopperLaunches):
+    for cls in (launch.Launches, launch.HopperLaunches, launch.HopperBackward):
         def spy(self, ptrs, stream, workspace=0, real=cls.run):
             kind = "fwd" if self.arrays == launch.FORWARD_ARRAYS else "bwd"
             calls.append(dict(kind=kind, ptr=dict(zip(self.arrays, ptrs)), strides=self.strides,

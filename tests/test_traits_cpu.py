@@ -132,12 +132,17 @@ def test_a_wrong_figure_fails_to_compile_and_names_the_variant(nvrtc):
     assert "static assert" in log.lower() or "static_assert" in log.lower(), log
 
 
-def test_hopper_shared_bytes_match_the_kernel(nvrtc):
-    """capability.hopper_shared_bytes (what the launch asks for) equals the Hopper kernel's
-    own pw90::FwdSmem<D>::BYTES for every head dim it is built for."""
-    src = source("sm90/forward.cu") + "".join(
-        f"\nstatic_assert(pw90::FwdSmem<{d}>::BYTES == {capability.hopper_shared_bytes(d)}, "
-        f"\"FwdSmem<{d}>::BYTES != capability.hopper_shared_bytes({d})\");"
+@pytest.mark.parametrize("filename, struct, figure", [
+    ("sm90/forward.cu", "pw90::FwdSmem", "hopper_shared_bytes"),
+    ("sm90/backward.cu", "pw90::bwd::Smem", "hopper_bwd_shared_bytes"),
+])
+def test_hopper_shared_bytes_match_the_kernel(nvrtc, filename, struct, figure):
+    """capability.hopper_shared_bytes / hopper_bwd_shared_bytes (what the launch asks for)
+    equal the Hopper kernels' own Smem<D>::BYTES for every head dim they are built for."""
+    fn = getattr(capability, figure)
+    src = source(filename) + "".join(
+        f"\nstatic_assert({struct}<{d}>::BYTES == {fn(d)}, "
+        f"\"{struct}<{d}>::BYTES != capability.{figure}({d})\");"
         for d in capability.HOPPER_HEAD_DIMS)
     prog = nvrtc.createProgram(src, "sm90_traits.cu", [], [])
     try:

@@ -141,17 +141,22 @@ def _call(q1, k1, q2, k2, v, w, causal, sm_scale):
     return prepare(OPS, k, q1, k1, q2, k2, v, w, causal, sm_scale)
 
 
-def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None, return_lse=False):
+def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None, return_lse=False,
+              deterministic=False):
     """Forward of CuPy arrays; arguments, results and errors as
-    :func:`cupy_piecewise.attention` (CuPy arrays out, on the inputs' device)."""
+    :func:`cupy_piecewise.attention` (CuPy arrays out, on the inputs' device;
+    ``deterministic`` is checked and has nothing to change: the forward is deterministic)."""
+    validate.check_deterministic(deterministic)
     call = _call(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale)
     o, lse = run_forward(call, OPS, q1, k1, q2, k2, v, need_lse=return_lse)
     return (o, lse) if return_lse else o
 
 
-def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=False, sm_scale=None):
+def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=False, sm_scale=None,
+                       deterministic=False):
     """Backward of CuPy arrays; arguments, results and errors as
     :func:`cupy_piecewise.attention_backward`."""
+    det = validate.check_deterministic(deterministic)
     call = _call(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale)
     validate.check_backward_inputs(call.problem, o, lse, do)
-    return tuple(run_backward(call, OPS, do, q1, k1, q2, k2, v, o, lse))
+    return tuple(run_backward(call, OPS, do, q1, k1, q2, k2, v, o, lse, deterministic=det))

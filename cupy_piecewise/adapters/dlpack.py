@@ -71,25 +71,28 @@ def _back(t, results):
 _NAMES = ("q1", "k1", "q2", "k2", "v")
 
 
-def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None, return_lse=False):
+def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None, return_lse=False,
+              deterministic=False):
     """Forward of DLPack producers; arguments and errors as :func:`cupy_piecewise.attention`,
     results as the type of ``q1`` (see the module doc)."""
     from .. import api
 
     ins = [to_native(x, n) for x, n in zip((q1, k1, q2, k2, v), _NAMES)]
     out = api.attention(*ins, dist_threshold, causal=causal, sm_scale=sm_scale,
-                        return_lse=return_lse)
+                        return_lse=return_lse, deterministic=deterministic)
     if return_lse:
         return _back(type(q1), out)
     return _back(type(q1), (out,))[0]
 
 
-def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=False, sm_scale=None):
+def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=False, sm_scale=None,
+                       deterministic=False):
     """Backward of DLPack producers; arguments and errors as
     :func:`cupy_piecewise.attention_backward`, results as the type of ``q1``."""
     from .. import api
 
     names = ("do",) + _NAMES + ("o", "lse")
     ins = [to_native(x, n) for x, n in zip((do, q1, k1, q2, k2, v, o, lse), names)]
-    grads = api.attention_backward(*ins, dist_threshold, causal=causal, sm_scale=sm_scale)
+    grads = api.attention_backward(*ins, dist_threshold, causal=causal, sm_scale=sm_scale,
+                                   deterministic=deterministic)
     return _back(type(q1), grads)

@@ -13,8 +13,11 @@ from ..core import clamp_w
 __all__ = ["attention", "attention_backward"]
 
 
-def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None, return_lse=False):
-    """Forward of NumPy arrays; arguments, results and errors as :func:`cupy_piecewise.attention`."""
+def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None, return_lse=False,
+              deterministic=False):
+    """Forward of NumPy arrays; arguments, results and errors as :func:`cupy_piecewise.attention`
+    (the reference is deterministic: ``deterministic`` is only checked)."""
+    validate.check_deterministic(deterministic)
     p = clamp_w(validate.check_inputs(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale))
     o, lse = reference.forward(q1, k1, q2, k2, v, p.w, p.causal, p.sm_scale)
     o = np.asarray(o).astype(p.dtype, copy=False)
@@ -22,9 +25,11 @@ def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None,
     return (o, lse) if return_lse else o
 
 
-def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=False, sm_scale=None):
+def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=False, sm_scale=None,
+                       deterministic=False):
     """Backward of NumPy arrays; arguments, results and errors as
-    :func:`cupy_piecewise.attention_backward`."""
+    :func:`cupy_piecewise.attention_backward` (the reference is deterministic)."""
+    validate.check_deterministic(deterministic)
     p = clamp_w(validate.check_inputs(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale))
     validate.check_backward_inputs(p, o, lse, do)
     grads = reference.backward(q1, k1, q2, k2, v, o, lse, do, p.w, p.causal, p.sm_scale)

@@ -112,6 +112,6 @@ def forward(call, q1, k1, q2, k2, v, need_lse=True):
     return run_forward(call, OPS, q1, k1, q2, k2, v, need_lse=need_lse)
 
 
-def backward(call, do, q1, k1, q2, k2, v, o, lse):
+def backward(call, do, q1, k1, q2, k2, v, o, lse, deterministic=False):
     """CUDA backward of a prepared call -> ``(dq1, dk1, dq2, dk2, dv)``."""
-    return run_backward(call, OPS, do, q1, k1, q2, k2, v, o, lse)
+    return run_backward(call, OPS, do, q1, k1, q2, k2, v, o, lse, deterministic=deterministic)

@@ -199,12 +199,14 @@ def run_forward(call: Call, ops: ArrayOps, q1, k1, q2, k2, v, *, need_lse: bool 
     return o, lse
 
 
-def run_backward(call: Call, ops: ArrayOps, do, q1, k1, q2, k2, v, o, lse):
+def run_backward(call: Call, ops: ArrayOps, do, q1, k1, q2, k2, v, o, lse, *,
+                 deterministic: bool = False):
     """Gradients of a prepared call -> ``(dq1, dk1, dq2, dk2, dv)``, the inputs' dtype,
     contiguous: dq of shape (B, H, M, D), dk/dv (B, Hkv, N, D) summed over each group's
     query heads. ``o``, ``lse``: the forward's outputs (``lse`` float32 (B, H, M)); ``do``:
     the gradient of ``o``. Shapes and dtypes must already be checked
-    (:func:`~cupy_piecewise.validate.check_backward_inputs`)."""
+    (:func:`~cupy_piecewise.validate.check_backward_inputs`). ``deterministic``: bitwise
+    reproducible gradients (the Hopper backward then computes dQ without atomics)."""
     p = call.problem
     dev, dt = p.device, p.dtype
     q_shape, k_shape = (p.B, p.H, p.M, p.D), (p.B, p.Hkv, p.N, p.D)
@@ -218,7 +220,12 @@ def run_backward(call: Call, ops: ArrayOps, do, q1, k1, q2, k2, v, o, lse):
     keep = [_readable(ops, a) for a in (q1, k1, q2, k2, v, o, do)]
     lse = ops.as_f32(lse)
     refs = [_ref(ops, a) for a in keep]
+    def workspace(nbytes):
+        buf = ops.scratch(nbytes, dev)
+        return buf, ops.ptr(buf)
+
     launch.backward(p, *refs[:6], ops.ptr(lse), refs[6], *[_ref(ops, g) for g in grads],
-                    ops.ptr(delta), stream=ops.stream(dev))
+                    ops.ptr(delta), stream=ops.stream(dev), workspace=workspace,
+                    deterministic=deterministic)
     del keep
     return grads

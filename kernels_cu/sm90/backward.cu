@@ -107,9 +107,9 @@ template <int D> struct Smem {
   static constexpr int K1 = 0, K2 = K_TILE, V = 2 * K_TILE;
   static constexpr int RING = 3 * K_TILE;  // stage s at RING + s * STAGE: Q (Q1 or Q2), dO
   static constexpr int STAGE = 2 * Q_TILE;
-  static constexpr int DS = RING + STAGES * STAGE;  // dSᵀ: 128 key rows x 128 bytes (64 queries)
+  static constexpr int DS = RING + STAGES * STAGE;  // 2 x dSᵀ: 128 key rows x 128 bytes (64 queries)
   static constexpr int DS_BYTES = BN * BM * 2;
-  static constexpr int STATS = DS + DS_BYTES;  // stage s: lse2[BM] then delta[BM], float32
+  static constexpr int STATS = DS + 2 * DS_BYTES;  // stage s: lse2[BM] then delta[BM], float32
   static constexpr int STATS_STAGE = 2 * BM * 4;
   static constexpr int BARS = STATS + STAGES * STATS_STAGE;  // kbar, full[STAGES], empty[STAGES]
   static constexpr int NBARS = 1 + 2 * STAGES;
@@ -243,7 +243,7 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dv[i] = 0.f;
   const u32 ka_off = 64 * wg * 128;      // this warpgroup's rows inside a K/V tile (per panel)
-  const u32 dsa = base + S::DS + 64 * wg * 128;  // this warpgroup's dSᵀ (64 keys x 64 queries)
+  const u32 dsa = base + S::DS + 64 * wg * 128;  // this warpgroup's dSᵀ rows (buffer 0)
   int g = 0;                             // ring slot counter (both passes)
 
   auto store_rows = [&](const float (&acc)[D / 2], u16* ptr, i64 sb, i64 sh, i64 sr, float scale) {
@@ -278,7 +278,7 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
       (void)h;  // (used by the dQ accumulator address only)
       for (int t = walk.lo(PAIR); t < walk.hi(PAIR); ++t) {
         if (!walk.template visit<CAUSAL>(PAIR, t)) continue;
-        const int stage = g & 1;
+        const int stage = g & 1, slot = g & 1;  // ring stage; dSᵀ buffer (DQ)
         mbar_wait(full0 + 8 * stage, (g >> 1) & 1);
         ++g;
         const int m0 = t * BM;
@@ -289,14 +289,18 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
         const int dmin = m0 + P - (kw0 + 63), dmax = m0 + BM - 1 + P - kw0;
         const bool live = kw0 < N && (!CAUSAL || dmax >= 0);
         const int wmode = block_mode<CAUSAL>(m0, BM, kw0, 64, P, w);
-        if (!live || !(wmode & PAIR)) {
+        const bool work = live && (wmode & PAIR);
+        // With fused dQ both warpgroups take part in every tile the CTA visits (they share
+        // the dSᵀ buffer and a barrier); one with nothing to do computes with every element
+        // masked (P = dS = 0), which only happens on edge tiles.
+        if (!DQ && !work) {
           mbar_arrive(empty0 + 8 * stage);
           continue;
         }
         // Elements of a straddling block (wmode == 3) on the other pair's side of d = w are
         // masked (P = 0): each (key, query) element enters dV, dK and dQ in exactly one pass.
         const bool split = wmode == 3;
-        const bool edge = kw0 + 64 > N || (CAUSAL && dmin < 0);
+        const bool edge = !work || kw0 + 64 > N || (CAUSAL && dmin < 0);
         // distance of element (hh, j, e) = dbase + 8*j + e - 8*hh
         const int dbase = m0 + 2 * (lane % 4) + P - krow;
         const int rows_left = N - krow;  // element (hh, ...) is a key < N iff 8*hh < rows_left
@@ -337,7 +341,7 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
                 const int idx = 4 * jj + 2 * hh + e;
                 const int d = db + 8 * j + e - 8 * hh;
                 // branch-free (bitwise, not short-circuit): ptxas otherwise branches per element
-                bool keep = !edge | ((8 * hh < rl) & (!CAUSAL | (d >= 0)));
+                bool keep = !edge | (work & (8 * hh < rl) & (!CAUSAL | (d >= 0)));
                 keep = keep & (!split | (PAIR == 1 ? d < w : d >= w));
                 // select the argument, not the result: no per-element branch around ex2
                 pr[e] = exp2f_approx(keep ? fmaf(s[idx], sl2, -lse2v[e]) : PW90_NEG_INF);
@@ -360,18 +364,22 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
         gemm_rs<T, D>(dk, da, qpa);
         wg_commit();
         if constexpr (DQ) {
-          // dSᵀ to shared memory: key row r (0..63 of this warpgroup), query c at byte
-          // r*128 + ((c/8) ^ (r%8))*16 + (c%8)*2 (the 128-byte swizzle TMA would produce).
+          // dSᵀ to shared memory (buffer `slot`, this warpgroup's 64 key rows): key row r,
+          // query c at byte r*128 + ((c/8) ^ (r%8))*16 + (c%8)*2 (the 128-byte swizzle TMA
+          // would produce). Then both warpgroups meet: each dQ product below reads all 128
+          // key rows. Two buffers: a warpgroup writes tile g+2's dSᵀ into this one only
+          // after the barrier of tile g+1, which the other warpgroup reaches only after its
+          // tile-g product (read of this buffer) has completed.
 #pragma unroll
           for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
               const int r = 16 * wl + lane / 4 + 8 * hh;
-              sts_u32(dsa + r * 128 + ((j ^ (r & 7)) << 4) + 4 * (lane % 4),
+              sts_u32(dsa + slot * S::DS_BYTES + r * 128 + ((j ^ (r & 7)) << 4) + 4 * (lane % 4),
                       da[j / 2][2 * (j % 2) + hh]);
             }
           fence_proxy_async();
-          named_bar_sync(1 + wg, 128);
+          named_bar_sync(1, CONSUMERS);
         }
         wg_wait<0>();
         reg_fence(dv);
@@ -383,15 +391,22 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
         }
         mbar_arrive(empty0 + 8 * stage);  // Q/dO/lse2/delta of this stage no longer read
         if constexpr (DQ) {
+          // dQ(64 queries x 64-column panel pn) = dS · K over all BN = 128 keys of the CTA,
+          // panel pn by warpgroup (pn + slot) % 2: at D = 128 each warpgroup takes one panel
+          // per tile, at D = 64 they alternate tiles. Summing the two warpgroups' keys on chip
+          // halves the float32 atomic traffic (the bound of this kernel: 4 B x M x D per key
+          // tile and pass) against each adding its own 64 keys.
           float* dst = p.dq_acc + ((((i64)(PAIR - 1) * p.B + b) * p.H + h) * p.Mpad + m0) * D;
+          const u32 dsb = base + S::DS + slot * S::DS_BYTES;
 #pragma unroll
           for (int pn = 0; pn < D / 64; ++pn) {
+            if (((pn + slot) & 1) != wg) continue;  // warpgroup-uniform
             float dq[32];
             wg_fence();
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {  // K = this warpgroup's 64 keys
-              const u64 a = smem_desc(dsa + kk * 2048, 64 * 128, 1024);
-              const u64 bb = smem_desc(kpair + pn * S::K_PANEL + ka_off + kk * 2048, S::K_PANEL, 1024);
+            for (int kk = 0; kk < BN / 16; ++kk) {
+              const u64 a = smem_desc(dsb + kk * 2048, 64 * 128, 1024);
+              const u64 bb = smem_desc(kpair + pn * S::K_PANEL + kk * 2048, S::K_PANEL, 1024);
               WgmmaT<T, 64>::template ss<1, 1>(dq, a, bb, kk > 0 ? 1 : 0);
             }
             wg_commit();
