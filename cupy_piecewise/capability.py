@@ -146,16 +146,19 @@ HOPPER_BWD_BLOCK_M = 64
 HOPPER_BWD_BLOCK_N = 128
 
 
-def hopper_bwd_shared_bytes(head_dim: int) -> int:
+def hopper_bwd_shared_bytes(head_dim: int, dq_bulk: bool = False) -> int:
     """Dynamic shared memory of the Hopper backward (mirrors ``pw90::bwd::Smem<D>::BYTES``;
     checked by tests/test_traits_cpu.py): resident K1, K2, V of the key tile; two ring stages
     of (Q, dO); two dSᵀ buffers (128 keys x 64 queries, 16-bit); two stages of lse2 and delta
-    (64 float32 each); five mbarriers; 1 KB to align the base."""
+    (64 float32 each); with ``dq_bulk`` (a build with ``-DPW90_BWD_DQ_BULK=1``) two 16 KB dQ
+    staging buffers; five mbarriers; 1 KB to align the base."""
     panels = head_dim // 64
     k_tile = panels * HOPPER_BWD_BLOCK_N * 128
     q_tile = panels * HOPPER_BWD_BLOCK_M * 128
     ds = HOPPER_BWD_BLOCK_N * HOPPER_BWD_BLOCK_M * 2
-    return 3 * k_tile + 2 * 2 * q_tile + 2 * ds + 2 * 2 * HOPPER_BWD_BLOCK_M * 4 + 8 * 5 + 1024
+    staging = 2 * 64 * 64 * 4 if dq_bulk else 0
+    return (3 * k_tile + 2 * 2 * q_tile + 2 * ds + 2 * 2 * HOPPER_BWD_BLOCK_M * 4 + staging
+            + 8 * 5 + 1024)
 
 
 _switches = (_override, _path)

@@ -62,11 +62,15 @@ LOG2E = 1.4426950408889634
 PHASES = {"build": (70, 60), "check": (95, 30), "time": (70, 45)}
 
 
+#: set by main() when --opt -DPW90_BWD_DQ_BULK=1 is given (dQ staging buffers in shared memory)
+DQ_BULK = False
+
+
 def smem_bytes(D: int) -> int:
     """Dynamic shared memory of pw90_bwd<T, D, *, *> (pw90::bwd::Smem<D>::BYTES)."""
     from cupy_piecewise import capability
 
-    return capability.hopper_bwd_shared_bytes(D)
+    return capability.hopper_bwd_shared_bytes(D, DQ_BULK)
 
 
 def main_name(dtype, D, causal, dq):
@@ -634,6 +638,8 @@ def main():
     ap.add_argument("--opt", action="append", default=[], help="extra NVRTC option (repeatable)")
     ap.add_argument("--phases", default="build,check,time")
     args = ap.parse_args()
+    global DQ_BULK
+    DQ_BULK = any("PW90_BWD_DQ_BULK=1" in o for o in args.opt)
 
     if args.worker:
         try:

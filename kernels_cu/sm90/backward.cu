@@ -68,6 +68,13 @@
 #ifndef PW90_BWD_QH128
 #define PW90_BWD_QH128 1
 #endif
+// dQ partial products reach the float32 accumulator by (0) red.global.add.v2.f32 from the
+// consumers' registers, or (1) a store to a shared-memory staging buffer and one bulk
+// reduce-add (cp.reduce.async.bulk ... .add.f32) of 16 KB per (tile, 64-column panel), which
+// the consumers do not wait for. The accumulator layout differs (dq_index below).
+#ifndef PW90_BWD_DQ_BULK
+#define PW90_BWD_DQ_BULK 0
+#endif
 
 namespace pw90 {
 namespace bwd {
@@ -111,7 +118,9 @@ template <int D> struct Smem {
   static constexpr int DS_BYTES = BN * BM * 2;
   static constexpr int STATS = DS + 2 * DS_BYTES;  // stage s: lse2[BM] then delta[BM], float32
   static constexpr int STATS_STAGE = 2 * BM * 4;
-  static constexpr int BARS = STATS + STAGES * STATS_STAGE;  // kbar, full[STAGES], empty[STAGES]
+  // DQ_BULK: a 64 x 64 float32 dQ staging buffer per consumer warpgroup
+  static constexpr int DQBUF = STATS + STAGES * STATS_STAGE, DQBUF_BYTES = 64 * 64 * 4;
+  static constexpr int BARS = DQBUF + (PW90_BWD_DQ_BULK ? 2 * DQBUF_BYTES : 0);  // kbar, full[STAGES], empty[STAGES]
   static constexpr int NBARS = 1 + 2 * STAGES;
   static constexpr int BYTES = BARS + 8 * NBARS + 1024;  // + base alignment slack
   static_assert(K_PANEL % 1024 == 0 && Q_PANEL % 1024 == 0 && DS % 1024 == 0 && STATS % 16 == 0,
@@ -140,6 +149,38 @@ PW90 void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
 }
 PW90 void red_add_f2(float* gptr, float x, float y) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(gptr), "f"(x), "f"(y) : "memory");
+}
+PW90 void sts_f2(u32 addr, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+// Bulk reduce-add of `bytes` (multiple of 16, both addresses 16-byte aligned) of float32 from
+// shared memory into global memory, in this thread's bulk async-group.
+PW90 void bulk_reduce_add_f32(float* gdst, u32 src, u32 bytes) {
+  asm volatile(
+      "{ .reg .u64 g; cvta.to.global.u64 g, %0;"
+      " cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [g], [%1], %2; }" ::"l"(gdst),
+      "r"(src), "r"(bytes)
+      : "memory");
+}
+PW90 void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+PW90 void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+PW90 void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Position of dQ element (query row r of its 64-row tile, column c of D) inside the tile's
+// D x 64 floats of the accumulator. Row-major (i * D + c over the padded rows) for the
+// red.global path; for DQ_BULK, 64-column panels of 4096 floats each in the order the
+// consumers' accumulator fragments are stored (conflict-free st.shared.v2): element (hh, j,
+// e) of thread `lane` of warp `wl` of a warpgroup's m64n64 fragment at
+// ((j * 2 + hh) * 4 + wl) * 64 + 2 * lane + e, with r = 16 wl + lane / 4 + 8 hh and
+// c = 8 j + 2 (lane % 4) + e. The helper kernels below use this function too.
+template <int D> PW90 i64 dq_index(int r, int c) {
+#if PW90_BWD_DQ_BULK
+  const int pn = c / 64, cc = c % 64;
+  const int wl = r / 16, hh = (r % 16) / 8, lane = (r % 8) * 4 + (cc % 8) / 2, j = cc / 8;
+  return (i64)pn * 4096 + ((j * 2 + hh) * 4 + wl) * 64 + 2 * lane + (cc % 2);
+#else
+  return (i64)r * D + c;
+#endif
 }
 
 template <typename T> struct ToF;
@@ -396,7 +437,9 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
           // per tile, at D = 64 they alternate tiles. Summing the two warpgroups' keys on chip
           // halves the float32 atomic traffic (the bound of this kernel: 4 B x M x D per key
           // tile and pass) against each adding its own 64 keys.
-          float* dst = p.dq_acc + ((((i64)(PAIR - 1) * p.B + b) * p.H + h) * p.Mpad + m0) * D;
+#if !PW90_BWD_DQ_BULK
+          float* dst = p.dq_acc + ((((i64)(PAIR - 1) * p.B + b) * p.H + h) * p.Mpad + m0) * D;  // tile block
+#endif
           const u32 dsb = base + S::DS + slot * S::DS_BYTES;
 #pragma unroll
           for (int pn = 0; pn < D / 64; ++pn) {
@@ -412,12 +455,35 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
             wg_commit();
             wg_wait<0>();
             reg_fence(dq);
+#if PW90_BWD_DQ_BULK
+            // Stage the 64 x 64 panel in this warpgroup's buffer and let one thread add it
+            // to the accumulator by a bulk reduce. The buffer is free once that thread's
+            // previous bulk group has been read (wait_group.read, then the barrier).
+            const u32 buf = base + S::DQBUF + wg * S::DQBUF_BYTES;
+            const bool issuer = wl == 0 && lane == 0;
+            if (issuer) bulk_wait_read0();
+            named_bar_sync(3 + wg, 128);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+              for (int hh = 0; hh < 2; ++hh)
+                sts_f2(buf + (((j * 2 + hh) * 4 + wl) * 64 + 2 * lane) * 4, dq[4 * j + 2 * hh],
+                       dq[4 * j + 2 * hh + 1]);
+            fence_proxy_async();
+            named_bar_sync(3 + wg, 128);
+            if (issuer) {  // the tile's block of the accumulator, computed here (registers)
+              float* dst = p.dq_acc + ((((i64)(PAIR - 1) * p.B + b) * p.H + h) * p.Mpad + m0) * D;
+              bulk_reduce_add_f32(dst + pn * 4096, buf, S::DQBUF_BYTES);
+              bulk_commit();
+            }
+#else
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
               float* row = dst + (i64)(16 * wl + lane / 4 + 8 * hh) * D + 64 * pn + 2 * (lane % 4);
 #pragma unroll
               for (int j = 0; j < 8; ++j) red_add_f2(row + 8 * j, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
             }
+#endif
           }
         }
       }
@@ -426,6 +492,9 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
     else store_rows(dk, p.dk2, p.dk2_sb, p.dk2_sh, p.dk2_sr, p.sm_scale);
   }
   store_rows(dv, p.dv, p.dv_sb, p.dv_sh, p.dv_sr, 1.f);
+#if PW90_BWD_DQ_BULK
+  if (DQ && warp % 4 == 0 && lane == 0) bulk_wait0();  // staging buffer read before exit
+#endif
 }
 
 template <int D, bool CAUSAL>
@@ -533,8 +602,10 @@ __global__ void __launch_bounds__(256) pw90_bwd_prep(const pw90::bwd::PrepParams
   if (p.dq_acc) {
 #pragma unroll
     for (int pair = 0; pair < 2; ++pair) {
-      float* z = p.dq_acc + (((i64)pair * p.B + b) * p.H + h) * p.Mpad * D + i * D;
-      for (int c = 4 * lane; c < D; c += 128) *reinterpret_cast<float4*>(z + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+      // row i of the tile's D x 64 block: zero its D elements wherever dq_index puts them
+      float* z = p.dq_acc + (((i64)pair * p.B + b) * p.H + h) * p.Mpad * D + (i / 64) * 64 * D;
+      for (int c = 2 * lane; c < D; c += 64)
+        *reinterpret_cast<float2*>(z + bwd::dq_index<D>((int)(i % 64), c)) = make_float2(0.f, 0.f);
     }
   }
 }
@@ -549,11 +620,11 @@ __global__ void __launch_bounds__(256) pw90_bwd_dq_convert(const pw90::bwd::Conv
   const i64 b = blockIdx.y, h = row / p.M, i = row % p.M;
 #pragma unroll
   for (int pair = 0; pair < 2; ++pair) {
-    const float* src = p.dq_acc + (((i64)pair * p.B + b) * p.H + h) * p.Mpad * D + i * D;
+    const float* src = p.dq_acc + (((i64)pair * p.B + b) * p.H + h) * p.Mpad * D + (i / 64) * 64 * D;
     u16* dst = pair == 0 ? p.dq1 + b * p.dq1_sb + h * p.dq1_sh + i * p.dq1_sr
                          : p.dq2 + b * p.dq2_sb + h * p.dq2_sh + i * p.dq2_sr;
     for (int c = 2 * lane; c < D; c += 64) {
-      const float2 v = *reinterpret_cast<const float2*>(src + c);
+      const float2 v = *reinterpret_cast<const float2*>(src + bwd::dq_index<D>((int)(i % 64), c));
       *reinterpret_cast<u32*>(dst + c) = Cvt<T>::pack(v.x * p.sm_scale, v.y * p.sm_scale);
     }
   }
