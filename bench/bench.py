@@ -31,7 +31,8 @@ with M == N; backward 2.5x forward; forward+backward 3.5x forward.  Piecewise at
 counted like standard attention, so TFLOP/s compare directly.
 
 Providers (--providers, all by default): piecewise (the package's default path on this GPU),
-piecewise_mma (mma.sync forward forced), flex_composite (two compiled FlexAttention calls
+piecewise_det (the same, deterministic=True), piecewise_mma (mma.sync kernels forced),
+flex_composite (two compiled FlexAttention calls
 merged by log-sum-exp), sdpa_flash, sdpa_cudnn, torch_plain, flag_attn.
 
 This file is the entry point only; the work is split by job into modules beside it:

@@ -24,11 +24,12 @@ PHASES = ("fwd", "bwd", "fwd_bwd")
 PHASE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 PHASE_LABEL = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward+backward"}
 #: Every provider, in the column order of the tables. ``piecewise``: the package's default path on
-#: the GPU (on an H100/H200 the Hopper wgmma + TMA forward); ``piecewise_mma``: the mma.sync path
-#: forced (CUPY_PIECEWISE_PATH=mma); ``flex_composite``: two compiled FlexAttention calls (d < w,
+#: the GPU (on an H100/H200 the Hopper wgmma + TMA forward and backward); ``piecewise_det``: the
+#: same with ``deterministic=True``; ``piecewise_mma``: the mma.sync path forced
+#: (CUPY_PIECEWISE_PATH=mma); ``flex_composite``: two compiled FlexAttention calls (d < w,
 #: d >= w) merged by log-sum-exp, what a PyTorch user writes without this package.
-PROVIDERS = ("piecewise", "piecewise_mma", "flex_composite", "sdpa_flash", "sdpa_cudnn", "torch_plain",
-             "flag_attn")
+PROVIDERS = ("piecewise", "piecewise_det", "piecewise_mma", "flex_composite", "sdpa_flash", "sdpa_cudnn",
+             "torch_plain", "flag_attn")
 SECTIONS = ("main", "wsweep", "decode", "memory")
 DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

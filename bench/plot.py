@@ -14,6 +14,7 @@ PHASE_LABEL = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward+backward
 STYLE = {
     "piecewise": dict(color="tab:red", marker="o", linewidth=2.2),
     "piecewise_mma": dict(color="tab:orange", marker="o", linestyle="--"),
+    "piecewise_det": dict(color="tab:red", marker="x", linestyle=":"),
     "flex_composite": dict(color="tab:brown", marker="v"),
     "sdpa_flash": dict(color="tab:blue", marker="s"),
     "sdpa_cudnn": dict(color="tab:green", marker="^"),

@@ -3,8 +3,9 @@ on an InputSet ``s`` (q1, k1, q2, k2, v of shapes (B, H, M, D) and (B, Hkv, N, D
 
 Names (docs/semantics.md / SPEC "Benchmark results format"):
   piecewise       cupy_piecewise.attention, the package's default path on this GPU (on an
-                  H100/H200 the Hopper wgmma + TMA forward; the backward is the mma.sync kernels)
-  piecewise_mma   the same with the mma.sync forward forced: CUPY_PIECEWISE_PATH=mma and
+                  H100/H200 the Hopper wgmma + TMA forward and backward, dQ by float32 atomics)
+  piecewise_det   the same with deterministic=True (on Hopper: dQ by the mma.sync dq kernel)
+  piecewise_mma   the same with the mma.sync kernels forced: CUPY_PIECEWISE_PATH=mma and
                   cupy_piecewise.capability.refresh_env_override() for the measurement, restored after
   flex_composite  two torch.compile'd FlexAttention calls (d < w on q1, k1; d >= w on q2, k2) merged
                   by log-sum-exp (bench/flex_composite.py): what a PyTorch user writes without us
@@ -106,6 +107,15 @@ class Piecewise(Provider):
         return self._mod.attention(s.q1, s.k1, s.q2, s.k2, s.v, w, causal=causal, sm_scale=sm_scale)
 
 
+class PiecewiseDeterministic(Piecewise):
+    """cupy_piecewise.attention(..., deterministic=True): bitwise-reproducible gradients."""
+    name = "piecewise_det"
+
+    def forward(self, s, w, causal, sm_scale):
+        return self._mod.attention(s.q1, s.k1, s.q2, s.k2, s.v, w, causal=causal, sm_scale=sm_scale,
+                                   deterministic=True)
+
+
 class FlagAttn(Provider):
     name = "flag_attn"
 
@@ -181,8 +191,8 @@ def forced_path(capability, path):
 
 
 class PiecewiseMma(Piecewise):
-    """cupy_piecewise.attention with the mma.sync forward forced (CUPY_PIECEWISE_PATH=mma) during
-    each measurement (context()); the backward is the same kernels as ``piecewise``'s."""
+    """cupy_piecewise.attention with the mma.sync kernels forced (CUPY_PIECEWISE_PATH=mma) during
+    each measurement (context()), forward and backward."""
     name = "piecewise_mma"
     path = "mma"
 
@@ -280,6 +290,8 @@ def make_providers(names, env, plain_mem_bytes):
             out[n] = Piecewise(env, plain_mem_bytes)
         elif n == "piecewise_mma":
             out[n] = PiecewiseMma(env, plain_mem_bytes)
+        elif n == "piecewise_det":
+            out[n] = PiecewiseDeterministic(env, plain_mem_bytes)
         elif n == "flex_composite":
             out[n] = FlexComposite(env, plain_mem_bytes)
         elif n == "sdpa_flash":
