@@ -1,6 +1,7 @@
 // Piecewise-attention backward for Hopper (sm_90a): TMA + mbarrier ring, wgmma, warp
-// specialisation. PROTOTYPE: standalone, not wired into the package dispatch; launched by
-// scripts/hopper_bwd_probe.py. Untested on a GPU when first written.
+// specialisation. The package's backward on compute capability 9.0 for float16/bfloat16 and
+// D = 64, 128 (cupy_piecewise/launch.py, HopperBackward); scripts/hopper_bwd_probe.py builds,
+// checks and times it standalone.
 //
 // Three kernels, launched in this order on one stream:
 //   pw90_bwd_prep<T, D>     one warp per (b, h, padded query row): delta = rowsum(dO * O),
@@ -25,12 +26,14 @@
 //                  Pᵀ = exp2(Sᵀ * scale_log2 - lse2[query]), dSᵀ = Pᵀ ⊙ (dPᵀ - delta[query])
 //                  dV += Pᵀ·dO    wgmma m64nDk16, A = Pᵀ from registers (16-bit), B = dO MN-major
 //                  dK += dSᵀ·Q    same form
-//                  dQ(64 q x D) += dS·K (DQ only): dSᵀ is stored (16-bit, swizzled) to shared
-//                                 memory and read back as an MN-major A operand; B = K MN-major;
-//                                 one m64n64 product per 64-column panel of D; the float32
-//                                 result is added to the global accumulator with
-//                                 red.global.add.v2.f32 (each warpgroup adds the contribution of
-//                                 its own 64 keys: no cross-warpgroup synchronisation).
+//                  dQ(64 q x D) += dS·K (DQ only): both warpgroups store their dSᵀ (16-bit,
+//                                 swizzled) to a shared buffer (two, alternating), meet at a
+//                                 barrier, and each computes dQ over all 128 keys for its
+//                                 64-column panel(s) (MN-major A = dSᵀ, B = K): D = 128 one
+//                                 panel each, D = 64 every other tile; the float32 result is
+//                                 added to the global accumulator with red.global.add.v2.f32
+//                                 (or, with PW90_BWD_DQ_BULK=1, one bulk reduce-add per panel
+//                                 from a shared staging buffer).
 //                (Sᵀ and dPᵀ can be computed in QH chunks of NC = 64/QH query columns: QH = 1
 //                at D = 64; PW90_BWD_QH128 at D = 128, default 1, the only clean build.)
 //
@@ -47,7 +50,7 @@
 // dK and dV are summed on chip and stored once, without atomics.
 //
 // Deterministic mode: DQ = false computes only dK1, dK2, dV (bitwise reproducible: no atomics);
-// dQ then comes from a separate pass, e.g. the mma.sync pw_backward_dq kernel.
+// dQ then comes from the mma.sync pw_backward_dq kernel (launch.HopperBackward).
 //
 // Registers (NVRTC 13, offline): every instantiation builds with 0 spills and no wgmma
 // serialisation (consumer peak about 236 of 240 at D = 128 with fused dQ). Fragile: the two
@@ -56,10 +59,13 @@
 //
 // Shared memory (bytes), every tile stored as D/64 panels of rows x 128 bytes (TMA box 64 wide):
 //   K1, K2, V: 3 x BN x D x 2; ring: 2 stages x (Q, dO: 2 x BM x D x 2);
-//   dSᵀ: BN x BM x 2 (two 64 x 64 halves, one per consumer warpgroup); lse2/delta: 2 x 2 x BM x 4;
+//   dSᵀ: 2 buffers x BN x BM x 2 (each two 64 x 64 halves, one per consumer warpgroup);
+//   lse2/delta: 2 x 2 x BM x 4; [PW90_BWD_DQ_BULK: 2 x 64 x 64 x 4 dQ staging];
 //   mbarriers (kbar, full[2], empty[2]); 1 KB to align the base to 1024 bytes.
-//   D = 64:  48 KB + 32 KB + 16 KB + 1 KB + 40 + 1024 = 100,392 bytes
-//   D = 128: 96 KB + 64 KB + 16 KB + 1 KB + 40 + 1024 = 182,312 bytes (of 227 KB)
+//   D = 64:  48 KB + 32 KB + 32 KB + 1 KB + 40 + 1024 = 116,776 bytes
+//   D = 128: 96 KB + 64 KB + 32 KB + 1 KB + 40 + 1024 = 198,696 bytes (of 227 KB; 231,464 with
+//   the dQ staging buffers). capability.hopper_bwd_shared_bytes mirrors this (checked by
+//   tests/test_traits_cpu.py).
 #include "sm90/hopper.cuh"
 #include "sm90/wgmma.cuh"
 #include "sm90/wgmma_bwd.cuh"
@@ -90,8 +96,8 @@ template <int D> struct Chunks {
   static constexpr int QH = D == 128 ? PW90_BWD_QH128 : 1, NC = BM / QH;
 };
 
-// Kernel arguments of pw90_bwd besides the six tensor maps. Host side: pack_bwd_params in
-// scripts/hopper_bwd_probe.py ("<Qqqq Qqqq Qqqq QQQ qqqqqqq ff").
+// Kernel arguments of pw90_bwd besides the six tensor maps. Host side: launch._BWD_MAIN
+// ("<Qqqq Qqqq Qqqq QQQ qqqqqqq ff"), also packed by scripts/hopper_bwd_probe.py.
 struct BwdParams {
   u16* dk1;
   i64 dk1_sb, dk1_sh, dk1_sr;  // (B, Hkv, N, D) strides in elements, unit stride along D
@@ -99,7 +105,7 @@ struct BwdParams {
   i64 dk2_sb, dk2_sh, dk2_sr;
   u16* dv;
   i64 dv_sb, dv_sh, dv_sr;
-  float* dq_acc;        // (2, B, H, Mpad, D) float32, zero on entry (DQ only)
+  float* dq_acc;        // (2, B, H, Mpad, D) float32, zero on entry (DQ only); order inside a 64-row tile: dq_index
   const float* lse2;    // (B, H, Mpad)
   const float* delta;   // (B, H, Mpad)
   i64 B, H, group, M, N, Mpad, w;  // w clamped to [-(M+N+1), M+N+1]; lengths < 2^30
@@ -564,7 +570,7 @@ struct ConvertParams {
   float sm_scale;
 };
 
-// Host packers (scripts/hopper_bwd_probe.py) rely on these sizes.
+// Host packers (cupy_piecewise/launch.py _BWD_*, scripts/hopper_bwd_probe.py) rely on these sizes.
 static_assert(sizeof(BwdParams) == 184, "BwdParams layout");
 static_assert(sizeof(PrepParams) == 128, "PrepParams layout");
 static_assert(sizeof(ConvertParams) == 112, "ConvertParams layout");
