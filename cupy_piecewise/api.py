@@ -68,7 +68,7 @@ def adapter_for(x):
 
 
 def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None, return_lse=False,
-              deterministic=False):
+              deterministic=False, q_offset=None, k_offset=0):
     """Piecewise attention forward.
 
     The score of query ``i`` and key ``j`` is ``sm_scale * q2[i]·k2[j]`` when the
@@ -94,6 +94,13 @@ def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None,
             bitwise reproducibly, as :func:`attention_backward` does with
             ``deterministic=True``; ``torch.use_deterministic_algorithms(True)``
             has the same effect. The forward itself is always deterministic.
+        q_offset, k_offset: positions (run-time integers, negative allowed,
+            within ``+-2**62``): query row ``i`` sits at ``q_offset + i`` and
+            key ``j`` at ``k_offset + j``, and the distance is their
+            difference. ``q_offset=None`` (default) means ``k_offset + N - M``:
+            the queries end where the keys end, the rule above. Use them to
+            split the keys of one attention into chunks (and merge the chunks
+            by ``lse``: docs/semantics.md, "Merging partial attentions").
 
     All five arrays come from one library (NumPy, CuPy, torch, or any other
     with ``__dlpack__``), live on one device and share one dtype:
@@ -131,11 +138,12 @@ def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None,
     """
     return adapter_for(q1).attention(q1, k1, q2, k2, v, dist_threshold, causal=causal,
                                      sm_scale=sm_scale, return_lse=return_lse,
-                                     deterministic=deterministic)
+                                     deterministic=deterministic, q_offset=q_offset,
+                                     k_offset=k_offset)
 
 
 def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=False, sm_scale=None,
-                       deterministic=False):
+                       deterministic=False, q_offset=None, k_offset=0, dlse=None):
     """Gradients of piecewise attention.
 
     With ``p`` the attention probabilities (recomputed from ``lse``),
@@ -157,6 +165,13 @@ def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=
             order varies; with True it computes dQ in a separate kernel instead
             (slower: see README, "Kernel paths"). Every other path is
             deterministic either way.
+        q_offset, k_offset: as given to :func:`attention`.
+        dlse: the gradient of the loss with respect to ``lse``, shape
+            ``(B, H, M)``, float32 (float64 accepted for CPU arrays), or None
+            (zero). It adds ``p * dlse`` to the score gradient:
+            ``ds = p * (do @ v.T - delta + dlse)``. torch autograd passes it
+            when the loss uses the ``lse`` of ``attention(...,
+            return_lse=True)``.
 
     Returns:
         ``(dq1, dk1, dq2, dk2, dv)`` in the input dtype: ``dq1``, ``dq2`` of
@@ -181,4 +196,5 @@ def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=
     """
     return adapter_for(q1).attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold,
                                               causal=causal, sm_scale=sm_scale,
-                                              deterministic=deterministic)
+                                              deterministic=deterministic, q_offset=q_offset,
+                                              k_offset=k_offset, dlse=dlse)

@@ -28,7 +28,7 @@ TENSORS = ("q1", "k1", "q2", "k2", "v", "o", "dout", "dq1", "dk1", "dq2", "dk2",
 #: The scalar tail of ``Params``; the last 8 bytes hold two float32 (scale_log2, sm_scale).
 PARAM_FIELDS = tuple(f"{t}.{f}" for t in TENSORS for f in ("ptr", "sb", "sh", "sr")) + (
     "lse", "delta", "H", "group", "M", "N", "w", "scale_log2|sm_scale",
-    "nsplit", "split_tiles", "o_part", "lse_part")
+    "nsplit", "split_tiles", "o_part", "lse_part", "shift", "dlse")
 _NSLOTS = len(PARAM_FIELDS)
 _Slots = ctypes.c_int64 * _NSLOTS
 _LOG2E = 1.4426950408889634
@@ -165,9 +165,9 @@ def _kernel(device: int, variant: Variant) -> tuple[int, int]:
 #: The pointer arguments of :meth:`Launches.run`, in order, for each kind of call.
 FORWARD_ARRAYS = ("q1", "k1", "q2", "k2", "v", "o", "lse")
 BACKWARD_ARRAYS = ("q1", "k1", "q2", "k2", "v", "o", "lse", "dout",
-                   "dq1", "dk1", "dq2", "dk2", "dv", "delta")
+                   "dq1", "dk1", "dq2", "dk2", "dv", "delta", "dlse")
 #: Arrays that travel as a bare pointer (contiguous float32), the rest as views.
-_BARE = ("lse", "delta")
+_BARE = ("lse", "delta", "dlse")
 _SLOT = {name: i for i, name in enumerate(PARAM_FIELDS)}
 _SIZE = 8 * _NSLOTS
 _PACKER = struct.Struct(f"<{_NSLOTS}q")
@@ -186,6 +186,16 @@ def _buffers():
     return bufs
 
 
+def _clamped(problem) -> tuple[int, int]:
+    """``(P, w)`` for the kernels: ``d(i, j) = i + P - j`` compared with ``w``. With
+    ``x = i - j`` in ``[1 - N, M - 1]``, ``d >= w`` is ``x >= w - P``, which ``w - P``
+    clamped to ``[-N, M]`` decides the same way; so ``|w| <= |P| + max(M, N)``, and ``P``
+    (from :func:`cupy_piecewise.core.clamp_w`: ``N - M`` or within ``[-M, N]``) keep the
+    Hopper kernels' 32-bit arithmetic exact for lengths below 2^30."""
+    P = problem.N - problem.M if problem.shift is None else problem.shift
+    return P, max(P - problem.N, min(P + problem.M, int(problem.w)))
+
+
 def _pack(problem, strides: dict, split=(1, 0, 0, 0)) -> bytes:
     """The parameter block for ``problem`` with every pointer 0: ``strides`` maps the
     names in :data:`TENSORS` to element strides (absent views get zeros)."""
@@ -193,10 +203,10 @@ def _pack(problem, strides: dict, split=(1, 0, 0, 0)) -> bytes:
     for name in TENSORS:
         s = strides.get(name)
         slots += (0, 0, 0, 0) if s is None else (0, s[0], s[1], s[2])
-    n_dist = problem.M + problem.N + 1  # every distance lies strictly inside +-n_dist
-    w = max(-n_dist, min(n_dist, int(problem.w)))
+    P, w = _clamped(problem)
     scales = struct.unpack("<q", struct.pack("<ff", problem.sm_scale * _LOG2E, problem.sm_scale))[0]
     slots += (0, 0, problem.H, problem.H // problem.Hkv, problem.M, problem.N, w, scales) + tuple(split)
+    slots += (P, 0)  # shift, dlse (a pointer set per call)
     return _PACKER.pack(*slots)
 
 
@@ -386,8 +396,8 @@ def _tma_describable(problem, strides, dout=None) -> bool:
 
 
 #: FwdParams of kernels_cu/sm90/forward.cu: o, its batch/head/row strides, lse, H, group,
-#: M, N, w (8 bytes each), then scale_log2 and sm_scale as float32.
-_HOPPER_PARAMS = struct.Struct("<Qqqq Q qqqqq ff")
+#: M, N, w, shift (8 bytes each), then scale_log2 and sm_scale as float32.
+_HOPPER_PARAMS = struct.Struct("<Qqqq Q qqqqqq ff")
 _HOPPER_MAPS_MAX = 64
 
 
@@ -413,8 +423,9 @@ class HopperLaunches:
         grid = (math.ceil(p.M / capability.HOPPER_BLOCK_M), p.H, p.B)
         self._steps = (_step(p, variant, grid),)
         so = self.strides["o"]
+        P, w = _clamped(p)
         self._template = _HOPPER_PARAMS.pack(0, so[0], so[1], so[2], 0, p.H, p.H // p.Hkv, p.M,
-                                             p.N, int(p.w), p.sm_scale * _LOG2E, p.sm_scale)
+                                             p.N, w, P, p.sm_scale * _LOG2E, p.sm_scale)
         bn = capability.HOPPER_BLOCK_N[p.D]
         q_shape, k_shape = (p.B, p.H, p.M, p.D), (p.B, p.Hkv, p.N, p.D)
         self._shapes = (q_shape, k_shape, q_shape, k_shape, k_shape)
@@ -500,11 +511,11 @@ def use_hopper_backward(problem) -> bool:
 
 
 #: Parameter structs of kernels_cu/sm90/backward.cu (pw90::bwd): PrepParams (o and dout
-#: views, lse, lse2, delta, dq accumulator, B, H, M, Mpad), BwdParams (dk1, dk2, dv views, dq
-#: accumulator, lse2, delta, B, H, group, M, N, Mpad, w, scale_log2, sm_scale) and
-#: ConvertParams (dq1, dq2 views, accumulator, B, H, M, Mpad, sm_scale).
-_BWD_PREP = struct.Struct("<Qqqq Qqqq QQQQ qqqq")
-_BWD_MAIN = struct.Struct("<Qqqq Qqqq Qqqq QQQ qqqqqqq ff")
+#: views, lse, lse2, delta, dq accumulator, B, H, M, Mpad, dlse), BwdParams (dk1, dk2, dv
+#: views, dq accumulator, lse2, delta, B, H, group, M, N, Mpad, w, shift, scale_log2,
+#: sm_scale) and ConvertParams (dq1, dq2 views, accumulator, B, H, M, Mpad, sm_scale).
+_BWD_PREP = struct.Struct("<Qqqq Qqqq QQQQ qqqq Q")
+_BWD_MAIN = struct.Struct("<Qqqq Qqqq Qqqq QQQ qqqqqqqq ff")
 _BWD_CONV = struct.Struct("<Qqqq Qqqq Q qqqq f4x")
 
 
@@ -551,12 +562,11 @@ class HopperBackward:
         self._mma = (Launches(p.device, BACKWARD_ARRAYS, views, _mma_dq_steps(p),
                               _pack(p, views)) if deterministic else None)
         so, sd = views["o"], views["dout"]
-        self._prep = _BWD_PREP.pack(0, *so[:3], 0, *sd[:3], 0, 0, 0, 0, p.B, p.H, p.M, mpad)
+        self._prep = _BWD_PREP.pack(0, *so[:3], 0, *sd[:3], 0, 0, 0, 0, p.B, p.H, p.M, mpad, 0)
         dk1, dk2, dv = views["dk1"], views["dk2"], views["dv"]
-        n_dist = p.M + p.N + 1
-        w = max(-n_dist, min(n_dist, int(p.w)))
+        P, w = _clamped(p)
         self._main = _BWD_MAIN.pack(0, *dk1[:3], 0, *dk2[:3], 0, *dv[:3], 0, 0, 0, p.B, p.H, p.H // p.Hkv,
-                                    p.M, p.N, mpad, w, p.sm_scale * _LOG2E, p.sm_scale)
+                                    p.M, p.N, mpad, w, P, p.sm_scale * _LOG2E, p.sm_scale)
         dq1, dq2 = views["dq1"], views["dq2"]
         self._conv = _BWD_CONV.pack(0, *dq1[:3], 0, *dq2[:3], 0, p.B, p.H, p.M, mpad, p.sm_scale)
         q_shape, k_shape = (p.B, p.H, p.M, p.D), (p.B, p.Hkv, p.N, p.D)
@@ -576,9 +586,10 @@ class HopperBackward:
 
     def run(self, ptrs, stream: int, workspace: int = 0) -> None:
         """Launch on ``stream`` with the pointers of :data:`BACKWARD_ARRAYS` (q1, k1, q2, k2,
-        v, o, lse, dout, dq1, dk1, dq2, dk2, dv, delta) and ``workspace`` (device pointer to
-        :attr:`workspace_bytes` bytes, valid on ``stream`` until the work ends)."""
-        q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, delta = ptrs
+        v, o, lse, dout, dq1, dk1, dq2, dk2, dv, delta, dlse; dlse 0: none) and
+        ``workspace`` (device pointer to :attr:`workspace_bytes` bytes, valid on ``stream``
+        until the work ends)."""
+        q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, delta, dlse = ptrs
         if self._mma is not None:
             self._mma.run(ptrs, stream)
         key = (q1, q2, do, k1, k2, v)
@@ -595,6 +606,7 @@ class HopperBackward:
         struct.pack_into("<Q", prep, 0, o)
         struct.pack_into("<Q", prep, 32, do)
         struct.pack_into("<QQQQ", prep, 64, lse, lse2, dlt, acc)
+        struct.pack_into("<Q", prep, 128, dlse)
         main = ctypes.create_string_buffer(self._main, _BWD_MAIN.size)
         for off, ptr in ((0, dk1), (32, dk2), (64, dv)):
             struct.pack_into("<Q", main, off, ptr)
@@ -655,7 +667,7 @@ def forward(problem, q1, k1, q2, k2, v, o, lse, *, stream: int, workspace=None) 
 
 
 def backward(problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, delta, *,
-             stream: int, workspace=None, deterministic: bool = False) -> None:
+             stream: int, workspace=None, deterministic: bool = False, dlse: int = 0) -> None:
     """Launch the backward kernels: writes every element of the five gradients.
 
     Args: as :func:`forward`, plus ``do`` (ArrayRef, (B, H, M, D)), the gradient outputs
@@ -665,7 +677,8 @@ def backward(problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, del
     over the query heads of each group in the kernel. ``workspace``: ``nbytes ->
     (keepalive, device pointer)`` on the caller's stream, required by the Hopper backward
     (without it the mma.sync kernels run). ``deterministic``: bitwise-reproducible
-    gradients (see :func:`backward_launches`).
+    gradients (see :func:`backward_launches`). ``dlse``: pointer of a contiguous float32
+    (B, H, M) gradient of ``lse`` (0: none), subtracted from delta by the pre-pass.
     """
     views = (q1, k1, q2, k2, v, o, do, dq1, dk1, dq2, dk2, dv)
     launches = _cached("bwd", problem, views, bool(deterministic))
@@ -675,5 +688,5 @@ def backward(problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, del
             raise ValueError("the Hopper backward needs a workspace allocator")
         keep, ws = workspace(launches.workspace_bytes)
     launches.run((q1.ptr, k1.ptr, q2.ptr, k2.ptr, v.ptr, o.ptr, lse, do.ptr,
-                  dq1.ptr, dk1.ptr, dq2.ptr, dk2.ptr, dv.ptr, delta), stream, ws)
+                  dq1.ptr, dk1.ptr, dq2.ptr, dk2.ptr, dv.ptr, delta, dlse), stream, ws)
     del keep

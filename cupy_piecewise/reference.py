@@ -261,10 +261,12 @@ def _backward_impl(q1, k1, q2, k2, v, o, lse, do, w, causal, sm_scale, chunk_row
     cr = _chunk(chunk_rows, N)
     sc = ct(scale)
     # delta = rowsum(do * o), from the o given; a gradient into lse enters as
-    # ds = p * (dp - delta + dlse), i.e. through delta.
+    # ds = p * (dp - delta + dlse), i.e. through delta. A row without admissible keys has
+    # lse = -inf whatever the inputs: its dlse contributes nothing (even if not finite).
     delta = np.einsum("bhmd,bhmd->bhm", do, o)
     if dlse is not None:
-        delta = delta - np.asarray(dlse, dtype=delta.dtype)
+        dl = np.asarray(dlse, dtype=delta.dtype)
+        delta = delta - np.where(np.isneginf(np.asarray(lse)), 0, dl)
     for b in range(B):
         for h in range(H):
             g = h // rep

@@ -63,10 +63,12 @@ def _unrows(x, B, H, rows, D):
     return x.reshape(B, H, rows, D)
 
 
-def forward(q1, k1, q2, k2, v, w, causal, sm_scale):
+def forward(q1, k1, q2, k2, v, w, causal, sm_scale, shift=None):
     """CPU forward -> ``(o, lse)``: q1, q2 (B, H, M, D); k1, k2, v (B, Hkv, N, D), one dtype;
-    ``o`` (B, H, M, D) in that dtype, ``lse`` (B, H, M) per :func:`lse_dtype`. Arguments
-    must already be checked (:func:`cupy_piecewise.validate.check_inputs`)."""
+    ``o`` (B, H, M, D) in that dtype, ``lse`` (B, H, M) per :func:`lse_dtype`. ``shift``: P
+    of ``d = i + P - j`` (None: ``N - M``). Arguments must already be checked
+    (:func:`cupy_piecewise.validate.check_inputs`) and ``w``/``shift`` clamped
+    (:func:`cupy_piecewise.core.clamp_w`)."""
     B, H, M, D = q1.shape
     _, Hkv, N, _ = k1.shape
     ct = _compute_dtype(q1.dtype)
@@ -75,7 +77,7 @@ def forward(q1, k1, q2, k2, v, w, causal, sm_scale):
     if o.numel() == 0:
         return o, lse
     G = H // Hkv
-    P = N - M
+    P = N - M if shift is None else shift
     k1c, k2c, vc = k1.to(ct), k2.to(ct), v.to(ct)
     step = _chunk_rows(B, H, N)
     for r0 in range(0, M, step):
@@ -94,9 +96,11 @@ def forward(q1, k1, q2, k2, v, w, causal, sm_scale):
     return o, lse
 
 
-def backward(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale):
+def backward(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale, shift=None, dlse=None):
     """CPU backward -> ``(dq1, dk1, dq2, dk2, dv)`` in the inputs' dtype, shapes of q1, k1,
-    q2, k2, v; ``do``/``o`` (B, H, M, D), ``lse`` (B, H, M). Arguments must be checked."""
+    q2, k2, v; ``do``/``o`` (B, H, M, D), ``lse`` (B, H, M); ``shift`` as in :func:`forward`;
+    ``dlse`` (B, H, M) or None: gradient of the loss with respect to ``lse`` (``ds = p * (dp
+    - delta + dlse)``). Arguments must be checked."""
     B, H, M, D = q1.shape
     _, Hkv, N, _ = k1.shape
     ct = _compute_dtype(q1.dtype)
@@ -108,7 +112,7 @@ def backward(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale):
             torch.zeros((B, Hkv, N, D), dtype=dt),
         )
     G = H // Hkv
-    P = N - M
+    P = N - M if shift is None else shift
     k1c, k2c, vc = k1.to(ct), k2.to(ct), v.to(ct)
     dq1 = torch.empty((B, H, M, D), dtype=dt)
     dq2 = torch.empty((B, H, M, D), dtype=dt)
@@ -126,6 +130,9 @@ def backward(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale):
         m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
         p = torch.exp(s - m_safe)
         delta = (doc * oc).sum(-1, keepdim=True)
+        if dlse is not None:  # the lse gradient enters through delta (not on empty rows)
+            dl = dlse[:, :, r0:r1].to(ct).reshape(B, Hkv, G * rows, 1)
+            delta = delta - torch.where(torch.isinf(m), torch.zeros_like(dl), dl)
         dp = torch.matmul(doc, vc.transpose(-1, -2))
         ds = (p * (dp - delta)).view(B, Hkv, G, rows, N)
         zero = torch.zeros((), dtype=ct)

@@ -66,55 +66,58 @@ _run_forward = core.run_forward
 _OPS = _adapter.OPS
 
 
-def _call(q1, k1, q2, k2, v, w, causal, sm_scale) -> core.Call:
+def _call(q1, k1, q2, k2, v, w, causal, sm_scale, q_offset=None, k_offset=0) -> core.Call:
     """:func:`cupy_piecewise.core.prepare` for torch tensors (memoised per signature; a hit
     is looked up here, saving the call). Raises what
     :func:`~cupy_piecewise.validate.check_inputs` raises."""
     try:
-        key = _adapter.key(q1, k1, q2, k2, v, w, causal, sm_scale)
+        key = _adapter.key(q1, k1, q2, k2, v, w, causal, sm_scale, q_offset, k_offset)
         hit = _memo_get((key, _plan_switches()))
     except (AttributeError, TypeError):  # not tensors, or an unhashable scalar
         key = hit = None
     if hit is not None:
         return hit
-    return core.prepare(_adapter.OPS, key, q1, k1, q2, k2, v, w, causal, sm_scale)
+    return core.prepare(_adapter.OPS, key, q1, k1, q2, k2, v, w, causal, sm_scale, q_offset,
+                        k_offset)
 
 
-def _problem(q1, k1, q2, k2, v, w, causal, sm_scale) -> validate.Problem:
+def _problem(q1, k1, q2, k2, v, w, causal, sm_scale, q_offset=None, k_offset=0) -> validate.Problem:
     """The checked :class:`~cupy_piecewise.validate.Problem` of a call (memoised)."""
-    return _call(q1, k1, q2, k2, v, w, causal, sm_scale).problem
+    return _call(q1, k1, q2, k2, v, w, causal, sm_scale, q_offset, k_offset).problem
 
 
 # ---------------------------------------------------------------------------
 # The operators.
 
 
-def _fwd_impl(q1, k1, q2, k2, v, w, causal, sm_scale, call=None, need_lse=True):
+def _fwd_impl(q1, k1, q2, k2, v, w, causal, sm_scale, call=None, need_lse=True, q_offset=None,
+              k_offset=0):
     """Body of ``cupy_piecewise::fwd``; ``call`` (a :class:`cupy_piecewise.core.Call`) when
     the caller already checked the arguments. ``need_lse=False`` lets CUDA calls skip
     ``lse`` (then possibly ``None``)."""
     if call is None:
-        call = _call(q1, k1, q2, k2, v, w, causal, sm_scale)
+        call = _call(q1, k1, q2, k2, v, w, causal, sm_scale, q_offset, k_offset)
     p = call.problem
     if p.device is not None:
         return _adapter.forward(call, q1, k1, q2, k2, v, need_lse)
     if torch.is_autocast_enabled("cpu"):  # the CPU path picks its own precision
         with torch.autocast("cpu", enabled=False):
-            return torch_cpu.forward(q1, k1, q2, k2, v, p.w, p.causal, p.sm_scale)
-    return torch_cpu.forward(q1, k1, q2, k2, v, p.w, p.causal, p.sm_scale)
+            return torch_cpu.forward(q1, k1, q2, k2, v, p.w, p.causal, p.sm_scale, p.shift)
+    return torch_cpu.forward(q1, k1, q2, k2, v, p.w, p.causal, p.sm_scale, p.shift)
 
 
-def _bwd_impl(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale, call=None, deterministic=False):
+def _bwd_impl(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale, call=None, deterministic=False,
+              q_offset=None, k_offset=0, dlse=None):
     """Body of ``cupy_piecewise::bwd``; ``call`` when the caller already checked.
     ``deterministic`` or ``torch.use_deterministic_algorithms(True)``: bitwise-reproducible
-    gradients."""
+    gradients. ``dlse``: gradient of the loss with respect to ``lse`` (None: zero)."""
     if call is None:
-        call = _call(q1, k1, q2, k2, v, w, causal, sm_scale)
+        call = _call(q1, k1, q2, k2, v, w, causal, sm_scale, q_offset, k_offset)
     p = call.problem
     if p.device is not None:
         det = deterministic or torch.are_deterministic_algorithms_enabled()
-        return _adapter.backward(call, do, q1, k1, q2, k2, v, o, lse, det)
-    args = (do, q1, k1, q2, k2, v, o, lse, p.w, p.causal, p.sm_scale)
+        return _adapter.backward(call, do, q1, k1, q2, k2, v, o, lse, det, dlse)
+    args = (do, q1, k1, q2, k2, v, o, lse, p.w, p.causal, p.sm_scale, p.shift, dlse)
     if torch.is_autocast_enabled("cpu"):
         with torch.autocast("cpu", enabled=False):
             return torch_cpu.backward(*args)
@@ -124,15 +127,15 @@ def _bwd_impl(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale, call=None, det
 @torch.library.custom_op("cupy_piecewise::fwd", mutates_args=())
 def fwd_op(
     q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, w: int, causal: bool, sm_scale: float,
-    deterministic: bool = False,
+    deterministic: bool = False, q_offset: Optional[int] = None, k_offset: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Piecewise attention forward -> (o (B, H, M, D), lse (B, H, M)); see :func:`attention`.
     ``deterministic`` is for the backward its autograd formula runs."""
-    return _fwd_impl(q1, k1, q2, k2, v, w, causal, sm_scale)
+    return _fwd_impl(q1, k1, q2, k2, v, w, causal, sm_scale, q_offset=q_offset, k_offset=k_offset)
 
 
 @fwd_op.register_fake
-def _fwd_fake(q1, k1, q2, k2, v, w, causal, sm_scale, deterministic=False):
+def _fwd_fake(q1, k1, q2, k2, v, w, causal, sm_scale, deterministic=False, q_offset=None, k_offset=0):
     B, H, M, D = q1.shape
     o = q1.new_empty((B, H, M, D))
     lse = q1.new_empty((B, H, M), dtype=torch_cpu.lse_dtype(q1.dtype, q1.device))
@@ -143,37 +146,49 @@ def _fwd_fake(q1, k1, q2, k2, v, w, causal, sm_scale, deterministic=False):
 def bwd_op(
     do: Tensor, q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, o: Tensor, lse: Tensor,
     w: int, causal: bool, sm_scale: float, deterministic: bool = False,
+    q_offset: Optional[int] = None, k_offset: int = 0, dlse: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Piecewise attention backward -> (dq1, dk1, dq2, dk2, dv); see :func:`attention_backward`."""
     return _bwd_impl(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale,
-                     deterministic=deterministic)
+                     deterministic=deterministic, q_offset=q_offset, k_offset=k_offset, dlse=dlse)
 
 
 @bwd_op.register_fake
-def _bwd_fake(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale, deterministic=False):
+def _bwd_fake(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale, deterministic=False,
+              q_offset=None, k_offset=0, dlse=None):
     return (
         q1.new_empty(q1.shape), k1.new_empty(k1.shape), q2.new_empty(q2.shape),
         k2.new_empty(k2.shape), v.new_empty(v.shape),
     )
 
 
+#: The operator's non-tensor inputs after v and their defaults.
+_FWD_SCALARS = ("w", "causal", "sm_scale", "deterministic", "q_offset", "k_offset")
+_FWD_DEFAULTS = (False, None, 0)
+
+
 def _setup_context(ctx, inputs, output):
-    q1, k1, q2, k2, v, w, causal, sm_scale = inputs[:8]
+    q1, k1, q2, k2, v = inputs[:5]
+    scalars = tuple(inputs[5:]) + _FWD_DEFAULTS[len(inputs) - 8:]
     o, lse = output
     ctx.save_for_backward(q1, k1, q2, k2, v, o, lse)
-    ctx.w, ctx.causal, ctx.sm_scale = w, causal, sm_scale
-    ctx.deterministic = bool(inputs[8]) if len(inputs) > 8 else False
-    ctx.mark_non_differentiable(lse)
+    ctx.w, ctx.causal, ctx.sm_scale, ctx.deterministic, ctx.q_offset, ctx.k_offset = scalars
+    ctx.n_inputs = len(inputs)
 
 
 def _backward(ctx, do, dlse):
+    """Gradients of the five tensors; ``lse`` is differentiable (its gradient ``dlse``
+    enters the backward kernels through delta)."""
     q1, k1, q2, k2, v, o, lse = ctx.saved_tensors
     need = ctx.needs_input_grad[:5]
+    tail = (None,) * (getattr(ctx, "n_inputs", 11) - 5)
     if not any(need):
-        return (None,) * 9
+        return (None,) * 5 + tail
+    if do is None:  # only lse reached the loss
+        do = torch.zeros_like(o)
     grads = bwd_op(do, q1, k1, q2, k2, v, o, lse, ctx.w, ctx.causal, ctx.sm_scale,
-                   ctx.deterministic)
-    return tuple(g if n else None for g, n in zip(grads, need)) + (None, None, None, None)
+                   bool(ctx.deterministic), ctx.q_offset, ctx.k_offset, dlse)
+    return tuple(g if n else None for g, n in zip(grads, need)) + tail
 
 
 fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -250,7 +265,7 @@ class _Attention(torch.autograd.Function):
         o, lse = _fwd_impl(q1, k1, q2, k2, v, p.w, p.causal, p.sm_scale, call)
         ctx.save_for_backward(q1, k1, q2, k2, v, o, lse)
         ctx.call, ctx.deterministic = call, deterministic
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused o or lse arrives as None
         return o, lse
 
     @staticmethod
@@ -261,8 +276,10 @@ class _Attention(torch.autograd.Function):
             return (None,) * 7
         q1, k1, q2, k2, v, o, lse = ctx.saved_tensors
         p = ctx.call.problem
+        if do is None:  # only lse reached the loss
+            do = torch.zeros_like(o)
         grads = _bwd_impl(do, q1, k1, q2, k2, v, o, lse, p.w, p.causal, p.sm_scale, ctx.call,
-                          ctx.deterministic)
+                          ctx.deterministic, dlse=dlse)
         return (None, None) + tuple(g if n else None for g, n in zip(grads, need))
 
 
@@ -283,9 +300,9 @@ _W_LIMIT = 1 << 62
 def attention(
     q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, dist_threshold: int, *,
     causal: bool = False, sm_scale: Optional[float] = None, return_lse: bool = False,
-    deterministic: bool = False,
+    deterministic: bool = False, q_offset: Optional[int] = None, k_offset: int = 0,
 ):
-    """Piecewise attention of torch tensors, differentiable.
+    """Piecewise attention of torch tensors, differentiable (``o`` and ``lse``).
 
     Score of query row ``i`` and key ``j``, with ``d = i + N - M - j``:
     ``sm_scale * q2[i]·k2[j]`` if ``d >= dist_threshold`` else ``sm_scale * q1[i]·k1[j]``;
@@ -303,6 +320,8 @@ def attention(
         deterministic: make the gradients autograd computes for this call bitwise
             reproducible (see :func:`attention_backward`); so does
             ``torch.use_deterministic_algorithms(True)``.
+        q_offset, k_offset: positions of query row 0 and key 0 (``int``; ``q_offset=None``
+            means ``k_offset + N - M``): ``d = (q_offset + i) - (k_offset + j)``.
 
     Devices and dtypes:
         CUDA: float16 or bfloat16, ``D`` in 16, 32, 64, 128 (float32 inputs are run in
@@ -317,8 +336,10 @@ def attention(
         ``o`` of shape ``(B, H, M, D)`` in the input dtype (contiguous), or ``(o, lse)``
         with ``lse`` of shape ``(B, H, M)``: natural-log sum of exp of the scores,
         float32 (float64 for float64 CPU inputs). Rows without any admissible key
-        (causal with ``i + N - M < 0``, or ``N == 0``) give ``o = 0`` and ``lse = -inf``.
-        ``lse`` does not carry gradients.
+        (causal with ``d < 0`` for every key, or ``N == 0``) give ``o = 0`` and
+        ``lse = -inf``. ``lse`` carries gradients: a loss that uses it (merging partial
+        attentions by their lse, say) gets the exact gradient (``ds = p * (dp - delta +
+        dlse)``); rows with ``lse = -inf`` contribute none.
 
     Raises:
         TypeError: non-tensor inputs, mixed or unsupported dtypes, non-integer
@@ -327,6 +348,7 @@ def attention(
             a head dim the CUDA kernels do not support, non-positive ``sm_scale``.
     """
     det = validate.check_deterministic(deterministic)
+    validate.check_offsets(q_offset, k_offset)  # before the int64 schema sees them
     if _any_autocast() and isinstance(q1, Tensor):
         q1, k1, q2, k2, v = _autocast(q1, k1, q2, k2, v)
     if _is_compiling():
@@ -336,9 +358,9 @@ def attention(
         w = dist_threshold
         if isinstance(w, int) and not isinstance(w, bool):
             w = max(-_W_LIMIT, min(_W_LIMIT, w))
-        o, lse = fwd_op(q1, k1, q2, k2, v, w, causal, scale, det)
+        o, lse = fwd_op(q1, k1, q2, k2, v, w, causal, scale, det, q_offset, k_offset)
     else:
-        call = _call(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale)
+        call = _call(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale, q_offset, k_offset)
         route = _route(q1, k1, q2, k2, v)
         p = call.problem  # w clamped to the sequences: fits the operators' int64
         if route == _DIRECT and p.device is not None:  # the hot path: straight to the core
@@ -348,14 +370,16 @@ def attention(
         elif route == _FUNCTION:
             o, lse = _Attention.apply(call, det, q1, k1, q2, k2, v)
         else:
-            o, lse = fwd_op(q1, k1, q2, k2, v, p.w, p.causal, p.sm_scale, det)
+            o, lse = fwd_op(q1, k1, q2, k2, v, p.w, p.causal, p.sm_scale, det,
+                            *_offsets_of(p))
     return (o, lse) if return_lse else o
 
 
 def attention_backward(
     do: Tensor, q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, o: Tensor, lse: Tensor,
     dist_threshold: int, *, causal: bool = False, sm_scale: Optional[float] = None,
-    deterministic: bool = False,
+    deterministic: bool = False, q_offset: Optional[int] = None, k_offset: int = 0,
+    dlse: Optional[Tensor] = None,
 ):
     """Gradients of piecewise attention, without autograd.
 
@@ -367,6 +391,9 @@ def attention_backward(
         deterministic: bitwise-identical gradients run to run (the Hopper backward then
             computes dQ without float32 atomics); also on with
             ``torch.use_deterministic_algorithms(True)``. Other paths always are.
+        q_offset, k_offset: as given to :func:`attention`.
+        dlse: ``(B, H, M)`` gradient of the loss with respect to ``lse`` (float32; float64
+            accepted on the CPU), or None: ``ds = p * (dp - delta + dlse)``.
 
     Returns:
         ``(dq1, dk1, dq2, dk2, dv)`` in the input dtype, contiguous: ``dq*`` of shape
@@ -378,10 +405,17 @@ def attention_backward(
             of the wrong library, device, shape or dtype.
     """
     det = validate.check_deterministic(deterministic)
-    call = _call(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale)
+    call = _call(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale, q_offset, k_offset)
     p = call.problem
-    validate.check_backward_inputs(p, o, lse, do)
+    validate.check_backward_inputs(p, o, lse, do, dlse)
     args = (do, q1, k1, q2, k2, v, o, lse, p.w, p.causal, p.sm_scale)
-    if _direct_ok(do, q1, k1, q2, k2, v, o, lse):
-        return _bwd_impl(*args, call, det)
-    return bwd_op(*args, det)
+    extra = (do, q1, k1, q2, k2, v, o, lse) + (() if dlse is None else (dlse,))
+    if _direct_ok(*extra):
+        return _bwd_impl(*args, call, det, dlse=dlse)
+    return bwd_op(*args, det, *_offsets_of(p), dlse)
+
+
+def _offsets_of(p: validate.Problem) -> tuple:
+    """``(q_offset, k_offset)`` of a checked problem for the operators' schemas: its
+    clamped shift as ``q_offset`` with ``k_offset = 0`` (``w`` is clamped to match)."""
+    return (p.shift, 0)

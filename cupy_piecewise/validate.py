@@ -25,6 +25,7 @@ __all__ = [
     "check_backward_inputs",
     "check_gpu_support",
     "check_deterministic",
+    "check_offsets",
     "library_of",
     "dtype_name",
     "GPU_DTYPES",
@@ -61,6 +62,9 @@ class Problem:
     ``(B, Hkv, N, D)``. ``w`` is the distance threshold (a Python ``int``),
     ``sm_scale`` the score scale with ``None`` already resolved to
     ``1/sqrt(D)``. ``device`` is the CUDA device index, ``None`` for CPU arrays.
+    ``shift`` is ``P`` of the signed distance ``d(i, j) = i + P - j`` between query row
+    ``i`` and key ``j``: ``q_offset - k_offset`` when the call gave a ``q_offset``, and
+    ``None`` for the default alignment ``P = N - M`` (see :attr:`P`).
     """
 
     library: str  # 'numpy' | 'cupy' | 'torch'
@@ -75,6 +79,12 @@ class Problem:
     causal: bool
     sm_scale: float
     device: int | None
+    shift: int | None = None
+
+    @property
+    def P(self) -> int:
+        """``P`` of ``d(i, j) = i + P - j``: :attr:`shift`, or ``N - M`` when it is None."""
+        return self.N - self.M if self.shift is None else self.shift
 
     @property
     def group(self) -> int:
@@ -151,6 +161,40 @@ def _check_w(dist_threshold) -> int:
     )
 
 
+#: Position offsets must lie in [-OFFSET_LIMIT, OFFSET_LIMIT] (their difference then fits
+#: the int64 of kernel parameters and of torch.library schemas).
+OFFSET_LIMIT = 1 << 62
+
+
+def _check_offset(value, name: str, optional: bool):
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        kind = "an integer or None" if optional else "an integer"
+        raise TypeError(f"{name} must be {kind} (int or numpy integer), got "
+                        f"{type(value).__qualname__} {value!r}")
+    value = int(value)
+    if not -OFFSET_LIMIT <= value <= OFFSET_LIMIT:
+        raise ValueError(f"{name} must lie in [-2**62, 2**62], got {value}")
+    return value
+
+
+def check_offsets(q_offset, k_offset) -> int | None:
+    """``shift`` (``q_offset - k_offset``, or None for the default alignment) from the
+    position offsets of a call: query row ``i`` sits at position ``q_offset + i``, key ``j``
+    at ``k_offset + j``; ``q_offset=None`` means ``k_offset + N - M`` (queries aligned to
+    the end of the keys, where ``k_offset`` cancels out).
+
+    Raises:
+        TypeError: ``q_offset`` not an integer or None, ``k_offset`` not an integer (bool
+            refused).
+        ValueError: an offset outside ``[-2**62, 2**62]``.
+    """
+    q0 = _check_offset(q_offset, "q_offset", True)
+    k0 = _check_offset(k_offset, "k_offset", False)
+    return None if q0 is None else q0 - k0
+
+
 def _check_causal(causal) -> bool:
     if isinstance(causal, (bool, np.bool_)):
         return bool(causal)
@@ -182,14 +226,16 @@ def _check_sm_scale(sm_scale, D: int) -> float:
 # Public checks.
 
 
-def check_inputs(q1, k1, q2, k2, v, dist_threshold, causal=False, sm_scale=None) -> Problem:
+def check_inputs(q1, k1, q2, k2, v, dist_threshold, causal=False, sm_scale=None, q_offset=None,
+                 k_offset=0) -> Problem:
     """Check the forward arguments and return the :class:`Problem` they describe.
 
     Expected: ``q1``, ``q2`` of shape ``(B, H, M, D)``; ``k1``, ``k2``, ``v`` of
     shape ``(B, Hkv, N, D)``, all five from one array library, on one device,
     with one dtype; ``H`` a multiple of ``Hkv``; ``D >= 1``;
     ``dist_threshold`` an integer; ``causal`` a bool; ``sm_scale`` a finite
-    positive real or ``None`` (meaning ``1/sqrt(D)``).
+    positive real or ``None`` (meaning ``1/sqrt(D)``); ``q_offset`` an integer or
+    ``None`` and ``k_offset`` an integer (see :func:`check_offsets`).
 
     Raises:
         TypeError: an argument of the wrong kind (not an array, mixed array
@@ -279,6 +325,7 @@ def check_inputs(q1, k1, q2, k2, v, dist_threshold, causal=False, sm_scale=None)
     w = _check_w(dist_threshold)
     causal_ = _check_causal(causal)
     scale = _check_sm_scale(sm_scale, D)
+    shift = check_offsets(q_offset, k_offset)
 
     return Problem(
         library=library,
@@ -293,15 +340,17 @@ def check_inputs(q1, k1, q2, k2, v, dist_threshold, causal=False, sm_scale=None)
         causal=causal_,
         sm_scale=scale,
         device=index if kind == "cuda" else None,
+        shift=shift,
     )
 
 
-def check_backward_inputs(problem: Problem, o, lse, do) -> None:
-    """Check ``o``, ``lse`` and ``do`` against the forward :class:`Problem`.
+def check_backward_inputs(problem: Problem, o, lse, do, dlse=None) -> None:
+    """Check ``o``, ``lse``, ``do`` (and ``dlse`` when given) against the forward
+    :class:`Problem`.
 
     Expected: same array library and device as the forward inputs; ``o`` and
-    ``do`` of shape ``(B, H, M, D)`` with the input dtype; ``lse`` of shape
-    ``(B, H, M)`` in float32 (float64 is accepted too for CPU arrays, which
+    ``do`` of shape ``(B, H, M, D)`` with the input dtype; ``lse`` and ``dlse`` of
+    shape ``(B, H, M)`` in float32 (float64 is accepted too for CPU arrays, which
     the float64 reference produces before the cast).
 
     Raises:
@@ -310,11 +359,14 @@ def check_backward_inputs(problem: Problem, o, lse, do) -> None:
     """
     expected_dev = ("cpu", None) if problem.device is None else ("cuda", problem.device)
     lse_dtypes = ("float32",) if problem.device is not None else ("float32", "float64")
-    for name, x, shape, dtypes in (
+    checks = [
         ("o", o, (problem.B, problem.H, problem.M, problem.D), (problem.dtype,)),
         ("lse", lse, (problem.B, problem.H, problem.M), lse_dtypes),
         ("do", do, (problem.B, problem.H, problem.M, problem.D), (problem.dtype,)),
-    ):
+    ]
+    if dlse is not None:
+        checks.append(("dlse", dlse, (problem.B, problem.H, problem.M), lse_dtypes))
+    for name, x, shape, dtypes in checks:
         lib = library_of(x, name)
         if lib != problem.library:
             raise TypeError(f"{name} is a {lib} array but the inputs are {problem.library} arrays")

@@ -35,7 +35,13 @@ __global__ void __launch_bounds__(256) pw_backward_delta(const Params p) {
   }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane == 0) p.delta[(b * p.H + h) * p.M + i] = acc;
+  if (lane == 0) {
+    // A gradient into lse enters as ds = p * (dp - delta + dlse): subtract it here. A row
+    // with lse = -inf (no admissible key) has p = 0 and takes none (dlse may be anything).
+    const i64 idx = (b * p.H + h) * p.M + i;
+    if (p.dlse != nullptr && p.lse[idx] != PW_NEG_INF) acc -= p.dlse[idx];
+    p.delta[idx] = acc;
+  }
 }
 
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL>
@@ -52,7 +58,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const i64 mt = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
   const i64 h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  const i64 M = p.M, N = p.N, P = N - M, m0 = mt * BM;
+  const i64 M = p.M, N = p.N, P = p.shift, m0 = mt * BM;
   const i64 row0 = m0 + warp * 16 * MW;
 
   const u16* k1 = p.k1.at(b, hk);
@@ -149,7 +155,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const i64 nt = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-  const i64 M = p.M, N = p.N, P = N - M, n0 = nt * BN;
+  const i64 M = p.M, N = p.N, P = p.shift, n0 = nt * BN;
   const i64 row0 = n0 + warp * 16 * MW;  // rows are keys here
 
   load_rows<BN, D, THREADS>(smem_addr(sK1), p.k1.at(b, hk), p.k1.sr, n0, N);

@@ -19,7 +19,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   // Heavier causal tiles (later queries) launch first, evening out the tail of the grid.
   const i64 mt = CAUSAL ? (mtiles - 1 - blockIdx.x / p.nsplit) : blockIdx.x / p.nsplit;
   const i64 h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  const i64 M = p.M, N = p.N, P = N - M, m0 = mt * BM;
+  const i64 M = p.M, N = p.N, P = p.shift, m0 = mt * BM;
 
   const u16* k1 = p.k1.at(b, hk);
   const u16* k2 = p.k2.at(b, hk);

@@ -24,4 +24,8 @@ struct Params {
   i64 nsplit, split_tiles;
   float* o_part;    // (nsplit, B, H, M, D) float32
   float* lse_part;  // (nsplit, B, H, M) float32, natural log
+  // Position shift P of d(i, j) = i + P - j: N - M by default, q_offset - k_offset with
+  // position offsets (clamped by the host to [-M, N], with w to match).
+  i64 shift;
+  const float* dlse;  // (B, H, M) contiguous gradient of lse, or null: delta -= dlse
 };

@@ -98,9 +98,10 @@ def nvrtc_cubin(names, options):
 
 # ============================================================================ launching
 
-_BWD_PARAMS = struct.Struct("<Qqqq Qqqq Qqqq QQQ qqqqqqq ff")   # pw90::bwd::BwdParams
-_PREP_PARAMS = struct.Struct("<Qqqq Qqqq QQQQ qqqq")            # pw90::bwd::PrepParams
-_CONV_PARAMS = struct.Struct("<Qqqq Qqqq Q qqqq f4x")           # pw90::bwd::ConvertParams
+# pw90::bwd::BwdParams, PrepParams, ConvertParams: the package's own packers' layouts
+from cupy_piecewise.launch import _BWD_CONV as _CONV_PARAMS  # noqa: E402
+from cupy_piecewise.launch import _BWD_MAIN as _BWD_PARAMS  # noqa: E402
+from cupy_piecewise.launch import _BWD_PREP as _PREP_PARAMS  # noqa: E402
 
 
 class Kernels:
@@ -166,7 +167,7 @@ class Kernels:
         # 1. prep: delta, lse2 (padded), zero dQ accumulator
         pp = ctypes.create_string_buffer(_PREP_PARAMS.pack(
             o.data_ptr(), *o.stride()[:3], do.data_ptr(), *do.stride()[:3], lse.data_ptr(),
-            lse2.data_ptr(), delta.data_ptr(), acc.data_ptr() if dq else 0, B, H, M, Mpad))
+            lse2.data_ptr(), delta.data_ptr(), acc.data_ptr() if dq else 0, B, H, M, Mpad, 0))
         keep.append(self._launch(self.fns[prep_name(dtype, D)], ((H * Mpad + 7) // 8, B, 1), 256, 0,
                                  [ctypes.addressof(pp)], stream))
         # 2. main kernel
@@ -177,7 +178,7 @@ class Kernels:
         bp = ctypes.create_string_buffer(_BWD_PARAMS.pack(
             dk1.data_ptr(), *dk1.stride()[:3], dk2.data_ptr(), *dk2.stride()[:3],
             dv.data_ptr(), *dv.stride()[:3], acc.data_ptr() if dq else 0, lse2.data_ptr(),
-            delta.data_ptr(), B, H, H // Hkv, M, N, Mpad, wc, scale * LOG2E, scale))
+            delta.data_ptr(), B, H, H // Hkv, M, N, Mpad, wc, N - M, scale * LOG2E, scale))
         ptrs = [m.address() for m in maps] + [ctypes.addressof(bp)]
         keep.append(self._launch(self.fns[main_name(dtype, D, causal, dq)], ((N + BN - 1) // BN, Hkv, B),
                                  THREADS, smem_bytes(D), ptrs, stream))

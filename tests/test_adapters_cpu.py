@@ -77,9 +77,9 @@ def test_dlpack_zero_copy_on_the_way_in(monkeypatch):
     seen = []
     real = reference.forward
 
-    def spy(q1, *rest):
+    def spy(q1, *rest, **kw):
         seen.append(q1)
-        return real(q1, *rest)
+        return real(q1, *rest, **kw)
 
     monkeypatch.setattr(reference, "forward", spy)
     cupy_piecewise.attention(*ins, 1)

@@ -56,11 +56,13 @@ class _FakeLaunch:
 
     def forward(self, problem, q1, k1, q2, k2, v, o, lse, *, stream, workspace=None):
         assert isinstance(lse, int) and stream == 1234
-        assert abs(problem.w) <= problem.M + problem.N + 1, "w reaches the kernels unclamped"
+        # clamp_w: within M + N + 1 of 0 (default alignment) or 2 (M + N) + 1 (offsets)
+        assert abs(problem.w) <= 2 * (problem.M + problem.N) + 1, "w reaches the kernels unclamped"
         self.calls.append(("fwd", (q1, k1, q2, k2, v, o, lse)))
         dt = getattr(torch, problem.dtype)
         Q1, K1, Q2, K2, V, O = self._views(problem, (q1, k1, q2, k2, v, o), "qkqkkq", dt)
-        oo, ll = torch_cpu.forward(Q1, K1, Q2, K2, V, problem.w, problem.causal, problem.sm_scale)
+        oo, ll = torch_cpu.forward(Q1, K1, Q2, K2, V, problem.w, problem.causal, problem.sm_scale,
+                                   problem.shift)
         O.copy_(oo)
         if lse:  # a null lse is not stored (as the kernels do)
             _host_view(lse, (problem.B, problem.H, problem.M),
@@ -82,7 +84,7 @@ class _FakeLaunch:
         return Launches()
 
     def backward(self, problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, delta, *, stream,
-                 workspace=None, deterministic=False):
+                 workspace=None, deterministic=False, dlse=0):
         assert isinstance(lse, int) and isinstance(delta, int) and stream == 1234
         assert callable(workspace) and deterministic in (False, True)
         assert problem.B and problem.H and problem.M and problem.N, "launched an empty problem"
@@ -93,8 +95,10 @@ class _FakeLaunch:
         L = _host_view(lse, (problem.B, problem.H, problem.M),
                        (problem.H * problem.M, problem.M, 1), torch.float32)
         Q1, K1, Q2, K2, V, O, DO = views[:7]
+        DL = None if not dlse else _host_view(dlse, (problem.B, problem.H, problem.M),
+                                              (problem.H * problem.M, problem.M, 1), torch.float32)
         grads = torch_cpu.backward(DO, Q1, K1, Q2, K2, V, O, L, problem.w, problem.causal,
-                                   problem.sm_scale)
+                                   problem.sm_scale, problem.shift, DL)
         for view, g in zip(views[7:], grads):
             view.copy_(g)
 
@@ -271,3 +275,27 @@ def test_adapters_share_the_core():
     for word in ("MEMO", "kernel_ready", "forward_launches", "launch.forward"):
         assert word not in src, word
     assert torch_ops._call.__module__ == "cupy_piecewise.torch_ops"
+
+
+@pytest.mark.parametrize("q_offset,k_offset", [(None, 5), (40, 3), (-7, 0), (2**62, -2**62)])
+def test_core_offsets_and_dlse_with_fake_launch(fake_cuda, q_offset, k_offset):
+    """Offsets reach the launch layer as the clamped (shift, w) of the problem, dlse as a
+    float32 pointer; results equal the torch CPU path given the same arguments."""
+    B, H, Hkv, M, N, D, w = 1, 4, 2, 11, 17, 16, 3
+    ins = make_inputs(B, H, Hkv, M, N, D, torch.bfloat16, seed=4)
+    key = torch_adapter.key(*ins, w, True, None, q_offset, k_offset)
+    call = core.prepare(HOST_OPS, key, *ins, w, True, None, q_offset, k_offset)
+    p = call.problem
+    assert p.shift is None or -M <= p.shift <= N
+    o, lse = core.run_forward(call, HOST_OPS, *ins)
+    want_o, want_lse = torch_cpu.forward(*ins, p.w, True, p.sm_scale, p.shift)
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    do = make_inputs(B, H, H, M, 1, D, torch.bfloat16, seed=5)[0]
+    dlse = torch.randn(B, H, M, dtype=torch.float64)  # converted to float32 for the kernels
+    grads = core.run_backward(call, HOST_OPS, do, *ins, o, lse, dlse=dlse)
+    want = torch_cpu.backward(do, *ins, o, lse, p.w, True, p.sm_scale, p.shift,
+                              dlse.to(torch.float32))
+    for g, wg in zip(grads, want):
+        assert torch.equal(g, wg)
+    no_dlse = core.run_backward(call, HOST_OPS, do, *ins, o, lse)
+    assert any(not torch.equal(a, b) for a, b in zip(no_dlse, grads))  # dlse took effect

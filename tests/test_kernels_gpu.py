@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import cupy_piecewise
 from cupy_piecewise import reference, tolerance
 from cupy_piecewise.gpu_arrays import poisoned_outputs, round_to, to_device, to_host
 
@@ -38,7 +39,12 @@ def _ids(c):
             f"-w{c['w']}-g{c['group']}{'-T' if c['transposed'] else ''}")
 
 
-def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1, deterministic=False):
+def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1, deterministic=False,
+             q_offset=None, k_offset=0, with_dlse=False):
+    """One case through the public API on CuPy arrays: forward and the five gradients
+    against the float64 reference by the tolerance rule, outputs NaN-poisoned. With
+    ``q_offset``/``k_offset`` the call places the rows by position offsets; with
+    ``with_dlse`` the backward also gets a random gradient of lse (``dlse``)."""
     import cupy
 
     import cupy_piecewise
@@ -54,14 +60,15 @@ def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1, deterministic=
     do_h = round_to(rng.standard_normal((B, H, M, D)).astype(np.float32), dtype)
     sm_scale = 1.0 / np.sqrt(D)
 
-    o_ref, lse_ref = reference.forward(*host, w, causal, sm_scale)
-    o_low, lse_low = reference.lowp_forward(*host, w, causal, sm_scale, dtype=dtype)
+    pos = dict(q_offset=q_offset, k_offset=k_offset)
+    o_ref, lse_ref = reference.forward(*host, w, causal, sm_scale, **pos)
+    o_low, lse_low = reference.lowp_forward(*host, w, causal, sm_scale, dtype=dtype, **pos)
 
     dev = [to_device(x, dtype, transposed) for x in host]
     before = [a.copy() for a in dev]
     with poisoned_outputs():
         o, lse = cupy_piecewise.attention(*dev, int(w), causal=causal, sm_scale=float(sm_scale),
-                                          return_lse=True)
+                                          return_lse=True, **pos)
     assert o.dtype == dev[0].dtype and lse.dtype == cupy.float32
     o_k, lse_k = to_host(o), cupy.asnumpy(lse).astype(np.float64)
     for name, got, ref, low in (("o", o_k, o_ref, o_low), ("lse", lse_k, lse_ref, lse_low)):
@@ -70,17 +77,22 @@ def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1, deterministic=
 
     # Backward from the kernel's own o and lse, as autograd would run it.
     o_used = round_to(o_k.astype(np.float32), dtype)
-    grads_ref = reference.backward(*host, o_used, lse_k, do_h, w, causal, sm_scale)
+    dlse_h = rng.standard_normal(lse_k.shape).astype(np.float32) if with_dlse else None
+    grads_ref = reference.backward(*host, o_used, lse_k, do_h, w, causal, sm_scale, dlse=dlse_h,
+                                   **pos)
     if dtype == "float16":  # loss scaling keeps float16 gradients normal (tolerance.py)
         s = tolerance.float16_loss_scale(grads_ref, do_h)
         do_h = do_h * np.float32(s)
+        dlse_h = None if dlse_h is None else dlse_h * np.float32(s)
         grads_ref = [g * s for g in grads_ref]
-    grads_low = reference.lowp_backward(*host, o_used, lse_k, do_h, w, causal, sm_scale, dtype=dtype)
+    grads_low = reference.lowp_backward(*host, o_used, lse_k, do_h, w, causal, sm_scale, dtype=dtype,
+                                        dlse=dlse_h, **pos)
     do_d = to_device(do_h, dtype, transposed)
+    dlse_d = None if dlse_h is None else cupy.asarray(dlse_h)
     with poisoned_outputs():
         outs = cupy_piecewise.attention_backward(do_d, *dev, o, lse, int(w), causal=causal,
                                                  sm_scale=float(sm_scale),
-                                                 deterministic=deterministic)
+                                                 deterministic=deterministic, dlse=dlse_d, **pos)
     for name, got, ref, low in zip(("dq1", "dk1", "dq2", "dk2", "dv"), outs, grads_ref, grads_low):
         assert got.dtype == dev[0].dtype
         verdict = tolerance.compare(name, to_host(got), ref, low, dtype)
@@ -90,7 +102,8 @@ def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1, deterministic=
     if deterministic:  # a second run gives the same bits
         with poisoned_outputs():
             again = cupy_piecewise.attention_backward(do_d, *dev, o, lse, int(w), causal=causal,
-                                                      sm_scale=float(sm_scale), deterministic=True)
+                                                      sm_scale=float(sm_scale), deterministic=True,
+                                                      dlse=dlse_d, **pos)
         for name, a, b in zip(("dq1", "dk1", "dq2", "dk2", "dv"), outs, again):
             assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), \
                 f"{name} differs between two deterministic runs"
@@ -129,6 +142,90 @@ def test_deterministic_backward(kernel_path, dtype, causal, D):
     Hopper: dQ by the mma.sync dq kernel, dK/dV by the Hopper kernel without atomics)."""
     run_case(D=D, dtype=dtype, causal=causal, M=700, N=900, w=300, group=2, transposed=False,
              deterministic=True)
+
+
+#: (q_offset, k_offset): keys before, after and around the queries, huge positions
+OFFSET_CASES = [(None, 77), (0, 0), (300, 0), (-50, 100), (1000, 200), (2**40, 2**40 - 250),
+                (-2**61, -2**61 + 600)]
+
+
+@pytest.mark.parametrize("q_offset,k_offset", OFFSET_CASES)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+def test_offsets_and_dlse(kernel_path, q_offset, k_offset, dtype, causal, D):
+    """Position offsets (forward and backward) and a gradient into lse, by the tolerance
+    rule, on both kernel paths."""
+    run_case(D=D, dtype=dtype, causal=causal, M=300, N=500, w=120, group=2, transposed=False,
+             q_offset=q_offset, k_offset=k_offset, with_dlse=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+def test_merge_of_complementary_key_ranges(kernel_path, causal, D):
+    """Two calls over keys [0, s) and [s, N) placed by k_offset, merged by their lse (torch
+    autograd through the merge, so the backward gets dlse), against the float64 reference
+    of the same computation by the tolerance rule, in value and in all five gradients;
+    and equal to one call within the tolerance rule of the one call's reference."""
+    import torch
+
+    dtype, M, N, s, w, B, H, Hkv = "bfloat16", 333, 900, 410, 150, 1, 4, 2
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    rng = np.random.default_rng(seed)
+    shapes = [(B, H, M, D), (B, Hkv, N, D), (B, H, M, D), (B, Hkv, N, D), (B, Hkv, N, D)]
+    host = [round_to(rng.standard_normal(x).astype(np.float32) * 1.5, dtype) for x in shapes]
+    do_h = round_to(rng.standard_normal((B, H, M, D)).astype(np.float32), dtype)
+    sc = 1.0 / np.sqrt(D)
+    q0 = N - M
+    parts = [(slice(0, s), 0), (slice(s, N), s)]
+
+    def split(xs, part):
+        sl, _ = part
+        return [xs[0], xs[1][:, :, sl], xs[2], xs[3][:, :, sl], xs[4][:, :, sl]]
+
+    # kernels: torch tensors, autograd through the merge (float32 weights)
+    leaves = [torch.from_numpy(x).to("cuda", torch.bfloat16).requires_grad_() for x in host]
+    outs = [cupy_piecewise.attention(*split(leaves, pt), w, causal=causal, return_lse=True,
+                                     q_offset=q0, k_offset=pt[1]) for pt in parts]
+    lse = torch.logaddexp(outs[0][1], outs[1][1])
+    o = sum(torch.exp(ls - lse)[..., None] * oo.float() for oo, ls in outs)
+    o.backward(torch.from_numpy(do_h).cuda())
+    got = [o.detach().cpu().double().numpy()] + [t.grad.float().cpu().double().numpy()
+                                                 for t in leaves]
+
+    def merged(fwd, bwd):
+        """The merge and its gradients from a forward and a backward implementation:
+        do_a = w_a do, dlse_a = w_a (o_a - o)·do for each part a."""
+        res = [fwd(split(host, pt), pt) for pt in parts]
+        lse_ = np.logaddexp(res[0][1], res[1][1])
+        wts = [np.exp(r[1] - lse_)[..., None] for r in res]
+        o_ = sum(wt * r[0] for wt, r in zip(wts, res))
+        dq1 = dq2 = 0
+        dk1, dk2, dv = [], [], []
+        for pt, r, wt in zip(parts, res, wts):
+            dl = (wt * ((r[0] - o_) * do_h)).sum(-1)
+            g = bwd(split(host, pt), pt, r, wt * do_h, dl)
+            dq1, dq2 = dq1 + g[0], dq2 + g[2]
+            dk1.append(g[1]), dk2.append(g[3]), dv.append(g[4])
+        cat = lambda xs: np.concatenate(xs, axis=2)  # noqa: E731
+        return [o_, dq1, cat(dk1), dq2, cat(dk2), cat(dv)]
+
+    pos = lambda pt: dict(q_offset=q0, k_offset=pt[1])  # noqa: E731
+    ref = merged(lambda xs, pt: reference.forward(*xs, w, causal, sc, **pos(pt)),
+                 lambda xs, pt, r, do, dl: reference.backward(*xs, r[0], r[1], do, w, causal, sc,
+                                                              dlse=dl, **pos(pt)))
+    low = merged(lambda xs, pt: [np.asarray(a, np.float64) for a in
+                                 reference.lowp_forward(*xs, w, causal, sc, dtype=dtype, **pos(pt))],
+                 lambda xs, pt, r, do, dl: reference.lowp_backward(
+                     *xs, round_to(r[0].astype(np.float32), dtype), r[1], round_to(do.astype(np.float32), dtype),
+                     w, causal, sc, dtype=dtype, dlse=dl.astype(np.float32), **pos(pt)))
+    names = ("o", "dq1", "dk1", "dq2", "dk2", "dv")
+    for name, g, r, lw in zip(names, got, ref, low):
+        verdict = tolerance.compare(name, g, r, lw, dtype)
+        assert verdict.passed, f"merge: {verdict} (input seed {seed})"
+    # one call over all keys: the same function, so the same float64 reference
+    one_ref = reference.forward(*host, w, causal, sc)[0]
+    np.testing.assert_allclose(ref[0], one_ref, rtol=1e-9, atol=1e-9)
 
 
 def test_hopper_path_is_taken_on_hopper(monkeypatch):

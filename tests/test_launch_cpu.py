@@ -39,7 +39,10 @@ def test_pack_fills_every_slot():
     block = struct.unpack(f"<{len(launch.PARAM_FIELDS)}q",
                           launch._pack(p, {"k1": (5, 6, 7, 1)}, (3, 7, 1000, 2000)))
     fields = dict(zip(launch.PARAM_FIELDS, block))
-    assert block[-4:] == (3, 7, 1000, 2000)
+    assert block[-6:] == (3, 7, 1000, 2000, 10, 0)  # split, then shift = N - M and dlse
+    shifted = launch._pack(dataclasses.replace(p, shift=-4, w=7), {})
+    fields2 = dict(zip(launch.PARAM_FIELDS, struct.unpack(f"<{len(launch.PARAM_FIELDS)}q", shifted)))
+    assert (fields2["shift"], fields2["w"]) == (-4, 6)  # w - P clamped to [-N, M] = [-20, 10]
     assert (fields["k1.ptr"], fields["k1.sb"], fields["k1.sh"], fields["k1.sr"]) == (0, 5, 6, 7)
     assert fields["M"] == 10 and fields["N"] == 20 and fields["H"] == 32 and fields["group"] == 1
 
@@ -205,7 +208,8 @@ def test_decode_launches_split_and_merge(fake_gpu):
         f = call["params"]
         assert (f["nsplit"], f["split_tiles"]) == (nsplit, per)
         assert f["o_part"] == 1 << 20 and f["lse_part"] == (1 << 20) + 4 * rows * D
-        assert f["w"] == -3 and f["o.ptr"] == 96 and f["lse"] == 112
+        # w = -3 lies below every distance: passed as P - N, which compares the same
+        assert f["w"] == max(-3, f["shift"] - f["N"]) and f["o.ptr"] == 96 and f["lse"] == 112
     # without a workspace the same problem runs unsplit
     assert launch.forward_launches(p, (c, kv, c, kv, kv, c), split=False).workspace_bytes == 0
 
@@ -224,7 +228,7 @@ def test_backward_launches(fake_gpu):
     for call in drv.launches:  # one parameter block for all three kernels
         f = call["params"]
         for name, ptr in zip(launch.BACKWARD_ARRAYS, ptrs):
-            assert f[name if name in ("lse", "delta") else f"{name}.ptr"] == ptr
+            assert f[name if name in ("lse", "delta", "dlse") else f"{name}.ptr"] == ptr
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -282,12 +286,13 @@ def test_hopper_backward_launches(fake_gpu, monkeypatch, deterministic):
     acc = 0 if deterministic else ws + 8 * rows
     f = launch._BWD_PREP.unpack(prep["params"])
     assert f[0] == named["o"] and f[4] == named["dout"] and f[1:4] == q[:3]
-    assert f[8:12] == (named["lse"], ws, ws + 4 * rows, acc) and f[12:] == (B, H, M, mpad)
+    assert f[8:12] == (named["lse"], ws, ws + 4 * rows, acc) and f[12:16] == (B, H, M, mpad)
+    assert f[16] == named["dlse"]
     f = launch._BWD_MAIN.unpack(main["params"])
     assert (f[0], f[4], f[8]) == (named["dk1"], named["dk2"], named["dv"]) and f[1:4] == k[:3]
     assert f[12:15] == (acc, ws, ws + 4 * rows)
-    assert f[15:22] == (B, H, H // Hkv, M, N, mpad, 50)
-    assert f[22] == pytest.approx(0.125 * 1.4426950408889634) and f[23] == 0.125
+    assert f[15:23] == (B, H, H // Hkv, M, N, mpad, 50, N - M)  # ..., w, shift
+    assert f[23] == pytest.approx(0.125 * 1.4426950408889634) and f[24] == 0.125
     assert main["args"][:6] == [named[n] + 1 for n in ("q1", "q2", "dout", "k1", "k2", "v")]
     if not deterministic:
         conv = calls[2]
@@ -399,8 +404,8 @@ def test_hopper_launch(fake_gpu, monkeypatch):
     assert maps == [ptrs[0] + 1, ptrs[2] + 1, ptrs[1] + 1, ptrs[3] + 1, ptrs[4] + 1]
     fields = launch._HOPPER_PARAMS.unpack(call["params"])
     assert fields[:5] == (ptrs[5], o[0], o[1], o[2], ptrs[6])
-    assert fields[5:10] == (H, H // Hkv, M, N, 300)
-    assert fields[10] == pytest.approx(0.125 * 1.4426950408889634) and fields[11] == 0.125
+    assert fields[5:11] == (H, H // Hkv, M, N, 300, N - M)  # ..., w, shift
+    assert fields[11] == pytest.approx(0.125 * 1.4426950408889634) and fields[12] == 0.125
     # a broadcast (stride 0) head axis cannot be a tensor map: the mma.sync kernels take it
     kb = (k[0], 0, k[2], 1)
     assert isinstance(launch.forward_launches(p, (q, kb, q, k, k, o), split=True), launch.Launches)

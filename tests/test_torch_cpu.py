@@ -216,14 +216,16 @@ def test_only_some_inputs_require_grad():
 
     ctx = Ctx()
     ctx.saved_tensors = (q1, k1, q2.detach(), k2, v.detach(), o.detach(), lse)
-    # the operator's inputs: q1, k1, q2, k2, v, w, causal, sm_scale, deterministic
-    ctx.needs_input_grad = (False, False, True, False, True, False, False, False, False)
+    # the operator's inputs: q1, k1, q2, k2, v, w, causal, sm_scale, deterministic, q_offset,
+    # k_offset
+    ctx.needs_input_grad = (False, False, True, False, True) + (False,) * 6
     ctx.w, ctx.causal, ctx.sm_scale, ctx.deterministic = 2, True, 1 / math.sqrt(8), False
+    ctx.q_offset, ctx.k_offset, ctx.n_inputs = None, 0, 11
     grads = torch_ops._backward(ctx, do, None)
-    assert len(grads) == 9
+    assert len(grads) == 11
     assert [g is not None for g in grads] == list(ctx.needs_input_grad)
-    ctx.needs_input_grad = (False,) * 9
-    assert torch_ops._backward(ctx, do, None) == (None,) * 9
+    ctx.needs_input_grad = (False,) * 11
+    assert torch_ops._backward(ctx, do, None) == (None,) * 11
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["autograd.Function", "custom_op"])
@@ -246,10 +248,14 @@ def test_eager_autograd_routes(direct, monkeypatch):
         torch.autograd.grad(g.sum(), ins[1])
 
 
-def test_lse_is_not_differentiable():
+def test_lse_is_differentiable():
+    """A loss on lse alone reaches the inputs (see test_training_features_cpu.py for values)."""
     q1, k1, q2, k2, v = make_inputs(1, 1, 1, 4, 4, 8, requires_grad=True)
     o, lse = torch_ops.attention(q1, k1, q2, k2, v, 2, return_lse=True)
-    assert o.requires_grad and not lse.requires_grad
+    assert o.requires_grad and lse.requires_grad
+    lse.sum().backward()
+    assert q1.grad is not None and float(q1.grad.abs().sum()) > 0
+    assert float(v.grad.abs().sum()) == 0  # lse does not depend on v
 
 
 def test_direct_and_dispatcher_paths_agree(monkeypatch):
@@ -261,7 +267,7 @@ def test_direct_and_dispatcher_paths_agree(monkeypatch):
     monkeypatch.setattr(torch_ops, "DIRECT_EAGER_CALLS", False)
     calls = []
     real = torch_ops._fwd_impl
-    monkeypatch.setattr(torch_ops, "_fwd_impl", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(torch_ops, "_fwd_impl", lambda *a, **k: calls.append(1) or real(*a, **k))
     o2, lse2 = torch_ops.attention(q1, k1, q2, k2, v, 3, causal=True, return_lse=True)
     g2 = torch_ops.attention_backward(do, q1, k1, q2, k2, v, o2, lse2, 3, causal=True)
     assert calls, "the custom op was not used"

@@ -125,38 +125,40 @@ _strides_of = operator.attrgetter("strides")
 _device_of = operator.attrgetter("device.id")
 
 
-def key(q1, k1, q2, k2, v, w, causal, sm_scale):
+def key(q1, k1, q2, k2, v, w, causal, sm_scale, q_offset=None, k_offset=0):
     """The memo key of a call (:func:`cupy_piecewise.core.signature`)."""
-    return signature("cupy", _strides_of, _device_of, q1, k1, q2, k2, v, w, causal, sm_scale)
+    return signature("cupy", _strides_of, _device_of, q1, k1, q2, k2, v, w, causal, sm_scale,
+                     q_offset, k_offset)
 
 
-def _call(q1, k1, q2, k2, v, w, causal, sm_scale):
+def _call(q1, k1, q2, k2, v, w, causal, sm_scale, q_offset=None, k_offset=0):
     try:
-        k = key(q1, k1, q2, k2, v, w, causal, sm_scale)
+        k = key(q1, k1, q2, k2, v, w, causal, sm_scale, q_offset, k_offset)
         hit = _memo_get((k, plan_switches()))
     except (AttributeError, TypeError):  # not CuPy arrays (check_inputs says which), or
         k = hit = None                   # an unhashable scalar
     if hit is not None:
         return hit
-    return prepare(OPS, k, q1, k1, q2, k2, v, w, causal, sm_scale)
+    return prepare(OPS, k, q1, k1, q2, k2, v, w, causal, sm_scale, q_offset, k_offset)
 
 
 def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None, return_lse=False,
-              deterministic=False):
+              deterministic=False, q_offset=None, k_offset=0):
     """Forward of CuPy arrays; arguments, results and errors as
     :func:`cupy_piecewise.attention` (CuPy arrays out, on the inputs' device;
     ``deterministic`` is checked and has nothing to change: the forward is deterministic)."""
     validate.check_deterministic(deterministic)
-    call = _call(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale)
+    call = _call(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale, q_offset, k_offset)
     o, lse = run_forward(call, OPS, q1, k1, q2, k2, v, need_lse=return_lse)
     return (o, lse) if return_lse else o
 
 
 def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=False, sm_scale=None,
-                       deterministic=False):
+                       deterministic=False, q_offset=None, k_offset=0, dlse=None):
     """Backward of CuPy arrays; arguments, results and errors as
     :func:`cupy_piecewise.attention_backward`."""
     det = validate.check_deterministic(deterministic)
-    call = _call(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale)
-    validate.check_backward_inputs(call.problem, o, lse, do)
-    return tuple(run_backward(call, OPS, do, q1, k1, q2, k2, v, o, lse, deterministic=det))
+    call = _call(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale, q_offset, k_offset)
+    validate.check_backward_inputs(call.problem, o, lse, do, dlse)
+    return tuple(run_backward(call, OPS, do, q1, k1, q2, k2, v, o, lse, deterministic=det,
+                              dlse=dlse))

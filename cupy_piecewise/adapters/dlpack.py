@@ -72,27 +72,31 @@ _NAMES = ("q1", "k1", "q2", "k2", "v")
 
 
 def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None, return_lse=False,
-              deterministic=False):
+              deterministic=False, q_offset=None, k_offset=0):
     """Forward of DLPack producers; arguments and errors as :func:`cupy_piecewise.attention`,
     results as the type of ``q1`` (see the module doc)."""
     from .. import api
 
     ins = [to_native(x, n) for x, n in zip((q1, k1, q2, k2, v), _NAMES)]
     out = api.attention(*ins, dist_threshold, causal=causal, sm_scale=sm_scale,
-                        return_lse=return_lse, deterministic=deterministic)
+                        return_lse=return_lse, deterministic=deterministic, q_offset=q_offset,
+                        k_offset=k_offset)
     if return_lse:
         return _back(type(q1), out)
     return _back(type(q1), (out,))[0]
 
 
 def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=False, sm_scale=None,
-                       deterministic=False):
+                       deterministic=False, q_offset=None, k_offset=0, dlse=None):
     """Backward of DLPack producers; arguments and errors as
     :func:`cupy_piecewise.attention_backward`, results as the type of ``q1``."""
     from .. import api
 
     names = ("do",) + _NAMES + ("o", "lse")
     ins = [to_native(x, n) for x, n in zip((do, q1, k1, q2, k2, v, o, lse), names)]
+    if dlse is not None:
+        dlse = to_native(dlse, "dlse")
     grads = api.attention_backward(*ins, dist_threshold, causal=causal, sm_scale=sm_scale,
-                                   deterministic=deterministic)
+                                   deterministic=deterministic, q_offset=q_offset,
+                                   k_offset=k_offset, dlse=dlse)
     return _back(type(q1), grads)

@@ -102,9 +102,10 @@ OPS = ArrayOps(
 _device_of = operator.attrgetter("device")
 
 
-def key(q1, k1, q2, k2, v, w, causal, sm_scale):
+def key(q1, k1, q2, k2, v, w, causal, sm_scale, q_offset=None, k_offset=0):
     """The memo key of a call (:func:`cupy_piecewise.core.signature`)."""
-    return signature("torch", Tensor.stride, _device_of, q1, k1, q2, k2, v, w, causal, sm_scale)
+    return signature("torch", Tensor.stride, _device_of, q1, k1, q2, k2, v, w, causal, sm_scale,
+                     q_offset, k_offset)
 
 
 def forward(call, q1, k1, q2, k2, v, need_lse=True):
@@ -112,6 +113,7 @@ def forward(call, q1, k1, q2, k2, v, need_lse=True):
     return run_forward(call, OPS, q1, k1, q2, k2, v, need_lse=need_lse)
 
 
-def backward(call, do, q1, k1, q2, k2, v, o, lse, deterministic=False):
+def backward(call, do, q1, k1, q2, k2, v, o, lse, deterministic=False, dlse=None):
     """CUDA backward of a prepared call -> ``(dq1, dk1, dq2, dk2, dv)``."""
-    return run_backward(call, OPS, do, q1, k1, q2, k2, v, o, lse, deterministic=deterministic)
+    return run_backward(call, OPS, do, q1, k1, q2, k2, v, o, lse, deterministic=deterministic,
+                        dlse=dlse)

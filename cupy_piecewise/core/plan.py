@@ -65,7 +65,8 @@ class Call(NamedTuple):
 MEMO = Memo(4096)
 
 
-def signature(library: str, strides_of, device_of, q1, k1, q2, k2, v, w, causal, sm_scale):
+def signature(library: str, strides_of, device_of, q1, k1, q2, k2, v, w, causal, sm_scale,
+              q_offset=None, k_offset=0):
     """The memo key of a call: everything :func:`prepare` decides from (data pointers
     excluded: :func:`run_forward` checks their alignment at every call). ``strides_of`` and
     ``device_of`` read an array's strides and device (C-level callables keep this cheap).
@@ -78,18 +79,36 @@ def signature(library: str, strides_of, device_of, q1, k1, q2, k2, v, w, causal,
         q1.dtype, k1.dtype, q2.dtype, k2.dtype, v.dtype,
         device_of(q1), device_of(k1), device_of(q2), device_of(k2), device_of(v),
         type(w), w, type(causal), causal, type(sm_scale), sm_scale,
+        type(q_offset), q_offset, type(k_offset), k_offset,
     )
 
 
 def clamp_w(problem: validate.Problem) -> validate.Problem:
-    """``problem`` with ``w`` clamped to ``[-(M + N + 1), M + N + 1]``.
+    """``problem`` with ``w`` (and a position shift) brought into a small range that
+    changes no comparison the kernels make.
 
-    Every distance ``d = i + N - M - j`` lies in ``[1 - M, N - 1]``, so the clamp changes
-    no comparison ``d >= w`` and keeps ``w`` inside 64-bit integers for the kernels and
-    for ``torch.library`` schemas (``int`` there is int64)."""
-    bound = problem.M + problem.N + 1
-    w = max(-bound, min(bound, problem.w))
-    return problem if w == problem.w else replace(problem, w=w)
+    Default alignment (``shift`` None, ``P = N - M``): every distance ``d = i + P - j``
+    lies in ``[1 - M, N - 1]``, so ``w`` clamped to ``[-(M + N + 1), M + N + 1]`` decides
+    every ``d >= w`` as before.
+
+    With position offsets (``shift = q_offset - k_offset``, any int64): with
+    ``x = i - j`` in ``[1 - N, M - 1]`` the two comparisons are ``x >= w - P`` (second
+    projection) and ``x >= -P`` (causal), so ``P`` clamped to ``[-M, N]`` and
+    ``w - P`` clamped to ``[-N, M]`` decide them as before; the result carries
+    ``shift = P'`` and ``w = P' + clamp(w - P)``, both within ``M + N`` in magnitude (32-bit
+    in the kernels). A shift equal to ``N - M`` is stored as None (the default form)."""
+    M, N = problem.M, problem.N
+    if problem.shift is None or problem.shift == N - M:
+        bound = M + N + 1
+        w = max(-bound, min(bound, problem.w))
+        if w == problem.w and problem.shift is None:
+            return problem
+        return replace(problem, w=w, shift=None)
+    P = max(-M, min(N, problem.shift))
+    t = max(-N, min(M, problem.w - problem.shift))
+    if P == N - M:  # the clamp landed on the default alignment
+        return replace(problem, w=P + t, shift=None)
+    return replace(problem, w=P + t, shift=P)
 
 
 def _contiguous(shape) -> tuple:
@@ -104,7 +123,8 @@ def _has_work(p) -> bool:
     return bool(p.B and p.H and p.M and p.N)
 
 
-def prepare(ops: ArrayOps, key, q1, k1, q2, k2, v, w, causal, sm_scale) -> Call:
+def prepare(ops: ArrayOps, key, q1, k1, q2, k2, v, w, causal, sm_scale, q_offset=None,
+            k_offset=0) -> Call:
     """Check a forward call and plan it, memoised per signature.
 
     ``key``: the adapter's hashable signature of the call (shapes, strides, dtypes,
@@ -122,7 +142,7 @@ def prepare(ops: ArrayOps, key, q1, k1, q2, k2, v, w, causal, sm_scale) -> Call:
             key = hit = None
         if hit is not None:
             return hit
-    problem = validate.check_inputs(q1, k1, q2, k2, v, w, causal, sm_scale)
+    problem = validate.check_inputs(q1, k1, q2, k2, v, w, causal, sm_scale, q_offset, k_offset)
     if problem.library != ops.library:
         raise TypeError(f"q1 is a {problem.library} array; expected {ops.library} arrays here")
     fwd = None
@@ -200,13 +220,15 @@ def run_forward(call: Call, ops: ArrayOps, q1, k1, q2, k2, v, *, need_lse: bool 
 
 
 def run_backward(call: Call, ops: ArrayOps, do, q1, k1, q2, k2, v, o, lse, *,
-                 deterministic: bool = False):
+                 deterministic: bool = False, dlse=None):
     """Gradients of a prepared call -> ``(dq1, dk1, dq2, dk2, dv)``, the inputs' dtype,
     contiguous: dq of shape (B, H, M, D), dk/dv (B, Hkv, N, D) summed over each group's
     query heads. ``o``, ``lse``: the forward's outputs (``lse`` float32 (B, H, M)); ``do``:
     the gradient of ``o``. Shapes and dtypes must already be checked
     (:func:`~cupy_piecewise.validate.check_backward_inputs`). ``deterministic``: bitwise
-    reproducible gradients (the Hopper backward then computes dQ without atomics)."""
+    reproducible gradients (the Hopper backward then computes dQ without atomics).
+    ``dlse``: (B, H, M) gradient of the loss with respect to ``lse``, or None (zero):
+    ``ds = p * (dp - delta + dlse)``, folded into the kernels' delta pre-pass."""
     p = call.problem
     dev, dt = p.device, p.dtype
     q_shape, k_shape = (p.B, p.H, p.M, p.D), (p.B, p.Hkv, p.N, p.D)
@@ -219,6 +241,8 @@ def run_backward(call: Call, ops: ArrayOps, do, q1, k1, q2, k2, v, o, lse, *,
     delta = ops.empty((p.B, p.H, p.M), "float32", dev)
     keep = [_readable(ops, a) for a in (q1, k1, q2, k2, v, o, do)]
     lse = ops.as_f32(lse)
+    if dlse is not None:
+        dlse = ops.as_f32(dlse)
     refs = [_ref(ops, a) for a in keep]
     def workspace(nbytes):
         buf = ops.scratch(nbytes, dev)
@@ -226,6 +250,6 @@ def run_backward(call: Call, ops: ArrayOps, do, q1, k1, q2, k2, v, o, lse, *,
 
     launch.backward(p, *refs[:6], ops.ptr(lse), refs[6], *[_ref(ops, g) for g in grads],
                     ops.ptr(delta), stream=ops.stream(dev), workspace=workspace,
-                    deterministic=deterministic)
+                    deterministic=deterministic, dlse=0 if dlse is None else ops.ptr(dlse))
     del keep
     return grads

@@ -108,7 +108,8 @@ struct BwdParams {
   float* dq_acc;        // (2, B, H, Mpad, D) float32, zero on entry (DQ only); order inside a 64-row tile: dq_index
   const float* lse2;    // (B, H, Mpad)
   const float* delta;   // (B, H, Mpad)
-  i64 B, H, group, M, N, Mpad, w;  // w clamped to [-(M+N+1), M+N+1]; lengths < 2^30
+  i64 B, H, group, M, N, Mpad, w;  // w clamped to [shift - N, shift + M]; lengths < 2^30
+  i64 shift;                       // P of d(i, j) = i + P - j: N - M, or within [-M, N]
   float scale_log2;     // sm_scale * log2(e)
   float sm_scale;
 };
@@ -221,8 +222,7 @@ template <bool CAUSAL> PW90 int block_mode(int q0, int qn, int k0, int kn, int P
 struct Walk {
   int P, w, n0;  // 32-bit: lengths < 2^30, w clamped to [-(M+N+1), M+N+1]
   int tlo, thi, end1, first2;
-  template <bool CAUSAL> PW90 void init(i64 M, i64 N, i64 w_, int n0_) {
-    const i64 P64 = N - M;
+  template <bool CAUSAL> PW90 void init(i64 M, i64 P64, i64 w_, int n0_) {
     P = (int)P64, w = (int)w_, n0 = n0_;
     thi = (int)((M + BM - 1) / BM);
     // causal: tile t has an admissible pair iff t*BM + BM - 1 + P >= n0
@@ -274,12 +274,12 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
   // Broadcast so that ptxas knows the warpgroup index is warp-uniform (no wgmma serialisation).
   const int wg = __shfl_sync(0xffffffffu, warp / 4 - 1, 0), wl = warp % 4;
   // Lengths are below 2^30 and w is clamped to [-(M+N+1), M+N+1]: distances fit 32 bits.
-  const int M = (int)p.M, N = (int)p.N, P = N - M, w = (int)p.w;
+  const int M = (int)p.M, N = (int)p.N, P = (int)p.shift, w = (int)p.w;
   const int kw0 = n0 + 64 * wg;  // first key of this warpgroup
   const float sl2 = p.scale_log2;
   const int group = (int)p.group;
   Walk walk;
-  walk.template init<CAUSAL>(M, N, w, n0);
+  walk.template init<CAUSAL>(M, p.shift, w, n0);
   const bool any = walk.lo(1) < walk.hi(1) || walk.lo(2) < walk.hi(2);  // producer loaded K/V
   if (any) mbar_wait(kbar, 0);
 
@@ -509,7 +509,7 @@ PW90 void producer(const BwdParams& p, const TmaDesc* tq1, const TmaDesc* tq2, c
                    u32 full0, u32 empty0, int n0, int hk, int b) {
   using S = Smem<D>;
   Walk walk;
-  walk.template init<CAUSAL>(p.M, p.N, p.w, n0);
+  walk.template init<CAUSAL>(p.M, p.shift, p.w, n0);
   const bool need1 = walk.lo(1) < walk.hi(1), need2 = walk.lo(2) < walk.hi(2);
   if (!need1 && !need2) return;  // no query sees these keys: the consumers store zeros
   mbar_expect_tx(kbar, ((need1 ? 1 : 0) + (need2 ? 1 : 0) + 1) * S::K_TILE);
@@ -558,6 +558,7 @@ struct PrepParams {
   float* delta;      // (B, H, Mpad) out
   float* dq_acc;     // (2, B, H, Mpad, D) zeroed here; null: not touched
   i64 B, H, M, Mpad;
+  const float* dlse;  // (B, H, M) contiguous gradient of lse, or null: delta -= dlse
 };
 
 struct ConvertParams {
@@ -571,8 +572,8 @@ struct ConvertParams {
 };
 
 // Host packers (cupy_piecewise/launch.py _BWD_*, scripts/hopper_bwd_probe.py) rely on these sizes.
-static_assert(sizeof(BwdParams) == 184, "BwdParams layout");
-static_assert(sizeof(PrepParams) == 128, "PrepParams layout");
+static_assert(sizeof(BwdParams) == 192, "BwdParams layout");
+static_assert(sizeof(PrepParams) == 136, "PrepParams layout");
 static_assert(sizeof(ConvertParams) == 112, "ConvertParams layout");
 
 }  // namespace bwd
@@ -603,6 +604,8 @@ __global__ void __launch_bounds__(256) pw90_bwd_prep(const pw90::bwd::PrepParams
     const float l = i < p.M ? p.lse[(b * p.H + h) * p.M + i] : PW90_NEG_INF;
     // lse = -inf: no admissible key; lse2 = +inf makes P = exp2(s - lse2) = 0 for the row
     p.lse2[idx] = l == PW90_NEG_INF ? -PW90_NEG_INF : l * PW90_LOG2E;
+    // a gradient into lse: ds = p * (dp - delta + dlse); none on rows without keys
+    if (p.dlse != nullptr && l != PW90_NEG_INF) acc -= p.dlse[(b * p.H + h) * p.M + i];
     p.delta[idx] = acc;
   }
   if (p.dq_acc) {

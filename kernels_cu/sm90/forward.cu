@@ -67,7 +67,8 @@ struct FwdParams {
   i64 o_sb, o_sh, o_sr;  // its batch / head / row strides in elements
   float* lse;            // (B, H, M) contiguous float32, natural log; null: not stored
   i64 H, group;          // query heads, H / Hkv
-  i64 M, N, w;           // lengths (< 2^30) and w clamped to [-(M+N+1), M+N+1]
+  i64 M, N, w;           // lengths (< 2^30) and w clamped to [shift - N, shift + M]
+  i64 shift;             // P of d(i, j) = i + P - j: N - M, or within [-M, N] (offsets)
   float scale_log2;      // sm_scale * log2(e)
   float sm_scale;
 #if PW90_PERSIST
@@ -132,7 +133,7 @@ PW90 void consumer(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 empty0
   // Broadcast from lane 0 so that ptxas knows the warpgroup index (and every branch derived
   // from it) is warp-uniform; otherwise it serialises the wgmma in those branches (C7519).
   const int wg = __shfl_sync(0xffffffffu, warp / 4 - 1, 0), wl = warp % 4;
-  const int M = (int)p.M, N = (int)p.N, P = N - M, w = (int)p.w;
+  const int M = (int)p.M, N = (int)p.N, P = (int)p.shift, w = (int)p.w;
   const int row0 = m0 + 64 * wg;  // first query row of this warpgroup
   const float sl2 = p.scale_log2;
   const u32 q1a = base + S::Q1 + wg * 64 * 128, q2a = base + S::Q2 + wg * 64 * 128;
@@ -330,7 +331,7 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
   constexpr int BN = S::BN;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wg = __shfl_sync(0xffffffffu, warp / 4 - 1, 0), wl = warp % 4;
-  const int M = (int)p.M, N = (int)p.N, P = N - M, w = (int)p.w;
+  const int M = (int)p.M, N = (int)p.N, P = (int)p.shift, w = (int)p.w;
   const int row0 = m0 + 64 * wg;
   const float sl2 = p.scale_log2;
   const u32 q1a = base + S::Q1 + wg * 64 * 128, q2a = base + S::Q2 + wg * 64 * 128;
@@ -591,7 +592,7 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
   const u32 qempty = qbar + 8 + 32 * STAGES;  // (PW90_PERSIST only)
 #endif
 
-  const int M = (int)p.M, N = (int)p.N, P = N - M, w = (int)p.w;
+  const int M = (int)p.M, N = (int)p.N, P = (int)p.shift, w = (int)p.w;
 #if !PW90_PERSIST
   // Heavier causal tiles (later queries) launch first, evening out the tail of the grid.
   const int mt = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
