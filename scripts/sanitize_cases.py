@@ -21,8 +21,10 @@ for path in ("mma", "hopper"):  # the mma.sync kernels, then the Hopper forward 
         for causal in (False, True):
             for D in (64, 128):
                 for det in (False, True) if path == "hopper" else (False,):
+                    # position offsets (P = 40, not N - M = 51) and a gradient into lse
                     run_case(D=D, dtype=dtype, causal=causal, M=150, N=201, w=40, group=2,
-                             transposed=(D == 128), deterministic=det)
+                             transposed=(D == 128), deterministic=det, q_offset=40, k_offset=0,
+                             with_dlse=True)
                     print(f"ok {path} {dtype} causal={causal} D={D} deterministic={det}", flush=True)
 os.environ.pop(capability.PATH_VAR)
 capability.refresh_env_override()
