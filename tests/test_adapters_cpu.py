@@ -215,3 +215,21 @@ def test_import_stays_light():
     code = ("import sys, cupy_piecewise; "
             "assert 'torch' not in sys.modules and 'cupy' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_torch_as_f32_materialises_expanded_tensors():
+    """ArrayOps.as_f32 must hand the kernels a dense float32 array: autograd gives
+    ``lse.sum()`` an expanded gradient (every stride 0), whose one element a kernel reading
+    (B, H, M) contiguous memory would run past (found by torch.library.opcheck on a GPU)."""
+    torch = pytest.importorskip("torch")
+    from cupy_piecewise.adapters import torch as torch_adapter
+
+    as_f32 = torch_adapter.OPS.as_f32
+    expanded = torch.full((), 2.5).expand(2, 3, 5)
+    for t in (expanded, torch.randn(2, 5, 3).transpose(1, 2), torch.randn(2, 3, 5).half(),
+              torch.randn(2, 3, 5, dtype=torch.float64)[:, :, ::1]):
+        got = as_f32(t)
+        assert got.dtype == torch.float32 and got.is_contiguous()
+        assert got.stride() == (15, 5, 1) and torch.equal(got, t.to(torch.float32))
+    dense = torch.randn(2, 3, 5)
+    assert as_f32(dense) is dense  # no copy when nothing is needed

@@ -69,7 +69,10 @@ def _copy(t):
 def _as_f32(t):
     if t.dtype == torch.float32 and t.is_contiguous():
         return t
-    return t.to(torch.float32, memory_format=torch.contiguous_format)
+    # not t.to(float32, memory_format=contiguous_format): for a float32 tensor with an
+    # expanded (stride 0) axis, such as the gradient autograd gives ``lse.sum()``, that
+    # returns the tensor itself, and the kernels would read past its one element
+    return t.to(torch.float32).contiguous()
 
 
 # torch's current raw stream without building a torch.cuda.Stream (what Inductor's
