@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
 import time
 
@@ -23,27 +22,14 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from timing import event_median_ms  # noqa: E402  (bench/timing.py)
 
 
 def _inputs(L, H, Hkv, D, dev, seed=0):
     g = torch.Generator(device=dev).manual_seed(seed)
     mk = lambda h: torch.randn(1, h, L, D, device=dev, dtype=torch.bfloat16, generator=g)  # noqa: E731
     return [mk(H), mk(Hkv), mk(H), mk(Hkv), mk(Hkv)]
-
-
-def _time(fn, iters, warmup=1):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def _measure(run_fwd, leaves, do, iters):
@@ -57,8 +43,8 @@ def _measure(run_fwd, leaves, do, iters):
             t.grad = None
         run_fwd(*leaves).backward(do)
 
-    t_f = _time(fwd, iters)
-    t_fb = _time(fwd_bwd, iters)
+    t_f = event_median_ms(fwd, warmup=1, reps=iters)
+    t_fb = event_median_ms(fwd_bwd, warmup=1, reps=iters)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     fwd_bwd()

@@ -8,7 +8,25 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import traceback
+
+
+def run_and_check(world: int, tmp_path, backend: str, local_len: int, dtype_name: str,
+                  B: int, H: int, Hkv: int, D: int) -> None:
+    """Spawn ``world`` ranks of :func:`worker` and assert that every case passed."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    mp.spawn(worker, args=(world, init, str(tmp_path), backend, local_len, dtype_name, B, H, Hkv, D),
+             nprocs=world, join=True)
+    with open(os.path.join(str(tmp_path), f"report_{world}.json")) as f:
+        report = json.load(f)
+    assert len(report) == len(cases(world, local_len))
+    bad = [r for r in report if "error" in r or not r["passed"]]
+    assert not bad, json.dumps(bad[:3], indent=1)
 
 
 def cases(world: int, local_len: int):

@@ -6,9 +6,6 @@ torch CPU). Plus the argument checks and the shard/unshard layouts.
 """
 from __future__ import annotations
 
-import json
-import socket
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,25 +14,9 @@ dist = pytest.importorskip("torch.distributed")
 import distributed_cases  # noqa: E402  (tests/ is on sys.path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_gloo_matches_one_call(world, tmp_path):
-    import torch.multiprocessing as mp
-
-    local_len = 12
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    mp.spawn(distributed_cases.worker,
-             args=(world, init, str(tmp_path), "gloo", local_len, "float64", 1, 4, 2, 16),
-             nprocs=world, join=True)
-    report = json.loads((tmp_path / f"report_{world}.json").read_text())
-    assert len(report) == len(distributed_cases.cases(world, local_len))
-    bad = [r for r in report if "error" in r or not r["passed"]]
-    assert not bad, json.dumps(bad[:3], indent=1)
+    distributed_cases.run_and_check(world, tmp_path, "gloo", 12, "float64", 1, 4, 2, 16)
 
 
 def test_layout_chunks():

@@ -153,6 +153,27 @@ def fake_gpu(monkeypatch):
     return drv, rt
 
 
+@pytest.fixture
+def fake_maps(monkeypatch):
+    """tma.tensor_map_bhld replaced by a recorder: returns the list of (ptr, shape, strides,
+    dtype, box) encoded; a map's address is its pointer + 1."""
+    from cupy_piecewise import tma
+
+    encoded = []
+
+    class FakeMap:
+        def __init__(self, ptr, shape, strides, dtype, box):
+            self.info = (ptr, tuple(shape), tuple(strides), dtype, box)
+            encoded.append(self.info)
+
+        def address(self):
+            return self.info[0] + 1
+
+    monkeypatch.setattr(tma, "tensor_map_bhld",
+                        lambda ptr, shape, strides, dtype, box: FakeMap(ptr, shape, strides, dtype, box))
+    return encoded
+
+
 def _contiguous(shape):
     out, step = [], 1
     for n in reversed(shape):
@@ -232,28 +253,15 @@ def test_backward_launches(fake_gpu):
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_hopper_backward_launches(fake_gpu, monkeypatch, deterministic):
+def test_hopper_backward_launches(fake_gpu, fake_maps, monkeypatch, deterministic):
     """On sm_90 (D 64/128) the backward is prep -> pw90_bwd -> dq convert (fused dQ) or the
     mma.sync delta + dq kernels, prep and pw90_bwd without dQ (deterministic); tensor maps
     in kernel order q1, q2, dout, k1, k2, v; the workspace split into lse2, delta and the
     float32 dQ accumulator; every parameter struct filled from the problem and pointers."""
-    from cupy_piecewise import tma
-
     drv, _ = fake_gpu
     monkeypatch.delenv(capability.PATH_VAR)
     capability.refresh_env_override()
-    encoded = []
-
-    class FakeMap:
-        def __init__(self, ptr, shape, strides, dtype, box):
-            self.info = (ptr, tuple(shape), tuple(strides), dtype, box)
-            encoded.append(self.info)
-
-        def address(self):
-            return self.info[0] + 1
-
-    monkeypatch.setattr(tma, "tensor_map_bhld",
-                        lambda ptr, shape, strides, dtype, box: FakeMap(ptr, shape, strides, dtype, box))
+    encoded = fake_maps
     B, H, Hkv, M, N, D = 2, 8, 2, 100, 300, 64
     p = Problem("torch", B, H, Hkv, M, N, D, "float16", 50, True, 0.125, 0)
     q, k = _contiguous((B, H, M, D)), _contiguous((B, Hkv, N, D))
@@ -353,26 +361,13 @@ def test_cached_launches_follow_the_tile_override(fake_gpu, monkeypatch):
     assert tiles[1].startswith("64x32x2") and tiles[0] == tiles[2] != tiles[1]
 
 
-def test_hopper_launch(fake_gpu, monkeypatch):
+def test_hopper_launch(fake_gpu, fake_maps, monkeypatch):
     """On sm_90 with enough query tiles the forward is the wgmma + TMA kernel: five tensor
     maps (q1, q2, k1, k2, v order), FwdParams, 384 threads, cached maps per pointer tuple."""
-    from cupy_piecewise import tma
-
     drv, _ = fake_gpu
     monkeypatch.delenv(capability.PATH_VAR)
     capability.refresh_env_override()
-    encoded = []
-
-    class FakeMap:
-        def __init__(self, ptr, shape, strides, dtype, box):
-            self.info = (ptr, tuple(shape), tuple(strides), dtype, box)
-            encoded.append(self.info)
-
-        def address(self):
-            return self.info[0] + 1
-
-    monkeypatch.setattr(tma, "tensor_map_bhld",
-                        lambda ptr, shape, strides, dtype, box: FakeMap(ptr, shape, strides, dtype, box))
+    encoded = fake_maps
     B, H, Hkv, M, N, D = 4, 8, 2, 1000, 1200, 128  # 8 x 8 x 4 = 256 blocks
     p = Problem("torch", B, H, Hkv, M, N, D, "bfloat16", 300, True, 0.125, 0)
     q, k, o = _contiguous((B, H, M, D)), _contiguous((B, Hkv, N, D)), _contiguous((B, H, M, D))
