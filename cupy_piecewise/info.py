@@ -83,7 +83,7 @@ def _tiles(cc: tuple[int, int], max_shared: int | None = None) -> dict:
                 for d in capability.head_dims(cc)
             }
         return {"table_arch": f"sm_{arch[0]}{arch[1]}", "tiles": table,
-                "forward_path": _forward_path(cc)}
+                "forward_path": _forward_path(cc), "backward_path": _backward_path(cc)}
     except ValueError as exc:
         return {"error": str(exc)}
 
@@ -103,6 +103,23 @@ def _forward_path(cc: tuple[int, int]) -> str:
     small = "every grid" if path == "hopper" else "grids of at least one block per SM"
     return (f"Hopper wgmma + TMA kernel (sm_90a) for float16/bfloat16, head dims {dims}, "
             f"more than 16 query rows, {small}; mma.sync kernels otherwise")
+
+
+def _backward_path(cc: tuple[int, int]) -> str:
+    """Which backward kernels a GPU of compute capability ``cc`` runs, in words."""
+    from . import capability
+
+    dims = "/".join(str(d) for d in capability.HOPPER_HEAD_DIMS)
+    try:
+        path = capability.path_override()
+    except ValueError as exc:
+        return str(exc)
+    if tuple(cc) != (9, 0) or path == "mma":
+        why = " (CUPY_PIECEWISE_PATH=mma)" if tuple(cc) == (9, 0) else ""
+        return f"mma.sync kernels{why}"
+    return (f"Hopper wgmma + TMA kernel (sm_90a) for float16/bfloat16, head dims {dims} (dQ by "
+            f"float32 atomics; deterministic=True: dQ by the mma.sync kernel); mma.sync kernels "
+            f"otherwise")
 
 
 def collect() -> dict:
@@ -144,6 +161,7 @@ def _print_tiles(entry: dict, indent: str) -> None:
         print(f"{indent}tiles: {entry['error']}")
         return
     print(f"{indent}forward: {entry['forward_path']}")
+    print(f"{indent}backward: {entry['backward_path']}")
     print(f"{indent}tile table {entry['table_arch']} (float16, non-causal; BMxBNxWARPSxSTAGES):")
     for phase, row in entry["tiles"].items():
         cells = "  ".join(f"D{d}={cfg}" for d, cfg in row.items())

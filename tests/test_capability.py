@@ -255,9 +255,12 @@ def test_info_names_the_forward_path(monkeypatch):
 
     assert info._forward_path((9, 0)).startswith("Hopper wgmma + TMA")
     assert info._forward_path((8, 0)) == "mma.sync kernels"
+    assert info._backward_path((9, 0)).startswith("Hopper wgmma + TMA")
+    assert info._backward_path((8, 6)) == "mma.sync kernels"
     monkeypatch.setenv(cap.PATH_VAR, "mma")
     cap.refresh_env_override()
     assert info._forward_path((9, 0)) == "mma.sync kernels (CUPY_PIECEWISE_PATH=mma)"
+    assert info._backward_path((9, 0)) == "mma.sync kernels (CUPY_PIECEWISE_PATH=mma)"
     monkeypatch.setenv(cap.PATH_VAR, "warp-speed")
     cap.refresh_env_override()
     assert "CUPY_PIECEWISE_PATH" in info._forward_path((9, 0))
