@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize check overhead bench fuzz probes | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize check overhead bench fuzz probes ncu | all]
 # probes (not in all): the Hopper forward and backward probes (scripts/hopper_probe.py,
 # scripts/hopper_bwd_probe.py), about 4 minutes each, logs in logs/hopper_*.txt.
+# ncu (not in all): Nsight Compute on the Hopper backward kernel (scripts/profile_case.py),
+# non-causal and causal, logs in logs/ncu_pw90_bwd*.txt.
 # TEST_PATHS / PYTEST_ARGS narrow the tests, BENCH_ARGS replaces the default --quick.
 # FUZZ_EXAMPLES (default 600, about 5 min on an H200) sets the fuzz step's example count; the examples it finds
 # failing are saved to logs/fuzz_db (copy them into tests/fuzz_db to make them replay).
@@ -52,6 +54,19 @@ if has bench; then
   timeout 900 python3 bench/bench.py ${BENCH_ARGS:---quick} --out "$out/bench" 2>&1 | tee "$logs/bench.log" | tail -45
   status=$((status | ${PIPESTATUS[0]}))
   tar czf "$out/bench.tgz" -C "$out" bench && rm -rf "$out/bench"
+fi
+if asked ncu; then
+  # the Hopper backward's main kernel at L = 8192, D = 128 (non-causal, bf16): one launch
+  # after two warm-up launches, with the sections that say where its time goes
+  for causal in "" "--causal"; do
+    tag=pw90_bwd${causal:+_causal}
+    timeout 500 ncu --clock-control none -k regex:pw90_bwd --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats --section Occupancy \
+      python3 scripts/profile_case.py --L 8192 --D 128 $causal > "$logs/ncu_$tag.txt" 2>&1
+    rc=$?; echo "ncu $tag: exit $rc"; grep -E "Duration|Throughput|Stall|Issued" "$logs/ncu_$tag.txt" | head -20
+    status=$((status | rc))
+  done
 fi
 if asked probes; then
   for probe in hopper_probe hopper_bwd_probe; do

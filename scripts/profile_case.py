@@ -1,0 +1,41 @@
+#!/usr/bin/env python3
+"""One attention shape, forward and backward a few times: the process to put under ncu.
+
+    PYTHONPATH=$PWD python3 scripts/profile_case.py --L 8192 --D 128 [--causal] [--deterministic]
+
+B = 16384 / L, H = 2048 / D (the bench's shapes), bfloat16 by default, w = L / 4; torch
+autograd through cupy_piecewise.attention (so the default path of the GPU: on an H200 the
+Hopper forward and backward). scripts/gpu_run.sh's ncu step profiles the pw90_bwd launches
+of this process.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import cupy_piecewise
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--L", type=int, default=8192)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--iters", type=int, default=3)
+    a = ap.parse_args()
+    B, H, dt = max(1, 16384 // a.L), max(1, 2048 // a.D), getattr(torch, a.dtype)
+    ins = [torch.randn(B, H, a.L, a.D, device="cuda", dtype=dt).requires_grad_() for _ in range(5)]
+    do = torch.randn(B, H, a.L, a.D, device="cuda", dtype=dt)
+    for _ in range(a.iters):
+        o = cupy_piecewise.attention(*ins, a.L // 4, causal=a.causal, deterministic=a.deterministic)
+        o.backward(do)
+    torch.cuda.synchronize()
+    print(f"done: B={B} H={H} L={a.L} D={a.D} {a.dtype} causal={a.causal} "
+          f"deterministic={a.deterministic}")
+
+
+if __name__ == "__main__":
+    main()
