@@ -13,12 +13,15 @@ array of theirs is passed.
 __version__ = "0.1.0"
 
 from .api import attention, attention_backward  # noqa: E402
+from .varlen import attention_varlen, attention_varlen_backward  # noqa: E402
 from .validate import GPU_DTYPES, GPU_HEAD_DIMS, Problem, check_inputs  # noqa: E402
 
 __all__ = [
     "__version__",
     "attention",
     "attention_backward",
+    "attention_varlen",
+    "attention_varlen_backward",
     "Problem",
     "check_inputs",
     "GPU_DTYPES",

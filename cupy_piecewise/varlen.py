@@ -1,0 +1,164 @@
+"""Packed variable-length batches: ``attention_varlen`` / ``attention_varlen_backward``.
+
+``B`` sequences of different lengths are packed along one axis, FlashAttention's varlen
+layout: queries ``(total_q, H, D)``, keys and values ``(total_k, Hkv, D)``, and
+``cu_seqlens_q`` / ``cu_seqlens_k`` the ``B + 1`` running totals (``cu[0] = 0``,
+``cu[B] = total``). Sequence ``b`` is the rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]``
+of the queries against the rows ``cu_seqlens_k[b] : cu_seqlens_k[b + 1]`` of the keys,
+an independent problem whose queries are aligned to the end of its own keys
+(docs/semantics.md, "Packed variable-length batches"). Zero-length sequences are allowed.
+
+Implemented on the CPU paths (NumPy: the float64 reference; torch CPU tensors: the torch
+implementation, with autograd, the lse differentiable) by running each sequence through
+:func:`cupy_piecewise.attention`. CUDA arrays raise NotImplementedError: the packed
+kernels (one grid over the query tiles of every sequence, no host synchronisation) are not
+written yet.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import api, validate
+
+__all__ = ["attention_varlen", "attention_varlen_backward"]
+
+
+def _host_ints(cu, name: str, library: str):
+    """``cu`` as a list of Python ints, checked: a 1-D integer array of the inputs' library
+    with at least two entries, starting at 0, non-decreasing."""
+    lib = validate.library_of(cu, name)
+    if lib != library:
+        raise TypeError(f"{name} is a {lib} array but the inputs are {library} arrays")
+    shape = tuple(int(n) for n in cu.shape)
+    if len(shape) != 1 or shape[0] < 2:
+        raise ValueError(f"{name} must be 1-D with B + 1 >= 2 entries, got shape {shape}")
+    dt = validate.dtype_name(cu)
+    if dt not in ("int32", "int64"):
+        raise TypeError(f"{name} must hold int32 (or int64) running totals, got {dt}")
+    values = [int(x) for x in (cu.tolist() if hasattr(cu, "tolist") else cu)]
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    for a, b in zip(values, values[1:]):
+        if b < a:
+            raise ValueError(f"{name} must be non-decreasing (running totals), got {values}")
+    return values
+
+
+def _plan(q1, k1, cu_q, cu_k, max_q, max_k):
+    """Checked (cu_q, cu_k) lists for inputs of the given library and packed lengths."""
+    library = validate.library_of(q1, "q1")
+    for name, x in (("q1", q1), ("k1", k1)):
+        if len(x.shape) != 3:
+            raise ValueError(f"{name} must have 3 dimensions (total, heads, head_dim) in a packed "
+                             f"batch, got shape {tuple(x.shape)}")
+    cq = _host_ints(cu_q, "cu_seqlens_q", library)
+    ck = _host_ints(cu_k, "cu_seqlens_k", library)
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
+                         f"sequences, got {len(cq) - 1} and {len(ck) - 1}")
+    for name, cu, total in (("cu_seqlens_q", cq, int(q1.shape[0])), ("cu_seqlens_k", ck, int(k1.shape[0]))):
+        if cu[-1] != total:
+            raise ValueError(f"{name} must end at the packed length {total}, got {cu[-1]}")
+    for name, cu, limit in (("max_seqlen_q", cq, max_q), ("max_seqlen_k", ck, max_k)):
+        longest = max(b - a for a, b in zip(cu, cu[1:]))
+        if limit is not None and int(limit) < longest:
+            raise ValueError(f"{name}={limit} is below the longest sequence ({longest})")
+    return library, cq, ck
+
+
+def _seq(x, a: int, b: int):
+    """Rows a:b of a packed (total, heads, D) array as a (1, heads, b - a, D) view."""
+    return x[a:b].transpose(1, 0, 2)[None] if isinstance(x, np.ndarray) else x[a:b].transpose(0, 1)[None]
+
+
+def _unseq(x):
+    """(1, heads, n, D) -> (n, heads, D)."""
+    return x[0].transpose(1, 0, 2) if isinstance(x, np.ndarray) else x[0].transpose(0, 1)
+
+
+def _cat(parts, axis: int, like):
+    if isinstance(like, np.ndarray):
+        return np.concatenate(parts, axis=axis)
+    import torch
+
+    return torch.cat(parts, dim=axis)
+
+
+def _gpu_refused(library: str, q1) -> None:
+    dev = getattr(q1, "device", None)
+    on_gpu = library == "cupy" or (library == "torch" and getattr(dev, "type", "cpu") == "cuda")
+    if on_gpu:
+        raise NotImplementedError(
+            "attention_varlen: CUDA arrays are not supported yet (the packed-batch kernels are "
+            "not written); use the CPU paths, or one attention call per sequence")
+
+
+def attention_varlen(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, dist_threshold, *,
+                     max_seqlen_q=None, max_seqlen_k=None, causal=False, sm_scale=None,
+                     return_lse=False):
+    """Piecewise attention of a packed batch of variable-length sequences.
+
+    Args:
+        q1, q2: ``(total_q, H, D)`` packed queries; k1, k2, v: ``(total_k, Hkv, D)`` packed
+            keys and values (NumPy arrays or torch CPU tensors, one dtype).
+        cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 (or int64) running totals of the
+            sequences' lengths, arrays of the inputs' library: 0, then non-decreasing, ending
+            at ``total_q`` / ``total_k``. Zero-length sequences are allowed.
+        dist_threshold, causal, sm_scale: as :func:`cupy_piecewise.attention`, applied to
+            each sequence with its queries aligned to the end of its own keys.
+        max_seqlen_q, max_seqlen_k: optional bounds on the sequence lengths (checked).
+        return_lse: also return ``lse`` of shape ``(H, total_q)``.
+
+    Returns ``o`` ``(total_q, H, D)`` in the input dtype (or ``(o, lse)``); with torch
+    tensors, differentiable (``o`` and ``lse``).
+
+    Raises:
+        TypeError, ValueError: bad inputs, as :func:`cupy_piecewise.attention` for each
+            sequence, and for running totals that are not 1-D integers starting at 0,
+            non-decreasing and ending at the packed lengths, or a max_seqlen below the
+            longest sequence.
+        NotImplementedError: CUDA arrays (no packed-batch kernels yet).
+
+    Example:
+        >>> import numpy as np, cupy_piecewise.varlen as vl
+        >>> rng = np.random.default_rng(0)
+        >>> q1, q2 = rng.standard_normal((2, 7, 2, 16))       # sequences of 3, 0 and 4 rows
+        >>> k1, k2, v = rng.standard_normal((3, 9, 1, 16))    # ... against 5, 0 and 4 keys
+        >>> cu_q, cu_k = np.array([0, 3, 3, 7], np.int32), np.array([0, 5, 5, 9], np.int32)
+        >>> o, lse = vl.attention_varlen(q1, k1, q2, k2, v, cu_q, cu_k, 2, causal=True, return_lse=True)
+        >>> o.shape, lse.shape
+        ((7, 2, 16), (2, 7))
+    """
+    library, cq, ck = _plan(q1, k1, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _gpu_refused(library, q1)
+    os, ls = [], []
+    for (qa, qb), (ka, kb) in zip(zip(cq, cq[1:]), zip(ck, ck[1:])):
+        o, lse = api.attention(_seq(q1, qa, qb), _seq(k1, ka, kb), _seq(q2, qa, qb),
+                               _seq(k2, ka, kb), _seq(v, ka, kb), dist_threshold, causal=causal,
+                               sm_scale=sm_scale, return_lse=True)
+        os.append(_unseq(o))
+        ls.append(lse[0])
+    o = _cat(os, 0, os[0])
+    return (o, _cat(ls, 1, ls[0])) if return_lse else o
+
+
+def attention_varlen_backward(do, q1, k1, q2, k2, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+                              dist_threshold, *, causal=False, sm_scale=None, dlse=None):
+    """Gradients of :func:`attention_varlen` -> ``(dq1, dk1, dq2, dk2, dv)``, packed like the
+    inputs (``dq*`` ``(total_q, H, D)``, ``dk*``/``dv`` ``(total_k, Hkv, D)``).
+
+    ``do``, ``o``: ``(total_q, H, D)``; ``lse`` and ``dlse`` (optional gradient of lse):
+    ``(H, total_q)``. Errors as :func:`attention_varlen` and
+    :func:`cupy_piecewise.attention_backward`."""
+    library, cq, ck = _plan(q1, k1, cu_seqlens_q, cu_seqlens_k, None, None)
+    _gpu_refused(library, q1)
+    parts = [[] for _ in range(5)]
+    for (qa, qb), (ka, kb) in zip(zip(cq, cq[1:]), zip(ck, ck[1:])):
+        d = None if dlse is None else dlse[:, qa:qb][None]
+        g = api.attention_backward(_seq(do, qa, qb), _seq(q1, qa, qb), _seq(k1, ka, kb),
+                                   _seq(q2, qa, qb), _seq(k2, ka, kb), _seq(v, ka, kb),
+                                   _seq(o, qa, qb), lse[:, qa:qb][None], dist_threshold,
+                                   causal=causal, sm_scale=sm_scale, dlse=d)
+        for acc, x in zip(parts, g):
+            acc.append(_unseq(x))
+    return tuple(_cat(p, 0, p[0]) for p in parts)

@@ -1,0 +1,111 @@
+"""Packed variable-length batches on the CPU paths (cupy_piecewise.varlen): each sequence
+equals its own padded call, empty sequences, one sequence equals the batched call, torch
+autograd through o and lse against per-sequence calls, the NumPy backward with dlse, and
+the checks on the running totals."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupy_piecewise as cpw
+from cupy_piecewise import varlen
+
+torch = pytest.importorskip("torch")
+
+LENS = [([3, 0, 5, 1], [4, 0, 9, 1]), ([6], [6]), ([0, 0], [3, 0]), ([2, 7], [7, 2])]
+
+
+def packed(lq, lk, H=4, Hkv=2, D=16, seed=0):
+    rng = np.random.default_rng(seed)
+    tq, tk = sum(lq), sum(lk)
+    xs = [rng.standard_normal(s) for s in [(tq, H, D), (tk, Hkv, D), (tq, H, D), (tk, Hkv, D), (tk, Hkv, D)]]
+    cu = [np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lq, lk)]
+    return xs, cu
+
+
+@pytest.mark.parametrize("lq,lk", LENS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_numpy_varlen_equals_each_sequence(lq, lk, causal):
+    (q1, k1, q2, k2, v), (cq, ck) = packed(lq, lk)
+    o, lse = varlen.attention_varlen(q1, k1, q2, k2, v, cq, ck, 2, causal=causal, return_lse=True)
+    assert o.shape == q1.shape and lse.shape == (q1.shape[1], q1.shape[0])
+    for b in range(len(lq)):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        seq = [x[s].transpose(1, 0, 2)[None] for x, s in zip((q1, k1, q2, k2, v), (qs, ks, qs, ks, ks))]
+        ob, lb = cpw.attention(*seq, 2, causal=causal, return_lse=True)
+        np.testing.assert_array_equal(o[qs], ob[0].transpose(1, 0, 2))
+        np.testing.assert_array_equal(lse[:, qs], lb[0])
+    # backward with a gradient into lse, sequence by sequence as well
+    rng = np.random.default_rng(1)
+    do, dl = rng.standard_normal(o.shape), rng.standard_normal(lse.shape).astype(np.float32)
+    grads = varlen.attention_varlen_backward(do, q1, k1, q2, k2, v, o, lse, cq, ck, 2,
+                                             causal=causal, dlse=dl)
+    for b in range(len(lq)):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        T = lambda x, s: x[s].transpose(1, 0, 2)[None]  # noqa: E731
+        gb = cpw.attention_backward(T(do, qs), T(q1, qs), T(k1, ks), T(q2, qs), T(k2, ks), T(v, ks),
+                                    T(o, qs), lse[:, qs][None], 2, causal=causal, dlse=dl[:, qs][None])
+        for g, w, s in zip(grads, gb, (qs, ks, qs, ks, ks)):
+            np.testing.assert_array_equal(g[s], w[0].transpose(1, 0, 2))
+
+
+def test_one_sequence_equals_the_batched_call():
+    (q1, k1, q2, k2, v), (cq, ck) = packed([5], [8])
+    o = varlen.attention_varlen(q1, k1, q2, k2, v, cq, ck, 3, causal=True)
+    want = cpw.attention(*[x.transpose(1, 0, 2)[None] for x in (q1, k1, q2, k2, v)], 3, causal=True)
+    np.testing.assert_array_equal(o, want[0].transpose(1, 0, 2))
+
+
+@pytest.mark.parametrize("lq,lk", LENS)
+def test_torch_varlen_autograd(lq, lk):
+    """torch CPU float64: o, lse and the gradients of a loss on both equal per-sequence
+    calls'."""
+    xs, (cq, ck) = packed(lq, lk, seed=4)
+    leaves = [torch.tensor(x, requires_grad=True) for x in xs]
+    o, lse = varlen.attention_varlen(*leaves, torch.from_numpy(cq), torch.from_numpy(ck), 1,
+                                     causal=True, return_lse=True)
+    g = torch.Generator().manual_seed(0)
+    do = torch.randn(o.shape, dtype=torch.float64, generator=g)
+    dl = torch.randn(lse.shape, dtype=torch.float64, generator=g)
+    (o * do).sum().add((torch.nan_to_num(lse, neginf=0.0) * dl).sum()).backward()
+    refs = [torch.tensor(x, requires_grad=True) for x in xs]
+    loss = 0
+    for b in range(len(lq)):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        seq = [x[s].transpose(0, 1)[None] for x, s in zip(refs, (qs, ks, qs, ks, ks))]
+        ob, lb = cpw.attention(*seq, 1, causal=True, return_lse=True)
+        torch.testing.assert_close(o[qs], ob[0].transpose(0, 1))
+        loss = loss + (ob[0].transpose(0, 1) * do[qs]).sum() + (torch.nan_to_num(lb[0], neginf=0.0) * dl[:, qs]).sum()
+    if torch.is_tensor(loss):
+        loss.backward()
+    for a, r in zip(leaves, refs):
+        if r.grad is None:  # every sequence empty: no gradient anywhere
+            assert a.grad is None or not a.grad.any()
+        else:
+            torch.testing.assert_close(a.grad, r.grad)
+
+
+@pytest.mark.parametrize("cu_q,cu_k,err,match", [
+    ([1, 3], [0, 3], ValueError, "start at 0"),
+    ([0, 3, 2], [0, 1, 3], ValueError, "non-decreasing"),
+    ([0, 2], [0, 3], ValueError, "end at the packed length"),
+    ([0, 3], [0, 1, 3], ValueError, "same number of sequences"),
+    ([[0, 3]], [0, 3], ValueError, "1-D"),
+])
+def test_running_total_errors(cu_q, cu_k, err, match):
+    (q1, k1, q2, k2, v), _ = packed([3], [3])
+    with pytest.raises(err, match=match):
+        varlen.attention_varlen(q1, k1, q2, k2, v, np.array(cu_q, np.int32), np.array(cu_k, np.int32), 1)
+
+
+def test_dtype_library_and_max_seqlen_errors():
+    (q1, k1, q2, k2, v), (cq, ck) = packed([3, 2], [3, 4])
+    with pytest.raises(TypeError, match="int32"):
+        varlen.attention_varlen(q1, k1, q2, k2, v, cq.astype(np.float32), ck, 1)
+    with pytest.raises(TypeError, match="cu_seqlens_q"):
+        varlen.attention_varlen(q1, k1, q2, k2, v, torch.from_numpy(cq), ck, 1)
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        varlen.attention_varlen(q1, k1, q2, k2, v, cq, ck, 1, max_seqlen_k=3)
+    varlen.attention_varlen(q1, k1, q2, k2, v, cq, ck, 1, max_seqlen_q=3, max_seqlen_k=4)
+    with pytest.raises(ValueError, match="3 dimensions"):
+        varlen.attention_varlen(q1[None], k1, q2, k2, v, cq, ck, 1)
