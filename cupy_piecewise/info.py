@@ -88,11 +88,12 @@ def _tiles(cc: tuple[int, int], max_shared: int | None = None) -> dict:
         return {"error": str(exc)}
 
 
-def _forward_path(cc: tuple[int, int]) -> str:
-    """Which forward kernels a GPU of compute capability ``cc`` runs, in words."""
+def _mma_only(cc: tuple[int, int]):
+    """The words for a GPU that runs only the mma.sync kernels (not compute capability 9.0,
+    or CUPY_PIECEWISE_PATH=mma), the error text of a bad CUPY_PIECEWISE_PATH, or None when
+    the Hopper kernels apply."""
     from . import capability
 
-    dims = "/".join(str(d) for d in capability.HOPPER_HEAD_DIMS)
     try:
         path = capability.path_override()
     except ValueError as exc:
@@ -100,7 +101,18 @@ def _forward_path(cc: tuple[int, int]) -> str:
     if tuple(cc) != (9, 0) or path == "mma":
         why = " (CUPY_PIECEWISE_PATH=mma)" if tuple(cc) == (9, 0) else ""
         return f"mma.sync kernels{why}"
-    small = "every grid" if path == "hopper" else "grids of at least one block per SM"
+    return None
+
+
+def _forward_path(cc: tuple[int, int]) -> str:
+    """Which forward kernels a GPU of compute capability ``cc`` runs, in words."""
+    from . import capability
+
+    words = _mma_only(cc)
+    if words is not None:
+        return words
+    dims = "/".join(str(d) for d in capability.HOPPER_HEAD_DIMS)
+    small = "every grid" if capability.path_override() == "hopper" else "grids of at least one block per SM"
     return (f"Hopper wgmma + TMA kernel (sm_90a) for float16/bfloat16, head dims {dims}, "
             f"more than 16 query rows, {small}; mma.sync kernels otherwise")
 
@@ -109,14 +121,10 @@ def _backward_path(cc: tuple[int, int]) -> str:
     """Which backward kernels a GPU of compute capability ``cc`` runs, in words."""
     from . import capability
 
+    words = _mma_only(cc)
+    if words is not None:
+        return words
     dims = "/".join(str(d) for d in capability.HOPPER_HEAD_DIMS)
-    try:
-        path = capability.path_override()
-    except ValueError as exc:
-        return str(exc)
-    if tuple(cc) != (9, 0) or path == "mma":
-        why = " (CUPY_PIECEWISE_PATH=mma)" if tuple(cc) == (9, 0) else ""
-        return f"mma.sync kernels{why}"
     return (f"Hopper wgmma + TMA kernel (sm_90a) for float16/bfloat16, head dims {dims} (dQ by "
             f"float32 atomics; deterministic=True: dQ by the mma.sync kernel); mma.sync kernels "
             f"otherwise")
