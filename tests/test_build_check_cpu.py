@@ -89,3 +89,22 @@ def test_hopper_kernels_build_for_sm90a(capsys):
     for name in ("pw90_bwd<pw90::f16, 128, true, true>", "pw90_bwd<pw90::bf16, 64, false, false>",
                  "pw90_bwd_prep<pw90::bf16, 64>", "pw90_bwd_dq_convert<pw90::f16, 128>"):
         assert name in out, name
+
+
+def test_near_limit_flags_mma_variants_only():
+    """Variants at 250+ registers are reported (not failed); Hopper kernels, which report
+    their setmaxnreg entry cap, and failed builds are not flagged."""
+    from cupy_piecewise.build_check import NEAR_LIMIT_REGISTERS, near_limit
+    from cupy_piecewise.compile import BuildReport
+
+    tiles = capability.lookup((9, 0), "bwd_dkv", 128, "bfloat16", False)
+    mma = Variant("bwd_dkv", "bfloat16", 128, tiles, False)
+    hopper = Variant("bwd_sm90", "bfloat16", 128, None, False)
+
+    def report(v, regs, ok=True):
+        return BuildReport(v, "sm_90", regs, 0, 0, 0, ok, "")
+
+    assert near_limit(report(mma, NEAR_LIMIT_REGISTERS))
+    assert not near_limit(report(mma, NEAR_LIMIT_REGISTERS - 1))
+    assert not near_limit(report(hopper, 255))
+    assert not near_limit(report(mma, 255, ok=False))
