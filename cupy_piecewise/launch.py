@@ -401,20 +401,6 @@ _HOPPER_PARAMS = struct.Struct("<Qqqq Q qqqqqq ff")
 _HOPPER_MAPS_MAX = 64
 
 
-def _tensor_maps(launches, key):
-    """``launches._encode(key)`` (tensor maps of the data pointers ``key``: their addresses
-    in kernel order, and the maps to keep alive), cached per pointer tuple in
-    ``launches._maps`` (at most :data:`_HOPPER_MAPS_MAX`, then cleared)."""
-    hit = launches._maps.get(key)
-    if hit is None:
-        hit = launches._encode(key)
-        with launches._lock:
-            if len(launches._maps) >= _HOPPER_MAPS_MAX:
-                launches._maps.clear()
-            launches._maps[key] = hit
-    return hit
-
-
 class HopperLaunches:
     """The Hopper forward of one signature, with :class:`Launches`' interface.
 
@@ -460,7 +446,14 @@ class HopperLaunches:
     def run(self, ptrs, stream: int, workspace: int = 0) -> None:
         """Launch on ``stream`` with the pointers of q1, k1, q2, k2, v, o, lse (lse 0: not
         stored); ``workspace`` is unused."""
-        hit = _tensor_maps(self, tuple(ptrs[:5]))
+        key = tuple(ptrs[:5])
+        hit = self._maps.get(key)
+        if hit is None:
+            hit = self._encode(key)
+            with self._lock:
+                if len(self._maps) >= _HOPPER_MAPS_MAX:
+                    self._maps.clear()
+                self._maps[key] = hit
         params = ctypes.create_string_buffer(self._template, _HOPPER_PARAMS.size)
         struct.pack_into("<Q", params, 0, ptrs[5])
         struct.pack_into("<Q", params, 32, ptrs[6])
@@ -599,7 +592,14 @@ class HopperBackward:
         q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, delta, dlse = ptrs
         if self._mma is not None:
             self._mma.run(ptrs, stream)
-        hit = _tensor_maps(self, (q1, q2, do, k1, k2, v))
+        key = (q1, q2, do, k1, k2, v)
+        hit = self._maps.get(key)
+        if hit is None:
+            hit = self._encode(key)
+            with self._lock:
+                if len(self._maps) >= _HOPPER_MAPS_MAX:
+                    self._maps.clear()
+                self._maps[key] = hit
         lse2, dlt = workspace + self._offsets[0], workspace + self._offsets[1]
         acc = 0 if self.deterministic else workspace + self._offsets[2]
         prep = ctypes.create_string_buffer(self._prep, _BWD_PREP.size)
