@@ -10,6 +10,14 @@ import functools
 
 import pytest
 
+from sm90_build import require_nvrtc
+
+
+@pytest.fixture(scope="session")
+def nvrtc():
+    """CuPy's NVRTC bindings (skips the test when NVRTC cannot be loaded)."""
+    return require_nvrtc()
+
 NO_GPU_REASON = "no CUDA GPU visible to CuPy"
 
 

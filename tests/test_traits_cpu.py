@@ -27,27 +27,6 @@ _TAG = re.compile(r"error: static assertion failed.*pw-traits#(\d+)")
 _FINAL = re.compile(r"final comparison was (-?\d+) == (-?\d+)")  # NVRTC's note on a failed ==
 
 
-def _nvrtc_reason() -> str | None:
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-
-        nvrtc.getVersion()
-    except Exception as exc:  # ImportError, or the library itself missing
-        return f"NVRTC cannot be loaded ({type(exc).__name__}: {exc})"
-    return None
-
-
-@pytest.fixture(scope="module")
-def nvrtc():
-    reason = _nvrtc_reason()
-    if reason:
-        print(reason)
-        pytest.skip(reason)
-    from cupy_backends.cuda.libs import nvrtc
-
-    return nvrtc
-
-
 def _arch(cc) -> str:
     return f"sm_{cc[0]}{cc[1]}"
 
