@@ -348,12 +348,14 @@ def attention(
             a head dim the CUDA kernels do not support, non-positive ``sm_scale``.
     """
     det = validate.check_deterministic(deterministic)
-    validate.check_offsets(q_offset, k_offset)  # before the int64 schema sees them
     if _any_autocast() and isinstance(q1, Tensor):
         q1, k1, q2, k2, v = _autocast(q1, k1, q2, k2, v)
     if _is_compiling():
         # Traced by dynamo: the operator body checks the arguments when it runs
         # (memoised, so once per signature); the fake implementation gives shapes.
+        # Offsets are checked here, before the operator's int64 schema sees them (eager
+        # calls check them in _call, once per signature).
+        validate.check_offsets(q_offset, k_offset)
         scale = 1.0 / math.sqrt(q1.shape[-1]) if sm_scale is None else float(sm_scale)
         w = dist_threshold
         if isinstance(w, int) and not isinstance(w, bool):

@@ -45,8 +45,10 @@ def _host_ints(cu, name: str, library: str):
 
 
 def _plan(q1, k1, cu_q, cu_k, max_q, max_k):
-    """Checked (cu_q, cu_k) lists for inputs of the given library and packed lengths."""
+    """Checked (cu_q, cu_k) lists for inputs of the given library and packed lengths
+    (CUDA arrays are refused first: reading their running totals would synchronise)."""
     library = validate.library_of(q1, "q1")
+    _gpu_refused(library, q1)
     for name, x in (("q1", q1), ("k1", k1)):
         if len(x.shape) != 3:
             raise ValueError(f"{name} must have 3 dimensions (total, heads, head_dim) in a packed "
@@ -130,7 +132,6 @@ def attention_varlen(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, dist_thresho
         ((7, 2, 16), (2, 7))
     """
     library, cq, ck = _plan(q1, k1, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    _gpu_refused(library, q1)
     os, ls = [], []
     for (qa, qb), (ka, kb) in zip(zip(cq, cq[1:]), zip(ck, ck[1:])):
         o, lse = api.attention(_seq(q1, qa, qb), _seq(k1, ka, kb), _seq(q2, qa, qb),
@@ -151,7 +152,6 @@ def attention_varlen_backward(do, q1, k1, q2, k2, v, o, lse, cu_seqlens_q, cu_se
     ``(H, total_q)``. Errors as :func:`attention_varlen` and
     :func:`cupy_piecewise.attention_backward`."""
     library, cq, ck = _plan(q1, k1, cu_seqlens_q, cu_seqlens_k, None, None)
-    _gpu_refused(library, q1)
     parts = [[] for _ in range(5)]
     for (qa, qb), (ka, kb) in zip(zip(cq, cq[1:]), zip(ck, ck[1:])):
         d = None if dlse is None else dlse[:, qa:qb][None]
