@@ -4,15 +4,22 @@ For each architecture asked for, every (phase, head dim, dtype, causal) entry th
 table can select is compiled through NVRTC with ptxas's verbose report, and a table of
 registers, stack and spill bytes per variant is printed. Exit status 1 on a compile error or
 on any spill (a spilling variant is a tuning bug: fix the table or the kernel).
+
+``--install`` instead compiles, on this machine's GPU, every variant its capability-table row
+(and, on compute capability 9.0, the Hopper kernels) can select, and loads each once: CuPy
+keeps the compiled modules in its on-disk kernel cache (``CUPY_CACHE_DIR``, default
+``~/.cupy/kernel_cache``), so a fresh process's first call loads a cubin instead of
+compiling (README, "Cold start").
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 from . import capability
-from .compile import HOPPER_KERNELS, HOPPER_ROW_KERNELS, Variant, compile_offline
+from .compile import HOPPER_KERNELS, HOPPER_ROW_KERNELS, Variant, compile_offline, get_function
 
 
 def variants_for(cc, hopper: bool = False) -> list[Variant]:
@@ -53,20 +60,119 @@ def _parse_arch(text: str) -> tuple[tuple[int, int], bool]:
     return (int(t[:-1]), int(t[-1])), hopper
 
 
+class _NoBar:
+    """Stands in for tqdm where it is missing: iterates, counts nothing."""
+
+    def __init__(self, it=None, **kw):
+        self.it = it
+
+    def __iter__(self):
+        return iter(self.it)
+
+    def update(self, n=1):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress():
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress is a nicety; the summary line is the result
+        return _NoBar
+    return tqdm
+
+
+def install_variants(cc: tuple[int, int]) -> list[Variant]:
+    """What ``--install`` compiles for a GPU of compute capability ``cc``: every variant the
+    capability table can select there and, on 9.0, the Hopper kernels."""
+    out = variants_for(cc)
+    if tuple(cc) == (9, 0):
+        out += variants_for(cc, hopper=True)
+    return out
+
+
+def _install_some(device: int, variants: list[Variant]) -> list[str]:
+    """Compile and load ``variants`` on ``device`` (in a worker process); the failures."""
+    failed = []
+    for v in variants:
+        try:
+            get_function(device, v)
+        except Exception as e:  # report every variant that fails, then fail the command
+            failed.append(f"{v.name_expression}: {type(e).__name__}: {e}")
+    return failed
+
+
+def install(device: int | None = None, jobs: int | None = None) -> int:
+    """Compile and load every variant :func:`install_variants` lists on ``device`` (default:
+    CuPy's current device), filling CuPy's on-disk kernel cache; returns the exit status.
+
+    NVRTC holds the interpreter, so ``jobs`` worker processes (default: up to 8, one per
+    core) compile in parallel, a few variants per task so the progress bar moves; this
+    process then loads every variant once more, from the cache, to prove it is there.
+
+    Raises RuntimeError when no CUDA GPU is visible (there is nothing to install for)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    import cupy
+
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        count = 0
+    if count == 0:
+        raise RuntimeError("build --install needs a CUDA GPU visible to CuPy (it compiles for and "
+                           "loads on that GPU); `build` without --install needs none")
+    dev = cupy.cuda.Device(device)
+    cc = (int(dev.compute_capability[:-1]), int(dev.compute_capability[-1]))
+    variants = install_variants(cc)
+    jobs = max(1, jobs or min(8, os.cpu_count() or 1))
+    chunks = [variants[i:i + 4] for i in range(0, len(variants), 4)]
+    t0 = time.time()
+    failures: list[str] = []
+    bar = _progress()(total=len(variants), desc=f"installing for sm_{cc[0]}{cc[1]}",
+                      unit="kernel", file=sys.stderr)
+    # spawn, not fork: a forked child of a process with a CUDA context cannot use CUDA
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_install_some, dev.id, chunk): len(chunk) for chunk in chunks}
+        for fut in as_completed(futures):
+            failures += fut.result()
+            bar.update(futures[fut])
+    bar.close()
+    if not failures:
+        failures = _install_some(dev.id, variants)  # cache hits now: seconds
+    for line in failures:
+        print(line, file=sys.stderr)
+    cache_dir = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+    print(f"{len(variants) - len(failures)} of {len(variants)} kernel variants for "
+          f"sm_{cc[0]}{cc[1]} compiled and cached in {cache_dir} in {time.time() - t0:.0f} s "
+          f"({jobs} processes); {len(failures)} failure(s)")
+    return 1 if failures else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cupy_piecewise build", description=__doc__.split("\n")[0])
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="--install: compiler processes (default: up to 8)")
+    ap.add_argument("--install", action="store_true",
+                    help="compile the variants this machine's GPU selects into CuPy's on-disk "
+                         "kernel cache (needs the GPU; --arch is ignored), so that a fresh "
+                         "process's first call does not compile")
     ap.add_argument("--arch", default=",".join(
                         [f"sm_{a}{b}" for a, b in capability.LISTED_ARCHS] + ["sm_90a"]),
                     help="comma-separated architectures (default: every listed one, and sm_90a "
                          "for the Hopper kernels)")
     args = ap.parse_args(argv)
+    if args.install:
+        try:
+            return install(jobs=args.jobs)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 2
     archs = [_parse_arch(a) for a in args.arch.split(",") if a.strip()]
-
-    try:
-        from tqdm import tqdm
-    except ImportError:  # progress is a nicety; the table below is the result
-        def tqdm(it, **kw):
-            return it
+    tqdm = _progress()
 
     jobs = []
     for cc, hopper in archs:

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize check overhead bench fuzz probes ncu | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes ncu | all]
+# sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
+# cold: first-call figures before and after `build --install` (scripts/cold_start.py);
+# soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
 # probes (not in all): the Hopper forward and backward probes (scripts/hopper_probe.py,
 # scripts/hopper_bwd_probe.py), about 4 minutes each, logs in logs/hopper_*.txt.
 # ncu (not in all): Nsight Compute on the Hopper backward kernel (scripts/profile_case.py),
@@ -35,12 +38,27 @@ if has fuzz; then
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has sanitize; then
-  for tool in memcheck racecheck; do
-    timeout 600 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_cases.py \
-      > "$logs/sanitize_$tool.log" 2>&1
-    rc=$?; echo "compute-sanitizer $tool: exit $rc"; tail -2 "$logs/sanitize_$tool.log"
-    status=$((status | rc))
+  # the four tools at once (each its own process on the same GPU): every selectable variant
+  # (scripts/sanitize_cases.py), which exits 1 if any went unlaunched
+  for tool in memcheck racecheck synccheck initcheck; do
+    extra=""; [[ $tool == memcheck ]] && extra="--report-api-errors no"
+    timeout 900 compute-sanitizer --tool $tool $extra --error-exitcode 9 python3 scripts/sanitize_cases.py \
+      > "$logs/sanitize_$tool.log" 2>&1 &
   done
+  for tool in memcheck racecheck synccheck initcheck; do
+    wait -n; rc=$?; status=$((status | rc))
+  done
+  for tool in memcheck racecheck synccheck initcheck; do
+    echo "compute-sanitizer $tool:"; grep -E "ERROR SUMMARY|variants launched|not launched|Error|Traceback" "$logs/sanitize_$tool.log" | head -8
+  done
+fi
+if has cold; then
+  timeout 600 python3 scripts/cold_start.py --out "$out/cold_start.json" 2>&1 | tee "$logs/cold_start.log" | tail -4
+  status=$((status | ${PIPESTATUS[0]}))
+fi
+if has soak; then
+  timeout 900 python3 scripts/soak.py ${SOAK_ARGS:-} --out "$out/soak.json" 2>&1 | tee "$logs/soak.log" | tail -15
+  status=$((status | ${PIPESTATUS[0]}))
 fi
 if has check; then
   timeout 300 python3 -m cupy_piecewise check 2>&1 | tee "$logs/check.log" | tail -3

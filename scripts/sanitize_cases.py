@@ -1,9 +1,13 @@
-"""Forward and backward once per kernel path x dtype x causal x D at a size that is not a
-tile multiple (the Hopper forward and backward forced as well as the mma.sync kernels; the
-Hopper backward with fused dQ and in deterministic mode).
+"""Forward and backward once for every kernel variant the capability table can select on
+this GPU (every head dim, dtype and causal flag of its row, the decode split-KV kernel and
+its combine, the row kernels), on the mma.sync path and on the Hopper path (forward and
+backward, fused dQ and deterministic mode), at sizes that are not tile multiples, with
+position offsets and a gradient into lse; then torch tensors through the memoised path.
 
-Run under compute-sanitizer (memcheck, racecheck) by scripts/gpu_run.sh; each case is also
-checked against the reference, so a clean report is a report on correct runs.
+Run under compute-sanitizer (memcheck, racecheck, synccheck, initcheck) by
+scripts/gpu_run.sh; each case is also checked against the reference, so a clean report is
+a report on correct runs. It ends by listing the selectable variants no case launched and
+exits 1 if there are any (coverage is part of the result).
 """
 import os
 import sys
@@ -12,22 +16,46 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from test_kernels_gpu import run_case  # noqa: E402
 
-from cupy_piecewise import capability  # noqa: E402
+from cupy_piecewise import build_check, capability, launch  # noqa: E402
 
-for path in ("mma", "hopper"):  # the mma.sync kernels, then the Hopper forward forced
+launched = set()
+_kernel = launch._kernel
+
+
+def _recording_kernel(device, variant):
+    launched.add(variant)
+    return _kernel(device, variant)
+
+
+launch._kernel = _recording_kernel  # every launch plan asks for its kernels through here
+
+cc = launch._compute_capability(0)
+hopper = cc == (9, 0)
+for path in ("mma", "hopper") if hopper else ("mma",):
     os.environ[capability.PATH_VAR] = path
     capability.refresh_env_override()
+    dims = capability.HOPPER_HEAD_DIMS if path == "hopper" else capability.head_dims(cc)
     for dtype in ("float16", "bfloat16"):
         for causal in (False, True):
-            for D in (64, 128):
+            for D in dims:
                 for det in (False, True) if path == "hopper" else (False,):
                     # position offsets (P = 40, not N - M = 51) and a gradient into lse
                     run_case(D=D, dtype=dtype, causal=causal, M=150, N=201, w=40, group=2,
                              transposed=(D == 128), deterministic=det, q_offset=40, k_offset=0,
                              with_dlse=True)
-                    print(f"ok {path} {dtype} causal={causal} D={D} deterministic={det}", flush=True)
+                    if path == "mma":  # a decode shape: the split-KV kernel and its combine
+                        run_case(D=D, dtype=dtype, causal=causal, M=3, N=700, w=300, group=2,
+                                 transposed=False)
+                    print(f"ok {path} {dtype} causal={causal} D={D} deterministic={det}",
+                          flush=True)
 os.environ.pop(capability.PATH_VAR)
 capability.refresh_env_override()
+
+missing = set(build_check.install_variants(cc)) - launched
+print(f"{len(launched)} kernel variants launched; {len(missing)} selectable on "
+      f"sm_{cc[0]}{cc[1]} not launched", flush=True)
+for v in sorted(missing, key=lambda v: v.name_expression):
+    print("  not launched:", v.name_expression)
 
 # torch tensors through the memoised fast path: without lse (a null pointer the kernels
 # skip), with it, and a decode shape that splits the keys and merges the splits.
@@ -45,3 +73,5 @@ for M, N in ((150, 201), (1, 5000)):
     torch.cuda.synchronize()
     assert torch.equal(o, o2) and not torch.isnan(lse).any()
     print(f"ok torch M={M} N={N}", flush=True)
+
+sys.exit(1 if missing else 0)
