@@ -13,6 +13,7 @@ array of theirs is passed.
 __version__ = "0.1.0"
 
 from .api import attention, attention_backward  # noqa: E402
+from .kvcache import attention_with_kvcache  # noqa: E402
 from .varlen import attention_varlen, attention_varlen_backward  # noqa: E402
 from .validate import GPU_DTYPES, GPU_HEAD_DIMS, Problem, check_inputs  # noqa: E402
 
@@ -22,6 +23,7 @@ __all__ = [
     "attention_backward",
     "attention_varlen",
     "attention_varlen_backward",
+    "attention_with_kvcache",
     "Problem",
     "check_inputs",
     "GPU_DTYPES",

@@ -34,6 +34,7 @@ def variants_for(cc, hopper: bool = False) -> list[Variant]:
         out.add(Variant(phase, dtype, head_dim, tiles, causal))
         out.add(Variant("bwd_delta", dtype, head_dim, None, False))
         out.add(Variant("fwd_combine", dtype, head_dim, None, False))
+        out.add(Variant("kv_append", dtype, head_dim, None, False))
     return sorted(out, key=lambda v: (v.filename, v.name_expression))
 
 

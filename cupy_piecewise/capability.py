@@ -12,6 +12,9 @@ an entry may be refined by dtype and/or causal. Phases:
   per warp).
 - ``bwd_dkv``: backward for dk1/dk2/dv, one block per key tile; ``block_n``
   keys (16 per warp), ``block_m`` queries per step.
+- ``kvcache``: attention against a key/value cache (:mod:`cupy_piecewise.kvcache`):
+  ``block_m`` = 16 packed query rows (the heads of a group times the new tokens),
+  ``block_n`` keys per tile (16 per warp), ``stages`` deep cp.async ring (2 to 4).
 
 Every entry satisfies, for its architecture (checked by the tests):
 
@@ -84,7 +87,7 @@ class TileConfig:
         return f"{self.block_m}x{self.block_n}x{self.num_warps}x{self.stages}"
 
 
-PHASES = ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv")
+PHASES = ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv", "kvcache")
 LISTED_ARCHS = ((8, 0), (8, 6), (8, 9), (9, 0))
 ENV_VAR = "CUPY_PIECEWISE_TILES"
 
@@ -196,6 +199,8 @@ def set_tile_override(text):
 
 BLOCK_SIZES = (16, 32, 64, 128)
 STAGES = (2,)  # the kernels are double-buffered; deeper pipelines are future work
+#: the KV-cache kernel's ring (memory-bound: more bytes in flight per block)
+KV_STAGES = (2, 3, 4)
 #: dtypes the table is written for (2-byte elements in shared memory).
 TABLE_DTYPES = ("float16", "bfloat16")
 
@@ -228,7 +233,7 @@ def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2
     together. (bwd_dq's 8 bytes per row are reserved there, not read.)
     """
     stride = head_dim + 8  # padded rows, elements
-    if phase in ("fwd", "fwd_decode"):
+    if phase in ("fwd", "fwd_decode", "kvcache"):  # kvcache: 16 query rows, a deeper ring
         return elem_bytes * (2 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * stride
     if phase == "bwd_dq":
         return elem_bytes * (3 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * stride + 8 * cfg.block_m
@@ -256,6 +261,7 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
         # D = 128: 32x128x8 sits at 255 registers and spills 12 bytes (bf16) with NVRTC
         # 13.5; 16x128x8 keeps the 128-key tile at 230-233 registers (not timed on an A100)
         "bwd_dkv": {128: _T(16, 128, 8), 64: _T(64, 64, 4), 32: _T(128, 64, 4), 16: _T(128, 64, 4)},
+        "kvcache": {d: _T(16, 64, 4, 2) for d in (16, 32, 64, 128)},
     },
     # RTX 30xx / A10 / A40: 99 KiB shared per block.
     (8, 6): {
@@ -263,6 +269,8 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
         "fwd_decode": {128: _T(16, 32, 1), 64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
         "bwd_dq": {128: _T(64, 16, 4), 64: _T(64, 32, 4), 32: _T(64, 32, 4), 16: _T(64, 64, 4)},
         "bwd_dkv": {128: _T(16, 64, 4), 64: _T(32, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
+        "kvcache": {128: _T(16, 32, 2, 2), 64: _T(16, 64, 4, 2), 32: _T(16, 64, 4, 2),
+                    16: _T(16, 64, 4, 2)},
     },
     # RTX 40xx / L4 / L40: 99 KiB shared per block.
     (8, 9): {
@@ -270,6 +278,8 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
         "fwd_decode": {128: _T(16, 32, 1), 64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
         "bwd_dq": {128: _T(64, 16, 4), 64: _T(64, 32, 4), 32: _T(64, 32, 4), 16: _T(64, 64, 4)},
         "bwd_dkv": {128: _T(16, 64, 4), 64: _T(32, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
+        "kvcache": {128: _T(16, 32, 2, 2), 64: _T(16, 64, 4, 2), 32: _T(16, 64, 4, 2),
+                    16: _T(16, 64, 4, 2)},
     },
     # H100 / H200: 227 KiB shared per block. Measured with bench/tiles.py on an H200
     # (2026-11-30, bf16, L=8192; bench/results/tiles_h200.json) among variants ptxas
@@ -285,6 +295,8 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
             32: _T(64, 64, 4),
             16: _T(64, 128, 4),
         },
+        # memory-bound: a 3-deep ring of 64-key tiles keeps ~100 KB in flight per block
+        "kvcache": {d: _T(16, 64, 4, 3) for d in (16, 32, 64, 128)},
     },
 }
 
@@ -322,9 +334,16 @@ def check_config(
             problems.append(f"{field}={value} is not one of {BLOCK_SIZES}")
     if cfg.num_warps < 1:
         problems.append(f"num_warps={cfg.num_warps} must be at least 1")
-    if cfg.stages not in STAGES:
-        problems.append(f"stages={cfg.stages} is not one of {STAGES}")
-    rows_field = "block_n" if phase == "bwd_dkv" else "block_m"
+    stages = KV_STAGES if phase == "kvcache" else STAGES
+    if cfg.stages not in stages:
+        problems.append(f"stages={cfg.stages} is not one of {stages}")
+    if phase == "kvcache":
+        if cfg.block_m != 16:
+            problems.append(f"kvcache packs 16 query rows: block_m must be 16, got {cfg.block_m}")
+        if cfg.block_n != 16 * cfg.num_warps:
+            problems.append(f"kvcache needs block_n == 16 * num_warps (16 keys per warp), got "
+                            f"block_n={cfg.block_n}, num_warps={cfg.num_warps}")
+    rows_field = "block_n" if phase in ("bwd_dkv", "kvcache") else "block_m"
     rows = getattr(cfg, rows_field)
     if rows not in (16 * cfg.num_warps, 32 * cfg.num_warps):
         problems.append(

@@ -24,14 +24,17 @@ SOURCE_FILE = {"fwd": "forward.cu", "fwd_decode": "forward.cu", "fwd_combine": "
                "bwd_dq": "backward.cu", "bwd_dkv": "backward.cu", "bwd_delta": "backward.cu",
                "fwd_sm90": "sm90/forward.cu", "bwd_sm90": "sm90/backward.cu",
                "bwd_sm90_det": "sm90/backward.cu", "bwd_sm90_prep": "sm90/backward.cu",
-               "bwd_sm90_dq": "sm90/backward.cu"}
+               "bwd_sm90_dq": "sm90/backward.cu", "kvcache": "kvcache.cu",
+               "kv_append": "kvcache.cu"}
 _TEMPLATE = {"fwd": "pw_forward", "fwd_decode": "pw_forward", "fwd_combine": "pw_forward_combine",
              "bwd_dq": "pw_backward_dq", "bwd_dkv": "pw_backward_dkv",
              "bwd_delta": "pw_backward_delta", "fwd_sm90": "pw90_forward",
              "bwd_sm90": "pw90_bwd", "bwd_sm90_det": "pw90_bwd", "bwd_sm90_prep": "pw90_bwd_prep",
-             "bwd_sm90_dq": "pw90_bwd_dq_convert"}
-#: per-row helper kernels: no tiles, 256 threads (a warp per row)
-ROW_KERNELS = ("bwd_delta", "fwd_combine")
+             "bwd_sm90_dq": "pw90_bwd_dq_convert", "kvcache": "pw_kvcache",
+             "kv_append": "pw_kvcache_append"}
+#: helper kernels without tiles, 256 threads: a warp per row (bwd_delta, fwd_combine), a
+#: thread per 16-byte chunk (kv_append: the KV-cache append)
+ROW_KERNELS = ("bwd_delta", "fwd_combine", "kv_append")
 #: kernels with their tiles fixed inside (wgmma + TMA; kernels_cu/sm90/): sm_90a only.
 #: bwd_sm90 computes all five gradients (dQ by float32 atomics), bwd_sm90_det only dK1, dK2,
 #: dV (deterministic mode: dQ from the mma.sync dq kernel); bwd_sm90_prep (delta, lse in
@@ -94,8 +97,9 @@ class Variant:
             return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}>"
         t = self.tiles
         causal = "true" if self.causal else "false"
+        stages = f", {t.stages}" if self.phase == "kvcache" else ""  # a deeper ring there
         return (f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}, {t.block_m}, {t.block_n}, "
-                f"{t.num_warps}, {causal}>")
+                f"{t.num_warps}, {causal}{stages}>")
 
     @property
     def threads(self) -> int:

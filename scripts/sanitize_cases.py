@@ -51,6 +51,47 @@ for path in ("mma", "hopper") if hopper else ("mma",):
 os.environ.pop(capability.PATH_VAR)
 capability.refresh_env_override()
 
+# KV-cache attention: contiguous and paged caches, keys appended in place, a sequence with
+# no keys, every head dim, dtype and causal flag (checked against the reference)
+import cupy  # noqa: E402
+import numpy as np  # noqa: E402
+from test_kvcache_gpu import _expected, _np_dtype  # noqa: E402
+
+from cupy_piecewise import kvcache, tolerance  # noqa: E402
+from cupy_piecewise.gpu_arrays import round_to  # noqa: E402
+
+rng = np.random.default_rng(0)
+for D in capability.head_dims(cc):
+    for dtype in ("float16", "bfloat16"):
+        for causal in (False, True):
+            B, H, Hkv, M, N, bs = 2, 4, 2, 3, 192, 64
+            nd = _np_dtype(dtype)
+            seq = np.array([0, 150], np.int32)
+            q1, q2 = (round_to(rng.standard_normal((B, H, M, D)).astype(np.float32), dtype) for _ in range(2))
+            host = [round_to(rng.standard_normal((B, Hkv, N, D)).astype(np.float32), dtype) for _ in range(3)]
+            new = [round_to(rng.standard_normal((B, Hkv, M, D)).astype(np.float32), dtype) for _ in range(3)]
+            full = [c.copy() for c in host]
+            for c, n in zip(full, new):
+                for b in range(B):
+                    c[b, :, seq[b]:seq[b] + M] = n[b]
+            ref, low = _expected(q1, q2, full, 40, seq, M, True, causal, 1 / np.sqrt(D), dtype)
+            table = np.arange(B * N // bs, dtype=np.int32)[::-1].reshape(B, N // bs).copy()
+            for paged in (False, True):
+                caches = [cupy.asarray(c.astype(nd)) for c in host]
+                if paged:  # page p of sequence b is table[b, p]: the rows moved there
+                    caches = [cupy.asarray(np.stack([c[b, :, j * bs:(j + 1) * bs]
+                                                     for b in range(B) for j in range(N // bs)])
+                                           [np.argsort(table.ravel())].astype(nd)) for c in host]
+                o, lse = kvcache.attention_with_kvcache(
+                    cupy.asarray(q1.astype(nd)), cupy.asarray(q2.astype(nd)), *caches, 40,
+                    cache_seqlens=cupy.asarray(seq), causal=causal, return_lse=True,
+                    block_table=cupy.asarray(table) if paged else None,
+                    k1_new=cupy.asarray(new[0].astype(nd)), k2_new=cupy.asarray(new[1].astype(nd)),
+                    v_new=cupy.asarray(new[2].astype(nd)))
+                for name, g, r, lw in zip(("o", "lse"), (cupy.asnumpy(o), cupy.asnumpy(lse)), ref, low):
+                    tolerance.assert_close(name, np.asarray(g, np.float64), r, lw, dtype)
+            print(f"ok kvcache {dtype} causal={causal} D={D} (contiguous, paged)", flush=True)
+
 missing = set(build_check.install_variants(cc)) - launched
 print(f"{len(launched)} kernel variants launched; {len(missing)} selectable on "
       f"sm_{cc[0]}{cc[1]} not launched", flush=True)

@@ -33,3 +33,13 @@ def test_semantics_sections_cited_in_code_exist():
                  "Backward", "Types, shapes and strides", "Tolerance", "Bad input",
                  "FLOP convention", "Extended semantics (planned)"):
         assert name in headings, f"section {name!r} missing from {SEMANTICS.name}"
+
+
+def test_kvcache_examples_pass():
+    """docs/kvcache.md's NumPy decode loop runs and prints what it says."""
+    path = SEMANTICS.parent / "kvcache.md"
+    result = doctest.testfile(str(path), module_relative=False,
+                              optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
+                              verbose=False, report=True)
+    assert result.attempted >= 10, f"too few examples found in {path}: {result}"
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples in {path.name} failed"

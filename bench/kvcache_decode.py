@@ -1,0 +1,161 @@
+"""Decode against a KV cache: effective bandwidth of ``attention_with_kvcache`` (contiguous
+and paged) beside PyTorch's SDPA (cuDNN and flash) on the same shapes, in one run.
+
+Each step attends M = 1 new query per sequence and head to N cached keys. Effective bytes
+are what the step must move at least: per cached key one key projection plus v (the other
+projection is not read), the queries and the output (bench/common.decode_bytes; SDPA reads
+one query). Every call is captured in a CUDA graph (20 calls per graph) and the graph
+replayed: what a serving engine does, and what makes the figure the kernels' and not
+Python's. Medians of CUDA-event timings after warm-up; the device copy bandwidth
+(``dst.copy_(src)`` of 2 GiB) is measured in the same run.
+
+    PYTHONPATH=$PWD python3 bench/kvcache_decode.py --out bench/results/DIR/kvcache_decode.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.attention
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import decode_bytes  # noqa: E402
+
+import cupy_piecewise  # noqa: E402
+
+CALLS_PER_GRAPH = 20
+
+
+def graph_ms(fn, reps: int = 15) -> float:
+    """Median time of one ``fn()`` from CUDA-event timings of a graph of CALLS_PER_GRAPH calls
+    (captured after three eager warm-up calls on a side stream)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(CALLS_PER_GRAPH):
+            fn()
+    g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / CALLS_PER_GRAPH)
+    return statistics.median(times)
+
+
+def copy_gbps() -> float:
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = graph_ms(lambda: dst.copy_(src), reps=10)
+    return 2 * 2 * n / (ms * 1e-3) / 1e9
+
+
+def run_case(dtype, D, B, H, Hkv, N, block_sizes, w_frac=0.25):
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(N + H + D)
+    q1, q2 = (torch.randn(B, H, 1, D, device=dev, dtype=dtype, generator=g) for _ in range(2))
+    k1, k2, v = (torch.randn(B, Hkv, N, D, device=dev, dtype=dtype, generator=g) for _ in range(3))
+    seq = torch.full((B,), N, dtype=torch.int32, device=dev)
+    w = int(N * w_frac)
+    elt = torch.empty((), dtype=dtype).element_size()
+    rows = []
+
+    def add(name, fn, n_queries, note=""):
+        nbytes = decode_bytes(B, H, Hkv, 1, N, D, elt, n_queries)
+        try:
+            ms = graph_ms(fn)
+            rows.append(dict(provider=name, ms=ms, gbps=nbytes / (ms * 1e-3) / 1e9, note=note))
+        except Exception as e:  # a provider that cannot run this shape is reported, not fatal
+            rows.append(dict(provider=name, ms=None, gbps=None, note=f"{type(e).__name__}: {e}"[:200]))
+            torch.cuda.synchronize()
+
+    add("piecewise_kvcache", lambda: cupy_piecewise.attention_with_kvcache(
+        q1, q2, k1, k2, v, w, cache_seqlens=seq), 2)
+    for bs in block_sizes:
+        # one shuffled page order for the three caches, as a paged allocator hands them out
+        table = torch.randperm(B * (N // bs), device=dev).view(B, N // bs).to(torch.int32)
+        p1, p2, pv = (paged_with(c, table, bs) for c in (k1, k2, v))
+        add(f"piecewise_kvcache_paged{bs}", lambda p1=p1, p2=p2, pv=pv, t=table:
+            cupy_piecewise.attention_with_kvcache(q1, q2, p1, p2, pv, w, cache_seqlens=seq,
+                                                  block_table=t), 2)
+        del p1, p2, pv
+    gqa = dict(enable_gqa=True) if H != Hkv else {}
+    for name, backend in (("sdpa_cudnn", torch.nn.attention.SDPBackend.CUDNN_ATTENTION),
+                          ("sdpa_flash", torch.nn.attention.SDPBackend.FLASH_ATTENTION)):
+        def sdpa(backend=backend):
+            with torch.nn.attention.sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q1, k1, v, **gqa)
+        add(name, sdpa, 1)
+    return rows
+
+
+def paged_with(cache, table, bs):
+    """The cache's rows in the pages ``table`` (B, nb) assigns -> (B * nb, Hkv, bs, D)."""
+    B, Hkv, N, D = cache.shape
+    nb = N // bs
+    pages = torch.empty(B * nb, Hkv, bs, D, dtype=cache.dtype, device=cache.device)
+    pages[table.flatten().long()] = cache.view(B, Hkv, nb, bs, D).permute(0, 2, 1, 3, 4).reshape(
+        B * nb, Hkv, bs, D)
+    return pages
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="JSON results here")
+    ap.add_argument("--quick", action="store_true", help="bf16, D 128, three shapes")
+    args = ap.parse_args(argv)
+    cb = copy_gbps()
+    print(f"device copy bandwidth {cb:.0f} GB/s", flush=True)
+    # (B, H, Hkv, N): B*H = 32 and 256, short and long caches, one GQA shape
+    shapes = [(1, 32, 32, 4096), (1, 32, 32, 32768), (1, 32, 32, 131072), (8, 32, 32, 4096),
+              (8, 32, 32, 32768), (4, 32, 8, 32768)]
+    dtypes = [torch.bfloat16, torch.float16]
+    dims = [64, 128]
+    if args.quick:
+        shapes, dtypes, dims = [shapes[0], shapes[2], shapes[4]], [torch.bfloat16], [128]
+    results = []
+    for dtype in dtypes:
+        for D in dims:
+            for B, H, Hkv, N in shapes:
+                rows = run_case(dtype, D, B, H, Hkv, N, (64, 256))
+                torch.cuda.empty_cache()
+                cudnn = next((r["gbps"] for r in rows if r["provider"] == "sdpa_cudnn"), None)
+                contig = rows[0]["gbps"]
+                for r in rows:
+                    r.update(dtype=str(dtype).removeprefix("torch."), D=D, B=B, H=H, Hkv=Hkv,
+                             M=1, N=N, pct_of_copy=100 * r["gbps"] / cb if r["gbps"] else None,
+                             vs_cudnn=r["gbps"] / cudnn if r["gbps"] and cudnn else None,
+                             vs_contiguous=r["gbps"] / contig if r["gbps"] and contig else None)
+                    results.append(r)
+                    print(f"{r['dtype']:8} D{D:<4} B{B} H{H:<3} Hkv{Hkv:<3} N{N:<7} "
+                          f"{r['provider']:27} {r['ms'] or float('nan'):8.4f} ms "
+                          f"{r['gbps'] or float('nan'):7.0f} GB/s "
+                          f"{r['pct_of_copy'] or float('nan'):5.1f}% of copy  "
+                          f"x{r['vs_cudnn'] or float('nan'):.2f} cuDNN {r['note']}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
+                       "torch": torch.__version__, "copy_gbps": cb,
+                       "method": f"CUDA graph of {CALLS_PER_GRAPH} calls, median of 15 replays",
+                       "bytes": "per key one key projection + v, queries, output",
+                       "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""Attention against a key/value cache: decode, chunked prefill and speculative verification.
+
+:func:`attention_with_kvcache` attends ``M`` new query rows per sequence to the keys a
+cache holds for that sequence (``cache_seqlens``, on the device), after writing ``M`` new
+keys into the cache in place when they are given. Caches are contiguous
+``(B, Hkv, N_max, D)`` arrays of any strides (FlashAttention's ``(B, N_max, Hkv, D)``
+memory is a transposed view) or paged ``(num_blocks, Hkv, block_size, D)`` with a
+``block_table``. The CUDA path reads the lengths on the device only: no host
+synchronisation, and a grid that depends on shapes alone, so a decode step captures in a
+CUDA graph and replays with new lengths (docs/kvcache.md).
+
+Paths: NumPy arrays run the float64 reference (:func:`reference_with_kvcache`); CuPy
+arrays and torch CUDA tensors the kernels of ``kernels_cu/kvcache.cu`` (torch through the
+``cupy_piecewise::kvcache`` operator, :mod:`cupy_piecewise.kvcache_torch`); torch CPU
+tensors the reference, with the append done on the tensors themselves.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from . import reference, validate
+from .validate import GPU_DTYPES, GPU_HEAD_DIMS, GPU_MAX_LENGTH
+
+__all__ = ["attention_with_kvcache", "reference_with_kvcache", "KVArgs", "check_kvcache_args"]
+
+_CACHES = ("k1_cache", "k2_cache", "v_cache")
+_NEW = ("k1_new", "k2_new", "v_new")
+
+
+class KVArgs(NamedTuple):
+    """A checked KV-cache call (metadata only)."""
+
+    library: str
+    device: int | None  # CUDA device index, None on the CPU
+    dtype: str
+    B: int
+    H: int
+    Hkv: int
+    M: int
+    D: int
+    paged: bool
+    block_size: int  # rows per page (paged) or N_max (contiguous)
+    capacity: int  # keys one sequence can hold
+    appended: bool
+    w: int
+    causal: bool
+    sm_scale: float
+
+
+def _strides(x, library: str) -> tuple:
+    if library == "torch":
+        return tuple(int(s) for s in x.stride())
+    return tuple(int(s) // x.itemsize for s in x.strides)
+
+
+def check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cache_seqlens,
+                       k1_new=None, k2_new=None, v_new=None, block_table=None, causal=True,
+                       sm_scale=None) -> KVArgs:
+    """Check a call of :func:`attention_with_kvcache` from metadata alone (no values read).
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype (arrays of mixed libraries,
+            ``cache_seqlens``/``block_table`` not int32, ``dist_threshold`` not an integer,
+            ``causal`` not a bool).
+        ValueError: shapes that do not agree, arrays on different devices, only some of
+            ``k1_new``/``k2_new``/``v_new``, a paged block size that is not a multiple of
+            16, lengths of ``2**30`` or more, a bad ``sm_scale``; on the GPU a dtype or head
+            dim the kernels lack, or a cache whose strides the kernels cannot use in place.
+    """
+    library = validate.library_of(q1, "q1")
+    named = {"q1": q1, "q2": q2, "k1_cache": k1_cache, "k2_cache": k2_cache, "v_cache": v_cache,
+             "cache_seqlens": cache_seqlens}
+    news = [k1_new, k2_new, v_new]
+    if any(x is not None for x in news):
+        if any(x is None for x in news):
+            missing = ", ".join(n for n, x in zip(_NEW, news) if x is None)
+            raise ValueError(f"k1_new, k2_new and v_new come together: {missing} missing")
+        named.update(zip(_NEW, news))
+    if block_table is not None:
+        named["block_table"] = block_table
+    for name, x in named.items():
+        if validate.library_of(x, name) != library:
+            raise TypeError(f"{name} is a {validate.library_of(x, name)} array but q1 is a "
+                            f"{library} array: pass arrays of one library")
+    devices = {name: validate._device_key(x, library) for name, x in named.items()}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on {validate._describe_device(d)}" for n, d in devices.items())
+        raise ValueError(f"all arrays must be on one device: {listing}")
+    kind, index = devices["q1"]
+    on_gpu = kind == "cuda"
+
+    shape = {name: validate._shape(x) for name, x in named.items()}
+    if len(shape["q1"]) != 4 or shape["q2"] != shape["q1"]:
+        raise ValueError(f"q1 and q2 must share one shape (B, H, M, D), got {shape['q1']} and "
+                         f"{shape['q2']}")
+    B, H, M, D = shape["q1"]
+    dtype = validate.dtype_name(q1)
+    for name in ("q2",) + _CACHES + (_NEW if "k1_new" in named else ()):
+        if validate.dtype_name(named[name]) != dtype:
+            raise TypeError(f"{name} has dtype {validate.dtype_name(named[name])}, q1 {dtype}: "
+                            "queries, caches and new keys share one dtype")
+    cshape = shape["k1_cache"]
+    if len(cshape) != 4 or shape["k2_cache"] != cshape or shape["v_cache"] != cshape:
+        raise ValueError("k1_cache, k2_cache and v_cache must share one 4-d shape, got "
+                         + ", ".join(str(shape[n]) for n in _CACHES))
+    pages, Hkv, rows, Dc = cshape
+    if Dc != D:
+        raise ValueError(f"head dims differ: q1 has {D}, k1_cache {Dc}")
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(f"query heads ({H}) must be a multiple of the cache's key/value heads "
+                         f"({Hkv})")
+    for name in ("cache_seqlens",) + (("block_table",) if block_table is not None else ()):
+        if validate.dtype_name(named[name]) != "int32":
+            raise TypeError(f"{name} must be int32, got {validate.dtype_name(named[name])}")
+    if shape["cache_seqlens"] != (B,):
+        raise ValueError(f"cache_seqlens must have shape (B,) = ({B},), got {shape['cache_seqlens']}")
+    paged = block_table is not None
+    if paged:
+        if len(shape["block_table"]) != 2 or shape["block_table"][0] != B:
+            raise ValueError(f"block_table must have shape (B, max_blocks) with B = {B}, got "
+                             f"{shape['block_table']}")
+        if rows % 16 or rows == 0:
+            raise ValueError(f"paged caches need a block size (dim 2) that is a positive "
+                             f"multiple of 16, got {rows}")
+        capacity = shape["block_table"][1] * rows
+    else:
+        if pages != B:
+            raise ValueError(f"a contiguous cache has shape (B, Hkv, N_max, D) with B = {B}, got "
+                             f"{cshape} (pass block_table for a paged cache)")
+        capacity = rows
+    if capacity >= GPU_MAX_LENGTH or M >= GPU_MAX_LENGTH:
+        raise ValueError(f"cache capacity ({capacity}) and new rows ({M}) must stay below 2**30")
+    if "k1_new" in named:
+        for name in _NEW:
+            if shape[name] != (B, Hkv, M, D):
+                raise ValueError(f"{name} must have shape (B, Hkv, M, D) = {(B, Hkv, M, D)}, got "
+                                 f"{shape[name]}")
+    w = validate._check_w(dist_threshold)
+    causal = validate._check_causal(causal)
+    scale = validate._check_sm_scale(sm_scale, D)
+    if on_gpu:
+        if dtype not in GPU_DTYPES:
+            raise ValueError(f"the CUDA kernels take {' and '.join(GPU_DTYPES)}, got {dtype}")
+        if D not in GPU_HEAD_DIMS:
+            raise ValueError(f"the CUDA kernels take head dims {GPU_HEAD_DIMS}, got {D}")
+        from .launch import kernel_ready
+
+        for name in _CACHES:
+            x = named[name]
+            ptr = int(x.data_ptr()) if library == "torch" else int(x.data.ptr)
+            if not kernel_ready(cshape, _strides(x, library), ptr, 2):
+                raise ValueError(
+                    f"{name}: the kernels read and write caches in place, which needs unit "
+                    "stride along D, every other stride a multiple of 8 elements and a "
+                    f"16-byte aligned pointer; got strides {_strides(x, library)}")
+    return KVArgs(library, index if on_gpu else None, dtype, B, H, Hkv, M, D, paged, rows,
+                  capacity, "k1_new" in named, w, causal, scale)
+
+
+def _rows(cache, b, n, block_table):
+    """Rows 0..n-1 of sequence ``b`` of a cache: (Hkv, n, D)."""
+    if block_table is None:
+        return cache[b, :, :n]
+    bs = cache.shape[2]
+    pages = [cache[int(p)] for p in block_table[b, :math.ceil(n / bs)]]
+    if not pages:
+        return cache[0, :, :0]
+    return np.concatenate(pages, axis=1)[:, :n]
+
+
+def _append(cache, b, pos, rows, block_table):
+    """Write ``rows`` (Hkv, m, D) into sequence ``b`` of a cache at positions pos.. (in place)."""
+    for t in range(rows.shape[1]):
+        n = pos + t
+        if block_table is None:
+            cache[b, :, n] = rows[:, t]
+        else:
+            bs = cache.shape[2]
+            cache[int(block_table[b, n // bs]), :, n % bs] = rows[:, t]
+
+
+def reference_with_kvcache(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cache_seqlens,
+                           k1_new=None, k2_new=None, v_new=None, block_table=None, causal=True,
+                           sm_scale=None):
+    """Float64 reference of :func:`attention_with_kvcache` on NumPy arrays (any float dtype).
+
+    Appends ``k1_new``/``k2_new``/``v_new`` into the caches in place (cast to the caches'
+    dtype), then attends sequence by sequence with :func:`cupy_piecewise.reference.forward`
+    at the positions the function's docstring gives.
+
+    Returns:
+        ``(o, lse)``: float64 arrays of shapes (B, H, M, D) and (B, H, M).
+
+    Raises:
+        ValueError: what :func:`check_kvcache_args` raises, and a sequence whose cached
+            length plus appended rows exceeds the cache's capacity, or a negative length.
+    """
+    a = check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cache_seqlens,
+                           k1_new, k2_new, v_new, block_table, causal, sm_scale)
+    seq = np.asarray(cache_seqlens, np.int64)
+    extra = a.M if a.appended else 0
+    if (seq < 0).any() or (seq + extra > a.capacity).any():
+        raise ValueError(f"cache_seqlens {seq.tolist()} plus {extra} appended rows must lie in "
+                         f"[0, {a.capacity}] (the cache's capacity)")
+    o = np.zeros((a.B, a.H, a.M, a.D))
+    lse = np.full((a.B, a.H, a.M), -np.inf)
+    for b in range(a.B):
+        if a.appended:
+            for cache, new in zip((k1_cache, k2_cache, v_cache), (k1_new, k2_new, v_new)):
+                _append(cache, b, int(seq[b]), new[b], block_table)
+        L = int(seq[b]) + extra
+        ks = [_rows(c, b, L, block_table)[None] for c in (k1_cache, k2_cache, v_cache)]
+        ob, lb = reference.forward(q1[b:b + 1], ks[0], q2[b:b + 1], ks[1], ks[2], a.w, a.causal,
+                                   a.sm_scale, q_offset=L - a.M, k_offset=0)
+        o[b], lse[b] = ob[0], lb[0]
+    return o, lse
+
+
+def attention_with_kvcache(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, *,
+                           cache_seqlens, k1_new=None, k2_new=None, v_new=None, block_table=None,
+                           causal=True, sm_scale=None, return_lse=False):
+    """Piecewise attention of new query rows against a key/value cache (no gradient).
+
+    Sequence ``b`` attends keys ``0 .. L_b - 1`` of its cache, where
+    ``L_b = cache_seqlens[b] + M`` when new keys are given (they are first written into
+    the cache at positions ``cache_seqlens[b] .. cache_seqlens[b] + M - 1``, in place) and
+    ``L_b = cache_seqlens[b]`` otherwise; query ``t`` sits at position ``L_b - M + t``
+    (the queries end where the keys end). The score of query ``t`` and key ``n`` is
+    ``sm_scale * q2·k2`` when ``d = (L_b - M + t) - n >= dist_threshold`` and
+    ``sm_scale * q1·k1`` otherwise; ``causal`` excludes keys with ``d < 0``. A row with no
+    admissible key gives ``o = 0`` and ``lse = -inf``.
+
+    Args:
+        q1, q2: new queries, (B, H, M, D): M = 1 to decode, more for chunked prefill or
+            speculative verification.
+        k1_cache, k2_cache, v_cache: the caches, all of one shape: contiguous
+            ``(B, Hkv, N_max, D)`` with any strides (unit stride along D on the GPU), or
+            paged ``(num_blocks, Hkv, block_size, D)`` with ``block_size`` a multiple of 16.
+            Written in place when new keys are given.
+        dist_threshold: the distance ``w`` (an integer, negative allowed).
+        cache_seqlens: (B,) int32 on the arrays' device: keys already cached per sequence.
+        k1_new, k2_new, v_new: (B, Hkv, M, D) keys and values to append, all or none.
+        block_table: (B, max_blocks) int32: page of each block of ``block_size`` rows of
+            each sequence (paged caches only; capacity ``max_blocks * block_size``).
+        causal: exclude keys after the query (default True, as decoding needs).
+        sm_scale: score scale, finite and positive; None means ``1 / sqrt(D)``.
+        return_lse: also return the log-sum-exp of the scores (natural log).
+
+    Arrays come from one library: NumPy (float64 reference, results in the input dtype),
+    CuPy or torch CUDA (float16/bfloat16, head dims 16, 32, 64, 128; CuPy's current stream,
+    torch's current stream), torch CPU (reference). On the GPU nothing synchronises with
+    the host and lengths are read on the device, so the call captures in a CUDA graph;
+    the caller must keep ``cache_seqlens[b] + M`` within the capacity (rows that would
+    fall beyond it are not written and not attended) and ``block_table`` entries valid
+    for every block a sequence uses.
+
+    Returns:
+        ``o`` (B, H, M, D) in the input dtype, or ``(o, lse)`` with ``lse`` (B, H, M)
+        float32.
+
+    Raises:
+        TypeError, ValueError: as :func:`check_kvcache_args`; on NumPy and torch CPU also a
+            length beyond the capacity (values are on the host there).
+    """
+    library = validate.library_of(q1, "q1")
+    args = (q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cache_seqlens, k1_new, k2_new,
+            v_new, block_table, causal, sm_scale)
+    if library == "numpy":
+        o, lse = reference_with_kvcache(*args)
+        o = o.astype(q1.dtype)
+        lse = lse.astype(np.float32)
+    elif library == "torch":
+        from . import kvcache_torch
+
+        o, lse = kvcache_torch.attention_with_kvcache(*args)
+    else:
+        o, lse = _cupy_call(*args)
+    return (o, lse) if return_lse else o
+
+
+#: allocator of the CuPy path's outputs (``(shape, dtype) -> array``; None: cupy.empty).
+#: The GPU tests swap in a NaN-filling one to show that the kernels write every element.
+_empty = None
+
+
+def _cupy_call(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new, k2_new, v_new,
+               block_table, causal, sm_scale):
+    import cupy
+
+    a = check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new, k2_new,
+                           v_new, block_table, causal, sm_scale)
+    empty = _empty or cupy.empty
+    with cupy.cuda.Device(a.device):
+        o = empty((a.B, a.H, a.M, a.D), q1.dtype)
+        lse = empty((a.B, a.H, a.M), cupy.float32)
+        if a.M == 0 or a.B == 0 or a.H == 0:
+            return o, lse
+        arrays = {"q1": q1, "q2": q2, "o": o, "k1": k1_cache, "k2": k2_cache, "v": v_cache}
+        if a.appended:
+            arrays.update(k1n=k1_new, k2n=k2_new, vn=v_new)
+        for name in ("q1", "q2", "k1n", "k2n", "vn"):  # inputs only: copy what is not ready
+            x = arrays.get(name)
+            if x is not None and not _ready(x, "cupy"):
+                arrays[name] = cupy.ascontiguousarray(x)
+        ptrs = {n: int(x.data.ptr) for n, x in arrays.items()}
+        ptrs.update(seqlens=int(cache_seqlens.data.ptr), lse=int(lse.data.ptr),
+                    block_table=int(block_table.data.ptr) if block_table is not None else 0)
+        bt_stride = _strides(block_table, "cupy")[0] if block_table is not None else 0
+        plan = launch_plan(a, {n: _strides(x, "cupy")[:3] for n, x in arrays.items()}, bt_stride)
+        ws = cupy.empty(plan.workspace_bytes, cupy.uint8) if plan.workspace_bytes else None
+        plan.run(ptrs, cupy.cuda.get_current_stream().ptr, int(ws.data.ptr) if ws is not None else 0)
+    return o, lse
+
+
+def _ready(x, library: str) -> bool:
+    from .launch import kernel_ready
+
+    ptr = int(x.data_ptr()) if library == "torch" else int(x.data.ptr)
+    return kernel_ready(validate._shape(x), _strides(x, library), ptr, 2)
+
+
+def launch_plan(a: KVArgs, strides: dict, bt_stride: int):
+    """The :class:`cupy_piecewise.kvcache_launch.KVPlan` of a checked call ``a`` whose
+    arrays have the element ``strides`` (first three axes) given by name."""
+    from . import kvcache_launch as kl
+
+    limit = a.capacity + a.M + 1  # |d| <= capacity + M: the same comparisons in 32 bits
+    shape = kl.KVShape(
+        a.device, a.dtype, a.B, a.H, a.Hkv, a.M, a.D, a.capacity,
+        a.block_size if a.paged else 0, bt_stride, a.appended, a.causal,
+        max(-limit, min(limit, a.w)), a.sm_scale,
+        tuple((n, tuple(strides[n])) for n in kl.POINTERS if n in strides))
+    return kl.plan(shape)

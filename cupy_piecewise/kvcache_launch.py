@@ -1,0 +1,178 @@
+"""Launching the KV-cache kernels (``kernels_cu/kvcache.cu``) on raw device pointers.
+
+A call is up to three launches on one stream: ``pw_kvcache_append`` (when new keys are
+given) writes them into the cache, ``pw_kvcache`` attends, and, when the keys are split
+across blocks, ``pw_forward_combine`` (the forward's own merge kernel) merges the splits by
+their log-sum-exp. Nothing here reads the cached lengths: the grid and the number of
+splits come from shapes only, so a decode step captures in a CUDA graph and replays with
+new lengths.
+
+Arguments travel as one packed struct per kernel family (``KVParams`` in kvcache.cu,
+mirrored by :data:`KV_FIELDS`; ``Params`` of params.cuh for the merge).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import struct
+from typing import NamedTuple
+
+from . import capability, launch
+from .compile import Variant
+
+__all__ = ["KV_FIELDS", "KVPlan", "plan", "split_count"]
+
+#: ``KVParams`` field by field (all 8 bytes; the last holds two float32).
+KV_FIELDS = tuple(f"{t}.{f}" for t in ("q1", "q2", "o") for f in ("ptr", "sb", "sh", "sr")) + \
+    tuple(f"{t}.{f}" for t in ("k1", "k2", "v") for f in ("ptr", "sp", "sh", "sr")) + \
+    tuple(f"{t}.{f}" for t in ("k1n", "k2n", "vn") for f in ("ptr", "sb", "sh", "sr")) + (
+        "seqlens", "block_table", "bt_stride", "block_size", "lse", "o_part", "lse_part",
+        "H", "group", "M", "capacity", "w", "nsplit", "scale_log2|sm_scale")
+_KV_SLOT = {name: i for i, name in enumerate(KV_FIELDS)}
+_KV_PACK = struct.Struct(f"<{len(KV_FIELDS)}q")
+_LOG2E = 1.4426950408889634
+#: the arrays a call passes, in the order :meth:`KVPlan.run` takes their pointers
+POINTERS = ("q1", "q2", "o", "k1", "k2", "v", "k1n", "k2n", "vn", "seqlens", "block_table",
+            "lse")
+#: most key splits of one call (the merge kernel loops over them per row)
+MAX_SPLITS = 64
+#: resident blocks per SM the split count aims to fill (shared memory permitting)
+_MAX_BLOCKS_PER_SM = 4
+
+
+class KVShape(NamedTuple):
+    """Everything about a KV-cache call except its pointers: the plan cache's key.
+
+    ``strides`` maps q1, q2, o, k1n, k2n, vn to (batch, head, row) element strides and k1,
+    k2, v to (page, head, row) strides (page = batch for a contiguous cache)."""
+
+    device: int
+    dtype: str
+    B: int
+    H: int
+    Hkv: int
+    M: int
+    D: int
+    capacity: int  # keys a sequence can hold
+    block_size: int  # rows per page; 0 for a contiguous cache
+    bt_stride: int  # block_table row stride (elements); 0 for a contiguous cache
+    appended: bool
+    causal: bool
+    w: int  # clamped to +-(capacity + M + 1): 32-bit in the kernel, same comparisons
+    sm_scale: float
+    strides: tuple  # ((name, (s0, s1, s2)), ...) in POINTERS order, absent arrays left out
+
+
+def split_count(shape: KVShape, tiles, smem: int, sms: int, smem_per_sm: int) -> int:
+    """Key splits per (sequence, key head, query tile) from shapes only: as many as fill the
+    GPU's resident blocks once (``sms`` times the blocks one SM holds: ``smem_per_sm``
+    bytes of shared memory over the block's ``smem`` plus 1 KB the driver reserves, at most
+    4), never more than the capacity has key tiles, at most :data:`MAX_SPLITS`."""
+    rows = shape.M * (shape.H // shape.Hkv)
+    blocks = shape.B * shape.Hkv * math.ceil(rows / tiles.block_m)
+    per_sm = max(1, min(_MAX_BLOCKS_PER_SM, smem_per_sm // (smem + 1024)))
+    want = (sms * per_sm) // max(blocks, 1)
+    return max(1, min(want, math.ceil(shape.capacity / tiles.block_n), MAX_SPLITS))
+
+
+class KVPlan:
+    """The launches of one KV-cache call signature (:class:`KVShape`), prepared once;
+    :meth:`run` writes the pointers and launches. Immutable: safe from several threads."""
+
+    __slots__ = ("shape", "nsplit", "workspace_bytes", "_steps", "_combine", "_template",
+                 "_combine_template", "_ws_offset")
+
+    def __init__(self, shape: KVShape):
+        self.shape = s = shape
+        cc = launch._compute_capability(s.device)
+        tiles = capability.lookup(cc, "kvcache", s.D, s.dtype, s.causal)
+        main = Variant("kvcache", s.dtype, s.D, tiles, s.causal)
+        fn, smem = launch._kernel(s.device, main)
+        arch = capability.resolve_arch(cc)
+        # an SM holds its per-block limit plus the 1 KB reserved per block
+        per_sm = capability.SHARED_LIMIT.get(cc, capability.SHARED_LIMIT[arch]) + 1024
+        self.nsplit = split_count(s, tiles, smem, launch._multiprocessors(s.device), per_sm)
+        G = s.H // s.Hkv
+        rtiles = math.ceil(s.M * G / tiles.block_m)
+        if s.Hkv * rtiles > launch._MAX_GRID_YZ or s.B > launch._MAX_GRID_YZ:
+            raise ValueError(f"k1_cache: key heads x query tiles ({s.Hkv * rtiles}) and batch "
+                             f"({s.B}) must each be at most {launch._MAX_GRID_YZ}")
+        steps = []
+        if s.appended:
+            afn, _ = launch._kernel(s.device, Variant("kv_append", s.dtype, s.D, None, False))
+            steps.append((afn, math.ceil(s.M * 3 * (s.D // 8) / 256), s.Hkv, s.B, 256, 0))
+        steps.append((fn, self.nsplit, s.Hkv * rtiles, s.B, main.threads, smem))
+        self._steps = tuple(steps)
+        rows = s.B * s.H * s.M
+        self._ws_offset = 4 * self.nsplit * rows * s.D
+        self.workspace_bytes = self._ws_offset + 4 * self.nsplit * rows if self.nsplit > 1 else 0
+        self._combine = ()
+        if self.nsplit > 1:
+            cfn, _ = launch._kernel(s.device, Variant("fwd_combine", s.dtype, s.D, None, False))
+            self._combine = ((cfn, math.ceil(s.H * s.M / 8), s.B, 1, 256, 0),)
+
+        slots = [0] * len(KV_FIELDS)
+        for name, st in s.strides:
+            base = _KV_SLOT[f"{name}.ptr"]
+            slots[base + 1:base + 4] = st
+        slots[_KV_SLOT["bt_stride"]] = s.bt_stride
+        slots[_KV_SLOT["block_size"]] = s.block_size
+        for name, value in (("H", s.H), ("group", G), ("M", s.M), ("capacity", s.capacity),
+                            ("w", s.w), ("nsplit", self.nsplit)):
+            slots[_KV_SLOT[name]] = value
+        slots[_KV_SLOT["scale_log2|sm_scale"]] = struct.unpack(
+            "<q", struct.pack("<ff", s.sm_scale * _LOG2E, s.sm_scale))[0]
+        self._template = slots
+        # the merge's Params: o's view, lse, H, M and the split partials (set per call)
+        cslots = [0] * launch._NSLOTS
+        ostr = dict(s.strides)["o"]
+        cslots[launch._SLOT["o.sb"]:launch._SLOT["o.sb"] + 3] = ostr
+        cslots[launch._SLOT["H"]] = s.H
+        cslots[launch._SLOT["M"]] = s.M
+        cslots[launch._SLOT["nsplit"]] = self.nsplit
+        self._combine_template = cslots
+
+    def run(self, ptrs: dict, stream: int, workspace: int = 0) -> None:
+        """Launch on ``stream`` with the device pointers in ``ptrs`` (by name, see
+        :data:`POINTERS`; absent or 0 = none) and a ``workspace`` of
+        :attr:`workspace_bytes` bytes when that is non-zero."""
+        slots = list(self._template)
+        for name in POINTERS:
+            p = ptrs.get(name, 0) or 0
+            if name in ("seqlens", "block_table", "lse"):
+                slots[_KV_SLOT[name]] = p
+            else:
+                slots[_KV_SLOT[f"{name}.ptr"]] = p
+        if self.nsplit > 1:
+            slots[_KV_SLOT["o_part"]] = workspace
+            slots[_KV_SLOT["lse_part"]] = workspace + self._ws_offset
+        _launch(self.shape.device, self._steps, stream, _KV_PACK.pack(*slots))
+        if self.nsplit > 1:
+            c = list(self._combine_template)
+            c[launch._SLOT["o.ptr"]] = ptrs["o"]
+            c[launch._SLOT["lse"]] = ptrs.get("lse", 0) or 0
+            c[launch._SLOT["o_part"]] = workspace
+            c[launch._SLOT["lse_part"]] = workspace + self._ws_offset
+            _launch(self.shape.device, self._combine, stream, launch._PACKER.pack(*c))
+
+
+def _launch(device: int, steps, stream: int, block: bytes) -> None:
+    """cuLaunchKernel of each step with the parameter struct ``block`` (copied by the
+    driver before the call returns, so a local buffer will do)."""
+    buf = ctypes.create_string_buffer(block, len(block))
+    args = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
+    launch._launch_all(device, steps, stream, ctypes.addressof(args))
+
+
+_plans: dict = {}
+
+
+def plan(shape: KVShape) -> KVPlan:
+    """The :class:`KVPlan` of ``shape`` (built once per signature and tile override)."""
+    key = (shape, capability.plan_switches())
+    hit = _plans.get(key)
+    if hit is None:
+        if len(_plans) > 4096:
+            _plans.clear()
+        hit = _plans[key] = KVPlan(shape)
+    return hit

@@ -1,0 +1,110 @@
+"""torch entry of :func:`cupy_piecewise.attention_with_kvcache`: the operator
+``cupy_piecewise::kvcache`` (CUDA kernels; a fake implementation for ``torch.compile``;
+declared as mutating the three caches, which it writes when new keys are given) and the
+reference for CPU tensors.
+
+CUDA tensors are read in place from ``data_ptr()`` and element strides; outputs and the
+split-KV workspace come from torch's caching allocator on torch's current stream, and
+nothing synchronises with the host, so the call captures in a CUDA graph (warm it up once
+outside the capture: the first call compiles or loads the kernels).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from . import kvcache
+
+Tensor = torch.Tensor
+
+__all__ = ["attention_with_kvcache", "kvcache_op"]
+
+
+def _cuda(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new, k2_new, v_new,
+          block_table, causal, sm_scale):
+    a = kvcache.check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens,
+                                   k1_new, k2_new, v_new, block_table, causal, sm_scale)
+    o = torch.empty((a.B, a.H, a.M, a.D), dtype=q1.dtype, device=q1.device)
+    lse = torch.empty((a.B, a.H, a.M), dtype=torch.float32, device=q1.device)
+    if a.M == 0 or a.B == 0 or a.H == 0:
+        return o, lse
+    arrays = {"q1": q1, "q2": q2, "o": o, "k1": k1_cache, "k2": k2_cache, "v": v_cache}
+    if a.appended:
+        arrays.update(k1n=k1_new, k2n=k2_new, vn=v_new)
+    for name in ("q1", "q2", "k1n", "k2n", "vn"):  # inputs only: copy what is not ready
+        x = arrays.get(name)
+        if x is not None and not kvcache._ready(x, "torch"):
+            arrays[name] = x.contiguous() if x.stride()[-1] == 1 else x.clone(
+                memory_format=torch.contiguous_format)
+    ptrs = {n: x.data_ptr() for n, x in arrays.items()}
+    ptrs.update(seqlens=cache_seqlens.data_ptr(), lse=lse.data_ptr(),
+                block_table=block_table.data_ptr() if block_table is not None else 0)
+    bt_stride = int(block_table.stride(0)) if block_table is not None else 0
+    plan = kvcache.launch_plan(a, {n: tuple(x.stride())[:3] for n, x in arrays.items()},
+                               bt_stride)
+    ws = (torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=q1.device)
+          if plan.workspace_bytes else None)
+    stream = torch.cuda.current_stream(q1.device).cuda_stream
+    plan.run(ptrs, stream, ws.data_ptr() if ws is not None else 0)
+    return o, lse
+
+
+def _f64(x):
+    return None if x is None else x.detach().to("cpu", torch.float64).numpy()
+
+
+def _cpu(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new, k2_new, v_new,
+         block_table, causal, sm_scale):
+    """The reference on CPU tensors: the append is done on the caches themselves (so it
+    is in place for the caller), then the attention in float64."""
+    a = kvcache.check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens,
+                                   k1_new, k2_new, v_new, block_table, causal, sm_scale)
+    seq = cache_seqlens.to(torch.int64)
+    extra = a.M if a.appended else 0
+    if bool((seq < 0).any()) or bool((seq + extra > a.capacity).any()):
+        raise ValueError(f"cache_seqlens {seq.tolist()} plus {extra} appended rows must lie in "
+                         f"[0, {a.capacity}] (the cache's capacity)")
+    table = block_table.numpy() if block_table is not None else None
+    if a.appended:
+        with torch.no_grad():
+            for cache, new in zip((k1_cache, k2_cache, v_cache), (k1_new, k2_new, v_new)):
+                for b in range(a.B):
+                    kvcache._append(cache, b, int(seq[b]), new[b], table)
+    lengths = (seq + extra).to(torch.int32).numpy()
+    o, lse = kvcache.reference_with_kvcache(
+        _f64(q1), _f64(q2), _f64(k1_cache), _f64(k2_cache), _f64(v_cache), a.w, lengths,
+        block_table=table, causal=a.causal, sm_scale=a.sm_scale)
+    return (torch.from_numpy(o).to(q1.dtype),
+            torch.from_numpy(lse.astype(np.float32)))
+
+
+@torch.library.custom_op("cupy_piecewise::kvcache", mutates_args=("k1_cache", "k2_cache", "v_cache"))
+def kvcache_op(
+    q1: Tensor, q2: Tensor, k1_cache: Tensor, k2_cache: Tensor, v_cache: Tensor, w: int,
+    cache_seqlens: Tensor, k1_new: Optional[Tensor], k2_new: Optional[Tensor],
+    v_new: Optional[Tensor], block_table: Optional[Tensor], causal: bool, sm_scale: float,
+) -> tuple[Tensor, Tensor]:
+    """KV-cache attention -> (o (B, H, M, D), lse (B, H, M) float32); see
+    :func:`cupy_piecewise.attention_with_kvcache`. Writes the new keys into the caches."""
+    run = _cuda if q1.is_cuda else _cpu
+    return run(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new, k2_new, v_new,
+               block_table, causal, sm_scale)
+
+
+@kvcache_op.register_fake
+def _fake(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new, k2_new, v_new,
+          block_table, causal, sm_scale):
+    B, H, M, D = q1.shape
+    return q1.new_empty((B, H, M, D)), q1.new_empty((B, H, M), dtype=torch.float32)
+
+
+def attention_with_kvcache(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new,
+                           k2_new, v_new, block_table, causal, sm_scale):
+    """(o, lse) for torch tensors through ``cupy_piecewise::kvcache`` (arguments checked
+    first, so errors name the argument; ``sm_scale`` resolved from None)."""
+    a = kvcache.check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens,
+                                   k1_new, k2_new, v_new, block_table, causal, sm_scale)
+    return kvcache_op(q1, q2, k1_cache, k2_cache, v_cache, a.w, cache_seqlens, k1_new, k2_new,
+                      v_new, block_table, a.causal, a.sm_scale)

@@ -1,0 +1,279 @@
+// Attention of a few new query rows per sequence against a key/value cache (decode, chunked
+// prefill, speculative verification), contiguous or paged, with the new keys appended in
+// place first (pw_kvcache_append). Everything that depends on the cached lengths is read on
+// the device, so the grid depends on shapes only and a decode step captures in a CUDA graph.
+//
+// Block = (key split, key/value head and 16-row query tile, sequence). The query rows of a
+// block are the (head of the group, new token) pairs of one key/value head, packed 16 to an
+// mma row block, so every head of a group shares each key tile the block loads. Its WARPS
+// warps split each BN-key tile 16 keys apiece and keep their own online softmax; they merge
+// through shared memory at the end. Key tiles stream through a STAGES-deep cp.async ring,
+// and each tile loads only the key projections its distances need (near-only: K1, far-only:
+// K2, straddling d = w: both). A split writes its normalised partial output and lse, which
+// pw_forward_combine (forward.cu) merges; with one split the block writes o and lse itself.
+#include "params.cuh"
+#include "traits.cuh"
+
+// A cache of (pages, heads, rows, D) with unit stride along D. Contiguous caches are one page
+// per sequence: page b, rows 0 .. capacity-1.
+struct CacheView {
+  u16* ptr;
+  i64 sp, sh, sr;  // page (or batch), head and row strides in elements
+};
+
+// Mirrors KV_FIELDS in cupy_piecewise/kvcache_launch.py (every member 8 bytes).
+struct KVParams {
+  Tensor q1, q2, o;           // (B, H, M, D)
+  CacheView k1, k2, v;        // the caches
+  Tensor k1n, k2n, vn;        // keys appended before attending, (B, Hkv, M, D); k1n.ptr null: none
+  const int* seqlens;         // (B,) keys cached per sequence
+  const int* block_table;     // (B, bt_stride) page of each block of rows; null: contiguous
+  i64 bt_stride, block_size;  // block_size: rows per page (paged only)
+  float* lse;                 // (B, H, M) natural log, or null
+  float* o_part;              // (nsplit, B, H, M, D) float32, normalised per split
+  float* lse_part;            // (nsplit, B, H, M)
+  i64 H, group, M, capacity, w, nsplit;
+  float scale_log2;           // sm_scale * log2(e)
+  float sm_scale;
+};
+
+// Element offset of row n of sequence b inside a cache view, head excluded.
+PW_DEVICE i64 cache_offset(const KVParams& p, const CacheView& c, i64 b, int n) {
+  if (p.block_table == nullptr) return b * c.sp + (i64)n * c.sr;
+  const int blk = n / (int)p.block_size;
+  const i64 page = p.block_table[b * p.bt_stride + blk];
+  return page * c.sp + (i64)(n - blk * (int)p.block_size) * c.sr;
+}
+
+// Keys sequence b attends: its cached ones plus the M appended in this call, if any (never
+// beyond the cache's capacity: the appended rows that do not fit were not written).
+PW_DEVICE int kv_length(const KVParams& p, i64 b) {
+  const i64 L = (i64)p.seqlens[b] + (p.k1n.ptr != nullptr ? p.M : 0);
+  return (int)clamp64(L, 0, p.capacity);
+}
+
+template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32) pw_kvcache(const KVParams p) {
+  using Tr = KvTraits<D, BM, BN, WARPS, STAGES>;  // shared-memory layout (traits.cuh)
+  constexpr int THREADS = Tr::threads, PITCH = Tr::pitch, CPR = D / 8;
+  constexpr int RSTEP = THREADS / CPR;                    // rows one pass of the block copies
+  constexpr int ROWS_PER_THREAD = (BN + RSTEP - 1) / RSTEP;
+  static_assert(THREADS % CPR == 0, "a thread's 16-byte column stays fixed");
+  extern __shared__ __align__(16) unsigned char smem[];
+  u16* sQ1 = reinterpret_cast<u16*>(smem) + Tr::q1_offset;
+  u16* sQ2 = reinterpret_cast<u16*>(smem) + Tr::q2_offset;
+  u16* sKV = reinterpret_cast<u16*>(smem) + Tr::kv_offset;  // per stage: K1, K2, V tiles
+  constexpr int TILE = Tr::k_tile_elems, STAGE = Tr::stage_elems;
+  static_assert(Tr::k2_in_stage == TILE && Tr::v_in_stage == 2 * TILE, "stage order K1, K2, V");
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const i64 b = blockIdx.z, split = blockIdx.x;
+  const i64 G = p.group, M = p.M, rows = G * M;
+  const i64 rtiles = (rows + BM - 1) / BM;
+  const i64 hk = blockIdx.y / rtiles, row0 = (blockIdx.y % rtiles) * BM;
+  const int L = kv_length(p, b);
+  const i64 P = (i64)L - M;  // query t sits at position L - M + t: d(t, n) = t + P - n
+
+  // Query rows: packed row r is (head hk * G + r / M, token r % M); padding rows read zeros.
+  for (int idx = threadIdx.x; idx < BM * CPR; idx += THREADS) {
+    const int r = idx / CPR, ch = idx % CPR;
+    const i64 gr = row0 + r;
+    const bool ok = gr < rows;
+    const i64 h = hk * G + (ok ? gr / M : 0), t = ok ? gr % M : 0;
+    const u32 off = (u32)((r * PITCH + ch * 8) * 2);
+    cp_async16(smem_addr(sQ1) + off, p.q1.at(b, h) + t * p.q1.sr + ch * 8, ok);
+    cp_async16(smem_addr(sQ2) + off, p.q2.at(b, h) + t * p.q2.sr + ch * 8, ok);
+  }
+
+  // This split's key tiles, from the sequence's own length (known only on the device).
+  const int ntiles_all = (L + BN - 1) / BN;
+  const int per = (int)((ntiles_all + p.nsplit - 1) / p.nsplit);
+  const int t_begin = (int)min((i64)ntiles_all, split * per);
+  const int t_end = min(ntiles_all, t_begin + per);
+
+  // Tokens of the block's rows span at most [0, M): tile modes use that range.
+  const int tlo = 0, tn = (int)min(M, (i64)1 << 30);
+  const u16* k1h = p.k1.ptr + hk * p.k1.sh;
+  const u16* k2h = p.k2.ptr + hk * p.k2.sh;
+  const u16* vh = p.v.ptr + hk * p.v.sh;
+  const int my_row = threadIdx.x / CPR, my_ch = threadIdx.x % CPR;
+
+  auto issue = [&](int tile, int stage) {
+    const int n0 = tile * BN;
+    const int mode = tile_mode(tlo, tn, n0, BN, P, p.w);
+    const u32 st = smem_addr(sKV + stage * STAGE) + (u32)((my_row * PITCH + my_ch * 8) * 2);
+#pragma unroll
+    for (int it = 0; it < ROWS_PER_THREAD; ++it) {
+      const int r = my_row + it * RSTEP;
+      if (BN % RSTEP == 0 || r < BN) {
+        const int n = n0 + r;
+        const bool ok = n < L;
+        const u32 d = st + (u32)(it * RSTEP * PITCH * 2);
+        const int nn = ok ? n : 0;
+        if (mode & 1) cp_async16(d, k1h + cache_offset(p, p.k1, b, nn) + my_ch * 8, ok);
+        if (mode & 2) cp_async16(d + TILE * 2, k2h + cache_offset(p, p.k2, b, nn) + my_ch * 8, ok);
+        cp_async16(d + 2 * TILE * 2, vh + cache_offset(p, p.v, b, nn) + my_ch * 8, ok);
+      }
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (t_begin + s < t_end) issue(t_begin + s, s);
+    cp_async_commit();  // the query rows ride in the first group
+  }
+
+  // Tokens of this thread's two fragment rows (lane / 4 and lane / 4 + 8).
+  int tok[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const i64 gr = row0 + lane / 4 + 8 * hh;
+    tok[hh] = gr < rows ? (int)(gr % M) : 0;
+  }
+  float acc[1][D / 8][4];
+  zero_n<D / 2>(&acc[0][0][0]);
+  float row_max[2] = {PW_NEG_INF, PW_NEG_INF}, row_sum[2] = {0.f, 0.f};
+  const int wp = (int)clamp64(p.w, -(1 << 30), 1 << 30);
+
+  for (int tile = t_begin; tile < t_end; ++tile) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile's stage landed for all; the stage of tile - 1 is free again
+    {
+      const int nxt = tile + STAGES - 1;
+      if (nxt < t_end) issue(nxt, (nxt - t_begin) % STAGES);
+      cp_async_commit();
+    }
+    const u16* st = sKV + ((tile - t_begin) % STAGES) * STAGE;
+    const int n0 = tile * BN + warp * 16;  // this warp's 16 keys
+    const int mode = tile_mode(tlo, tn, n0, 16, P, p.w);
+    const int dbase = (int)clamp64(P - n0, -(1 << 30), 1 << 30);  // d = tok + dbase - c
+
+    float s[1][2][4];
+    zero_n<8>(&s[0][0][0]);
+    const u32 aK1 = smem_addr(st), aK2 = smem_addr(st + TILE);
+    if (mode == 3) {
+      float t2[1][2][4];
+      zero_n<8>(&t2[0][0][0]);
+      mma_abt_block<T, D, 1>(s, smem_addr(sQ1), aK1, warp, lane);
+      mma_abt_block<T, D, 1>(t2, smem_addr(sQ2), aK2, warp, lane);
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (tok[e / 2] + dbase - frag_col(nb, e, lane) >= wp) s[0][nb][e] = t2[0][nb][e];
+    } else {
+      mma_abt_block<T, D, 1>(s, smem_addr(mode == 1 ? sQ1 : sQ2), mode == 1 ? aK1 : aK2, warp,
+                             lane);
+    }
+    const bool masked = n0 + 16 > L || (CAUSAL && P - (n0 + 15) < 0);
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[0][nb][e] * p.scale_log2;
+        if (masked) {
+          const int c = frag_col(nb, e, lane);
+          if (n0 + c >= L || (CAUSAL && tok[e / 2] + dbase - c < 0)) x = PW_NEG_INF;
+        }
+        s[0][nb][e] = x;
+      }
+
+    // Online softmax over this warp's keys; a row's four lanes share its max.
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float mx = fmaxf(row_max[hh], fmaxf(fmaxf(s[0][0][2 * hh], s[0][0][2 * hh + 1]),
+                                          fmaxf(s[0][1][2 * hh], s[0][1][2 * hh + 1])));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float base = mx == PW_NEG_INF ? 0.f : mx;  // all masked so far: exp2 stays 0
+      const float alpha = fast_exp2(row_max[hh] - base);
+      row_max[hh] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) {
+        s[0][nb][2 * hh] = fast_exp2(s[0][nb][2 * hh] - base);
+        s[0][nb][2 * hh + 1] = fast_exp2(s[0][nb][2 * hh + 1] - base);
+        sum += s[0][nb][2 * hh] + s[0][nb][2 * hh + 1];
+      }
+      row_sum[hh] = row_sum[hh] * alpha + sum;
+#pragma unroll
+      for (int nb = 0; nb < D / 8; ++nb) {
+        acc[0][nb][2 * hh] *= alpha;
+        acc[0][nb][2 * hh + 1] *= alpha;
+      }
+    }
+    mma_xb<T, D, 16, 1>(acc, s, smem_addr(st + 2 * TILE + warp * 16 * PITCH), lane);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the ring: reuse it to merge the warps
+
+  // Each warp leaves its rows' max, sum and unnormalised output in shared memory.
+  float* sO = reinterpret_cast<float*>(sKV);  // [WARPS][BM][D]
+  float* sMax = sO + WARPS * BM * D;          // [WARPS][BM]
+  float* sSum = sMax + WARPS * BM;            // [WARPS][BM]
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = lane / 4 + 8 * hh;
+    float l = row_sum[hh];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (lane % 4 == 0) {
+      sMax[warp * BM + r] = row_max[hh];
+      sSum[warp * BM + r] = l;
+    }
+#pragma unroll
+    for (int nb = 0; nb < D / 8; ++nb)
+      *reinterpret_cast<float2*>(sO + (warp * BM + r) * D + nb * 8 + 2 * (lane % 4)) =
+          make_float2(acc[0][nb][2 * hh], acc[0][nb][2 * hh + 1]);
+  }
+  __syncthreads();
+
+  const i64 B = gridDim.z, H = p.H;
+  for (int idx = threadIdx.x; idx < BM * D; idx += THREADS) {
+    const int r = idx / D, c = idx % D;
+    const i64 gr = row0 + r;
+    if (gr >= rows) break;  // rows grow with idx: the rest are padding too
+    float mx = PW_NEG_INF;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sMax[w * BM + r]);
+    float l = 0.f, o = 0.f;
+    if (mx != PW_NEG_INF) {
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const float f = fast_exp2(sMax[w * BM + r] - mx);
+        l += f * sSum[w * BM + r];
+        o += f * sO[(w * BM + r) * D + c];
+      }
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;  // no admissible key: o = 0, lse = -inf
+    const i64 h = hk * G + gr / M, t = gr % M;
+    const i64 row = (b * H + h) * M + t;  // in (B, H, M)
+    const float lse = l > 0.f ? (mx + __log2f(l)) * PW_LN2 : PW_NEG_INF;
+    if (p.nsplit == 1) {
+      p.o.mut(b, h)[t * p.o.sr + c] = Elem<T>::from_float(o * inv);
+      if (c == 0 && p.lse) p.lse[row] = lse;
+    } else {
+      const i64 part = split * B * H * M + row;
+      p.o_part[part * D + c] = o * inv;
+      if (c == 0) p.lse_part[part] = lse;
+    }
+  }
+}
+
+// Writes the M new rows of k1, k2 and v of each sequence into its cache at positions
+// seqlens[b] + t (rows that would fall past the capacity are dropped). One thread per
+// 16-byte chunk: blockIdx.x * 256 + threadIdx.x enumerates (token, tensor, chunk).
+template <typename T, int D>
+__global__ void __launch_bounds__(256) pw_kvcache_append(const KVParams p) {
+  constexpr int CPR = D / 8;
+  const i64 idx = (i64)blockIdx.x * 256 + threadIdx.x;
+  if (idx >= p.M * 3 * CPR) return;
+  const i64 hk = blockIdx.y, b = blockIdx.z;
+  const int t = (int)(idx / (3 * CPR)), which = (int)(idx / CPR % 3), ch = (int)(idx % CPR);
+  const i64 pos = (i64)p.seqlens[b] + t;
+  if (pos >= p.capacity) return;
+  const Tensor& src = which == 0 ? p.k1n : (which == 1 ? p.k2n : p.vn);
+  const CacheView& dst = which == 0 ? p.k1 : (which == 1 ? p.k2 : p.v);
+  const uint4 x = *reinterpret_cast<const uint4*>(src.at(b, hk) + t * src.sr + ch * 8);
+  *reinterpret_cast<uint4*>(dst.ptr + hk * dst.sh + cache_offset(p, dst, b, (int)pos) + ch * 8) = x;
+}

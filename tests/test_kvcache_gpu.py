@@ -1,0 +1,249 @@
+"""attention_with_kvcache on the CUDA kernels (marked ``gpu``): contiguous and paged caches
+against the float64 reference by the tolerance rule (outputs NaN-poisoned), cache lengths
+that differ per sequence (0 included), M in {1, 4, 17}, GQA, appended keys written in
+place exactly where they belong, the torch operator, and a decode loop captured in a CUDA
+graph replayed with new lengths against eager calls."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import kvcache_cases as kc  # noqa: E402
+
+from cupy_piecewise import kvcache, reference, tolerance  # noqa: E402
+from cupy_piecewise.gpu_arrays import NAN_BITS, poisoned, round_to  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _np_dtype(dtype):
+    from cupy_piecewise.gpu_arrays import _np_dtype as f
+
+    return f(dtype)
+
+
+def _expected(q1, q2, caches, w, seq, M, appended, causal, scale, dtype):
+    """(o, lse) float64 reference and the low-precision yardstick, per sequence, from
+    contiguous host caches that already hold every attended key."""
+    B, H = q1.shape[:2]
+    D = q1.shape[3]
+    ref = [np.zeros((B, H, M, D)), np.full((B, H, M), -np.inf)]
+    low = [np.zeros((B, H, M, D)), np.full((B, H, M), -np.inf)]
+    for b in range(B):
+        L = int(seq[b]) + (M if appended else 0)
+        ks = [c[b:b + 1, :, :L] for c in caches]
+        args = (q1[b:b + 1], ks[0], q2[b:b + 1], ks[1], ks[2], w, causal, scale)
+        o, lse = reference.forward(*args, q_offset=L - M, k_offset=0)
+        ol, ll = reference.lowp_forward(*args, dtype=dtype, q_offset=L - M, k_offset=0)
+        ref[0][b], ref[1][b], low[0][b], low[1][b] = o[0], lse[0], ol[0], ll[0]
+    return ref, low
+
+
+def _poisoned_outputs(monkeypatch):
+    import cupy
+
+    def empty(shape, dtype):
+        name = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}.get(
+            np.dtype(dtype), "bfloat16")
+        return poisoned(shape, name)
+
+    monkeypatch.setattr(kvcache, "_empty", empty)
+    return cupy
+
+
+CASES = [  # (dtype, D, M, paged block size or 0, causal, appended)
+    (dt, D, M, bs, causal, app)
+    for dt in ("bfloat16", "float16") for D in (64, 128) for M in (1, 4, 17)
+    for bs, causal, app in ((0, True, False), (64, True, True), (0, False, True), (16, False, False))
+]
+
+
+@pytest.mark.parametrize("dtype,D,M,bs,causal,appended", CASES,
+                         ids=[f"{c[0]}-D{c[1]}-M{c[2]}-{'paged' + str(c[3]) if c[3] else 'contig'}"
+                              f"-{'causal' if c[4] else 'full'}-{'append' if c[5] else 'cached'}"
+                              for c in CASES])
+def test_kvcache_matches_reference(dtype, D, M, bs, causal, appended, monkeypatch):
+    cupy = _poisoned_outputs(monkeypatch)
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    rng = np.random.default_rng(seed)
+    B, H, Hkv, N = 4, 8, 2, 1024
+    seq = np.array([0, 1, 300, N - (M if appended else 0)], np.int32)  # empty .. full
+    w = int(rng.choice([-3, 0, 1, 5, 200, 700]))
+    scale = 1.0 / np.sqrt(D)
+    q1, q2 = (round_to(rng.standard_normal((B, H, M, D)).astype(np.float32) * 1.5, dtype)
+              for _ in range(2))
+    host = [round_to(rng.standard_normal((B, Hkv, N, D)).astype(np.float32) * 1.5, dtype)
+            for _ in range(3)]
+    new = [round_to(rng.standard_normal((B, Hkv, M, D)).astype(np.float32), dtype)
+           for _ in range(3)]
+    full = [c.copy() for c in host]  # what the caches hold after the append
+    if appended:
+        for c, n in zip(full, new):
+            for b in range(B):
+                c[b, :, seq[b]:seq[b] + M] = n[b]
+    ref, low = _expected(q1, q2, full, w, seq, M, appended, causal, scale, dtype)
+
+    nd = _np_dtype(dtype)
+    if bs:
+        pages, table = kc.page_all([c.astype(np.float32) for c in host], bs, rng)
+        dev_caches = [cupy.asarray(np.nan_to_num(p).astype(nd)) for p in pages]
+        dev_table = cupy.asarray(table)
+    else:
+        dev_caches = [cupy.asarray(c.astype(nd)) for c in host]
+        dev_table = None
+    kw = dict(cache_seqlens=cupy.asarray(seq), block_table=dev_table, causal=causal,
+              sm_scale=float(scale), return_lse=True)
+    if appended:
+        kw.update(k1_new=cupy.asarray(new[0].astype(nd)), k2_new=cupy.asarray(new[1].astype(nd)),
+                  v_new=cupy.asarray(new[2].astype(nd)))
+    o, lse = kvcache.attention_with_kvcache(cupy.asarray(q1.astype(nd)), cupy.asarray(q2.astype(nd)),
+                                            *dev_caches, w, **kw)
+    got = [cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)]
+    for name, g, r, lw in zip(("o", "lse"), got, ref, low):
+        verdict = tolerance.compare(name, g, r, lw, dtype)
+        assert verdict.passed, f"{verdict} (w={w}, input seed {seed})"
+    if appended:  # the caches now hold the new rows, read back in sequence order
+        for dc, want in zip(dev_caches, full):
+            h = cupy.asnumpy(dc).astype(np.float32)
+            if bs:
+                h = np.stack([np.concatenate([h[p] for p in table[b]], axis=1) for b in range(B)])
+            np.testing.assert_array_equal(h, want)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_append_writes_exactly_the_new_positions(paged):
+    """Caches full of NaN bit patterns: after the call exactly rows seqlens[b] .. + M - 1
+    hold the new keys and every other bit is unchanged (the spare pages too)."""
+    import cupy
+
+    rng = np.random.default_rng(1)
+    dtype, B, H, Hkv, M, D, N = "bfloat16", 3, 4, 2, 5, 64, 256
+    nd = _np_dtype(dtype)
+    seq = np.array([0, 77, N - M], np.int32)
+    new = [round_to(rng.standard_normal((B, Hkv, M, D)).astype(np.float32), dtype) for _ in range(3)]
+    shape = (B * (N // 64) + 2, Hkv, 64, D) if paged else (B, Hkv, N, D)
+    caches = [cupy.full(shape, NAN_BITS[dtype], dtype=cupy.uint16).view(nd) for _ in range(3)]
+    table = (rng.permutation(shape[0])[:B * (N // 64)].reshape(B, N // 64).astype(np.int32)
+             if paged else None)
+    q = cupy.asarray(rng.standard_normal((B, H, M, D)).astype(nd))
+    kvcache.attention_with_kvcache(
+        q, q, *caches, 3, cache_seqlens=cupy.asarray(seq),
+        block_table=None if table is None else cupy.asarray(table),
+        k1_new=cupy.asarray(new[0].astype(nd)), k2_new=cupy.asarray(new[1].astype(nd)),
+        v_new=cupy.asarray(new[2].astype(nd)))
+    for dc, n in zip(caches, new):
+        bits = cupy.asnumpy(dc.view(cupy.uint16))
+        want = np.full(shape, NAN_BITS[dtype], np.uint16)
+        for b in range(B):
+            for t in range(M):
+                pos = int(seq[b]) + t
+                row = n[b, :, t].astype(nd).view(np.uint16)
+                if paged:
+                    want[table[b, pos // 64], :, pos % 64] = row
+                else:
+                    want[b, :, pos] = row
+        np.testing.assert_array_equal(bits, want)
+
+
+def test_torch_decode_loop_in_a_cuda_graph_matches_eager():
+    """A decode step (append one token, attend) captured once in a CUDA graph and replayed
+    for several steps with the lengths advanced on the device gives the eager results, and
+    leaves the same caches."""
+    torch = pytest.importorskip("torch")
+    import cupy_piecewise
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, Hkv, D, N, steps, bs = 3, 8, 2, 128, 512, 5, 64
+    dt = torch.bfloat16
+    start = torch.tensor([0, 100, 400], dtype=torch.int32, device="cuda")
+    caches_e = [torch.randn(B * N // bs + 1, Hkv, bs, D, device="cuda", dtype=dt, generator=g)
+                for _ in range(3)]
+    caches_g = [c.clone() for c in caches_e]
+    table = torch.randperm(B * N // bs, device="cuda", generator=g).view(B, N // bs).to(torch.int32)
+    qs = [torch.randn(steps, B, H, 1, D, device="cuda", dtype=dt, generator=g) for _ in range(2)]
+    news = [torch.randn(steps, B, Hkv, 1, D, device="cuda", dtype=dt, generator=g) for _ in range(3)]
+
+    def step(q1, q2, caches, seq, n1, n2, nv):
+        return cupy_piecewise.attention_with_kvcache(
+            q1, q2, *caches, 64, cache_seqlens=seq, k1_new=n1, k2_new=n2, v_new=nv,
+            block_table=table, return_lse=True)
+
+    eager = [step(qs[0][t], qs[1][t], caches_e, start + t, news[0][t], news[1][t], news[2][t])
+             for t in range(steps)]
+    # static buffers the graph reads; the first replay's inputs are copied in before capture
+    sq1, sq2 = qs[0][0].clone(), qs[1][0].clone()
+    sn = [n[0].clone() for n in news]
+    seq = start.clone()
+    warm = [c.clone() for c in caches_g]
+    step(sq1, sq2, warm, seq, *sn)  # compile and load outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(sq1, sq2, caches_g, seq, *sn)
+    for t in range(steps):
+        sq1.copy_(qs[0][t]), sq2.copy_(qs[1][t])
+        for s, n in zip(sn, news):
+            s.copy_(n[t])
+        seq.copy_(start + t)
+        graph.replay()
+        assert torch.equal(out[0], eager[t][0]), f"o differs at step {t}"
+        assert torch.equal(out[1], eager[t][1]), f"lse differs at step {t}"
+    for a, b in zip(caches_g, caches_e):
+        assert torch.equal(a, b)
+
+
+def test_split_and_unsplit_grids_agree_with_the_reference():
+    """Many heads (one block per (sequence, head): no split) and few (keys split across
+    blocks, merged by lse) on the same keys."""
+    import cupy
+
+    from cupy_piecewise import kvcache_launch as kl
+
+    rng = np.random.default_rng(2)
+    dtype, D, N = "bfloat16", 128, 4096
+    nd = _np_dtype(dtype)
+    for B, H in ((1, 2), (2, 160)):
+        q1, q2 = (round_to(rng.standard_normal((B, H, 1, D)).astype(np.float32), dtype)
+                  for _ in range(2))
+        host = [round_to(rng.standard_normal((B, H, N, D)).astype(np.float32), dtype)
+                for _ in range(3)]
+        seq = np.full(B, N - 5, np.int32)
+        ref, low = _expected(q1, q2, host, 1000, seq, 1, False, True, 1 / np.sqrt(D), dtype)
+        o, lse = kvcache.attention_with_kvcache(
+            cupy.asarray(q1.astype(nd)), cupy.asarray(q2.astype(nd)),
+            *[cupy.asarray(c.astype(nd)) for c in host], 1000, cache_seqlens=cupy.asarray(seq),
+            return_lse=True)
+        plans = [pl for (shape, _), pl in kl._plans.items() if (shape.B, shape.H) == (B, H)]
+        assert plans and all((pl.nsplit > 1) == (H == 2) for pl in plans), \
+            [pl.nsplit for pl in plans]
+        for name, g, r, lw in zip(("o", "lse"), (cupy.asnumpy(o), cupy.asnumpy(lse)), ref, low):
+            verdict = tolerance.compare(name, np.asarray(g, np.float64), r, lw, dtype)
+            assert verdict.passed, f"B={B} H={H}: {verdict}"
+
+
+def test_transposed_cache_view_on_the_gpu():
+    """FlashAttention's (B, N, Hkv, D) cache memory passed as a (B, Hkv, N, D) view: read and
+    appended in place, equal to the contiguous call."""
+    import cupy
+
+    rng = np.random.default_rng(3)
+    B, H, Hkv, M, D, N = 2, 4, 4, 2, 64, 128
+    nd = _np_dtype("float16")
+    q = [cupy.asarray(rng.standard_normal((B, H, M, D)).astype(nd)) for _ in range(2)]
+    host = [rng.standard_normal((B, Hkv, N, D)).astype(nd) for _ in range(3)]
+    new = [cupy.asarray(rng.standard_normal((B, Hkv, M, D)).astype(nd)) for _ in range(3)]
+    seq = cupy.asarray(np.array([5, 90], np.int32))
+    contig = [cupy.asarray(h) for h in host]
+    views = [cupy.asarray(np.ascontiguousarray(h.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
+             for h in host]
+    a = kvcache.attention_with_kvcache(*q, *contig, 7, cache_seqlens=seq, k1_new=new[0],
+                                       k2_new=new[1], v_new=new[2])
+    b = kvcache.attention_with_kvcache(*q, *views, 7, cache_seqlens=seq, k1_new=new[0],
+                                       k2_new=new[1], v_new=new[2])
+    assert bool((a == b).all())
+    for c, v in zip(contig, views):
+        assert bool((c == v).all())
