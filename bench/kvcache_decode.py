@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import decode_bytes  # noqa: E402
+from timing import event_median_ms  # noqa: E402
 
 import cupy_piecewise  # noqa: E402
 
@@ -58,10 +59,12 @@ def graph_ms(fn, reps: int = 15) -> float:
 
 
 def copy_gbps() -> float:
+    """Device copy bandwidth, as bench.py's decode section measures it: ``dst.copy_(src)``
+    of 2 GiB, (read + write bytes) / median of eager CUDA-event timings."""
     n = 1 << 30
     src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    ms = graph_ms(lambda: dst.copy_(src), reps=10)
+    ms = event_median_ms(lambda: dst.copy_(src), warmup=3, reps=10)
     return 2 * 2 * n / (ms * 1e-3) / 1e9
 
 
@@ -117,7 +120,8 @@ def paged_with(cache, table, bs):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="JSON results here")
-    ap.add_argument("--quick", action="store_true", help="bf16, D 128, three shapes")
+    ap.add_argument("--quick", action="store_true", help="bf16, D 64 and 128, three shapes")
+    ap.add_argument("--paged", default="64,256", help="block sizes of the paged rows ('' for none)")
     args = ap.parse_args(argv)
     cb = copy_gbps()
     print(f"device copy bandwidth {cb:.0f} GB/s", flush=True)
@@ -127,12 +131,13 @@ def main(argv=None) -> int:
     dtypes = [torch.bfloat16, torch.float16]
     dims = [64, 128]
     if args.quick:
-        shapes, dtypes, dims = [shapes[0], shapes[2], shapes[4]], [torch.bfloat16], [128]
+        shapes, dtypes, dims = [shapes[0], shapes[2], shapes[4]], [torch.bfloat16], [64, 128]
     results = []
     for dtype in dtypes:
         for D in dims:
             for B, H, Hkv, N in shapes:
-                rows = run_case(dtype, D, B, H, Hkv, N, (64, 256))
+                rows = run_case(dtype, D, B, H, Hkv, N,
+                                tuple(int(b) for b in args.paged.split(",") if b))
                 torch.cuda.empty_cache()
                 cudnn = next((r["gbps"] for r in rows if r["provider"] == "sdpa_cudnn"), None)
                 contig = rows[0]["gbps"]

@@ -15,6 +15,8 @@ an entry may be refined by dtype and/or causal. Phases:
 - ``kvcache``: attention against a key/value cache (:mod:`cupy_piecewise.kvcache`):
   ``block_m`` = 16 packed query rows (the heads of a group times the new tokens),
   ``block_n`` keys per tile (16 per warp), ``stages`` deep cp.async ring (2 to 4).
+- ``kvdecode``: the same kernel for one new token per sequence (M = 1): one key slot per
+  stage (each key's one projection), so a smaller ring.
 
 Every entry satisfies, for its architecture (checked by the tests):
 
@@ -59,6 +61,7 @@ __all__ = [
     "set_tile_override",
     "plan_switches",
     "PATH_VAR",
+    "KV_PHASES",
     "path_override",
     "HOPPER_HEAD_DIMS",
     "hopper_shared_bytes",
@@ -87,7 +90,9 @@ class TileConfig:
         return f"{self.block_m}x{self.block_n}x{self.num_warps}x{self.stages}"
 
 
-PHASES = ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv", "kvcache")
+PHASES = ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv", "kvcache", "kvdecode")
+#: the KV-cache kernel's phases (kernels_cu/kvcache.cu)
+KV_PHASES = ("kvcache", "kvdecode")
 LISTED_ARCHS = ((8, 0), (8, 6), (8, 9), (9, 0))
 ENV_VAR = "CUPY_PIECEWISE_TILES"
 
@@ -233,8 +238,10 @@ def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2
     together. (bwd_dq's 8 bytes per row are reserved there, not read.)
     """
     stride = head_dim + 8  # padded rows, elements
-    if phase in ("fwd", "fwd_decode", "kvcache"):  # kvcache: 16 query rows, a deeper ring
+    if phase in ("fwd", "fwd_decode", "kvcache"):  # kvcache: 16 query rows, two key slots
         return elem_bytes * (2 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * stride
+    if phase == "kvdecode":  # one key slot and v per stage
+        return elem_bytes * (2 * cfg.block_m + 2 * cfg.stages * cfg.block_n) * stride
     if phase == "bwd_dq":
         return elem_bytes * (3 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * stride + 8 * cfg.block_m
     if phase == "bwd_dkv":
@@ -262,6 +269,7 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
         # 13.5; 16x128x8 keeps the 128-key tile at 230-233 registers (not timed on an A100)
         "bwd_dkv": {128: _T(16, 128, 8), 64: _T(64, 64, 4), 32: _T(128, 64, 4), 16: _T(128, 64, 4)},
         "kvcache": {d: _T(16, 64, 4, 2) for d in (16, 32, 64, 128)},
+        "kvdecode": {d: _T(16, 64, 4, 3) for d in (16, 32, 64, 128)},
     },
     # RTX 30xx / A10 / A40: 99 KiB shared per block.
     (8, 6): {
@@ -271,6 +279,8 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
         "bwd_dkv": {128: _T(16, 64, 4), 64: _T(32, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
         "kvcache": {128: _T(16, 32, 2, 2), 64: _T(16, 64, 4, 2), 32: _T(16, 64, 4, 2),
                     16: _T(16, 64, 4, 2)},
+        "kvdecode": {128: _T(16, 64, 4, 2), 64: _T(16, 64, 4, 3), 32: _T(16, 64, 4, 3),
+                     16: _T(16, 64, 4, 3)},
     },
     # RTX 40xx / L4 / L40: 99 KiB shared per block.
     (8, 9): {
@@ -280,6 +290,8 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
         "bwd_dkv": {128: _T(16, 64, 4), 64: _T(32, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
         "kvcache": {128: _T(16, 32, 2, 2), 64: _T(16, 64, 4, 2), 32: _T(16, 64, 4, 2),
                     16: _T(16, 64, 4, 2)},
+        "kvdecode": {128: _T(16, 64, 4, 2), 64: _T(16, 64, 4, 3), 32: _T(16, 64, 4, 3),
+                     16: _T(16, 64, 4, 3)},
     },
     # H100 / H200: 227 KiB shared per block. Measured with bench/tiles.py on an H200
     # (2026-11-30, bf16, L=8192; bench/results/tiles_h200.json) among variants ptxas
@@ -297,6 +309,9 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
         },
         # memory-bound: a 3-deep ring of 64-key tiles keeps ~100 KB in flight per block
         "kvcache": {d: _T(16, 64, 4, 3) for d in (16, 32, 64, 128)},
+        # two stages measured best on an H200 (2026-12-01, bf16, B*H 32-256, N 4k-128k:
+        # bench/results/2026-12-01-h200-kvcache/tune_*.json): 1-3% over three or four
+        "kvdecode": {d: _T(16, 64, 4, 2) for d in (16, 32, 64, 128)},
     },
 }
 
@@ -334,16 +349,16 @@ def check_config(
             problems.append(f"{field}={value} is not one of {BLOCK_SIZES}")
     if cfg.num_warps < 1:
         problems.append(f"num_warps={cfg.num_warps} must be at least 1")
-    stages = KV_STAGES if phase == "kvcache" else STAGES
+    stages = KV_STAGES if phase in KV_PHASES else STAGES
     if cfg.stages not in stages:
         problems.append(f"stages={cfg.stages} is not one of {stages}")
-    if phase == "kvcache":
+    if phase in KV_PHASES:
         if cfg.block_m != 16:
-            problems.append(f"kvcache packs 16 query rows: block_m must be 16, got {cfg.block_m}")
+            problems.append(f"{phase} packs 16 query rows: block_m must be 16, got {cfg.block_m}")
         if cfg.block_n != 16 * cfg.num_warps:
-            problems.append(f"kvcache needs block_n == 16 * num_warps (16 keys per warp), got "
+            problems.append(f"{phase} needs block_n == 16 * num_warps (16 keys per warp), got "
                             f"block_n={cfg.block_n}, num_warps={cfg.num_warps}")
-    rows_field = "block_n" if phase in ("bwd_dkv", "kvcache") else "block_m"
+    rows_field = "block_n" if phase in ("bwd_dkv",) + KV_PHASES else "block_m"
     rows = getattr(cfg, rows_field)
     if rows not in (16 * cfg.num_warps, 32 * cfg.num_warps):
         problems.append(

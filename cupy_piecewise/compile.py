@@ -25,13 +25,13 @@ SOURCE_FILE = {"fwd": "forward.cu", "fwd_decode": "forward.cu", "fwd_combine": "
                "fwd_sm90": "sm90/forward.cu", "bwd_sm90": "sm90/backward.cu",
                "bwd_sm90_det": "sm90/backward.cu", "bwd_sm90_prep": "sm90/backward.cu",
                "bwd_sm90_dq": "sm90/backward.cu", "kvcache": "kvcache.cu",
-               "kv_append": "kvcache.cu"}
+               "kvdecode": "kvcache.cu", "kv_append": "kvcache.cu"}
 _TEMPLATE = {"fwd": "pw_forward", "fwd_decode": "pw_forward", "fwd_combine": "pw_forward_combine",
              "bwd_dq": "pw_backward_dq", "bwd_dkv": "pw_backward_dkv",
              "bwd_delta": "pw_backward_delta", "fwd_sm90": "pw90_forward",
              "bwd_sm90": "pw90_bwd", "bwd_sm90_det": "pw90_bwd", "bwd_sm90_prep": "pw90_bwd_prep",
              "bwd_sm90_dq": "pw90_bwd_dq_convert", "kvcache": "pw_kvcache",
-             "kv_append": "pw_kvcache_append"}
+             "kvdecode": "pw_kvcache", "kv_append": "pw_kvcache_append"}
 #: helper kernels without tiles, 256 threads: a warp per row (bwd_delta, fwd_combine), a
 #: thread per 16-byte chunk (kv_append: the KV-cache append)
 ROW_KERNELS = ("bwd_delta", "fwd_combine", "kv_append")
@@ -97,7 +97,9 @@ class Variant:
             return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}>"
         t = self.tiles
         causal = "true" if self.causal else "false"
-        stages = f", {t.stages}" if self.phase == "kvcache" else ""  # a deeper ring there
+        stages = ""  # the KV-cache kernel: a deeper ring, and one key slot when decoding
+        if self.phase in ("kvcache", "kvdecode"):
+            stages = f", {t.stages}, {'true' if self.phase == 'kvdecode' else 'false'}"
         return (f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}, {t.block_m}, {t.block_n}, "
                 f"{t.num_warps}, {causal}{stages}>")
 

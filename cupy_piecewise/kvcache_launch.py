@@ -85,8 +85,10 @@ class KVPlan:
     def __init__(self, shape: KVShape):
         self.shape = s = shape
         cc = launch._compute_capability(s.device)
-        tiles = capability.lookup(cc, "kvcache", s.D, s.dtype, s.causal)
-        main = Variant("kvcache", s.dtype, s.D, tiles, s.causal)
+        # one new token: every key has one distance, so one key slot per stage (kvdecode)
+        phase = "kvdecode" if s.M == 1 else "kvcache"
+        tiles = capability.lookup(cc, phase, s.D, s.dtype, s.causal)
+        main = Variant(phase, s.dtype, s.D, tiles, s.causal)
         fn, smem = launch._kernel(s.device, main)
         arch = capability.resolve_arch(cc)
         # an SM holds its per-block limit plus the 1 KB reserved per block

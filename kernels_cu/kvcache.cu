@@ -9,8 +9,12 @@
 // warps split each BN-key tile 16 keys apiece and keep their own online softmax; they merge
 // through shared memory at the end. Key tiles stream through a STAGES-deep cp.async ring,
 // and each tile loads only the key projections its distances need (near-only: K1, far-only:
-// K2, straddling d = w: both). A split writes its normalised partial output and lse, which
-// pw_forward_combine (forward.cu) merges; with one split the block writes o and lse itself.
+// K2, straddling d = w: both). With PER_KEY (phase kvdecode: one new token per sequence, so
+// every row of a block has the same position) each key has one distance and the ring holds
+// one key slot per stage, filled row by row from K1 or K2: a tile reads exactly one key
+// projection per key, and the smaller ring lets more blocks share an SM. A split writes its
+// normalised partial output and lse, which pw_forward_combine (forward.cu) merges; with one
+// split the block writes o and lse itself.
 #include "params.cuh"
 #include "traits.cuh"
 
@@ -52,9 +56,9 @@ PW_DEVICE int kv_length(const KVParams& p, i64 b) {
   return (int)clamp64(L, 0, p.capacity);
 }
 
-template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, int STAGES>
+template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, int STAGES, bool PER_KEY>
 __global__ void __launch_bounds__(WARPS * 32) pw_kvcache(const KVParams p) {
-  using Tr = KvTraits<D, BM, BN, WARPS, STAGES>;  // shared-memory layout (traits.cuh)
+  using Tr = KvTraits<D, BM, BN, WARPS, STAGES, PER_KEY ? 1 : 2>;  // smem layout (traits.cuh)
   constexpr int THREADS = Tr::threads, PITCH = Tr::pitch, CPR = D / 8;
   constexpr int RSTEP = THREADS / CPR;                    // rows one pass of the block copies
   constexpr int ROWS_PER_THREAD = (BN + RSTEP - 1) / RSTEP;
@@ -64,7 +68,9 @@ __global__ void __launch_bounds__(WARPS * 32) pw_kvcache(const KVParams p) {
   u16* sQ2 = reinterpret_cast<u16*>(smem) + Tr::q2_offset;
   u16* sKV = reinterpret_cast<u16*>(smem) + Tr::kv_offset;  // per stage: K1, K2, V tiles
   constexpr int TILE = Tr::k_tile_elems, STAGE = Tr::stage_elems;
-  static_assert(Tr::k2_in_stage == TILE && Tr::v_in_stage == 2 * TILE, "stage order K1, K2, V");
+  // a stage is K1, K2, V (PER_KEY: K, V); PER_KEY's K slot serves as K1 and as K2
+  constexpr int K2_SLOT = PER_KEY ? 0 : TILE, V_SLOT = Tr::v_in_stage;
+  static_assert(Tr::k2_in_stage == K2_SLOT, "stage order K1, K2, V");
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const i64 b = blockIdx.z, split = blockIdx.x;
@@ -98,6 +104,27 @@ __global__ void __launch_bounds__(WARPS * 32) pw_kvcache(const KVParams p) {
   const u16* vh = p.v.ptr + hk * p.v.sh;
   const int my_row = threadIdx.x / CPR, my_ch = threadIdx.x % CPR;
 
+  // Where this thread's rows of key tile `tile` live: page and row in the page. Paged
+  // caches read the block table here, a tile ahead of the copies that use it (see the
+  // loop), so the table loads' latency hides behind a tile of work.
+  i64 page[ROWS_PER_THREAD];
+  int rin[ROWS_PER_THREAD];
+  auto locate = [&](int tile) {
+#pragma unroll
+    for (int it = 0; it < ROWS_PER_THREAD; ++it) {
+      const int n = min(tile * BN + my_row + it * RSTEP, max(L - 1, 0));  // past L: row L-1..
+      if (p.block_table == nullptr) {
+        page[it] = b;
+        rin[it] = n;
+      } else {
+        const int blk = n / (int)p.block_size;
+        page[it] = p.block_table[b * p.bt_stride + blk];
+        rin[it] = n - blk * (int)p.block_size;
+      }
+    }
+  };
+  // Copies key tile `tile` (located by the last locate) into ring stage `stage`: the
+  // projections the tile needs, and V.
   auto issue = [&](int tile, int stage) {
     const int n0 = tile * BN;
     const int mode = tile_mode(tlo, tn, n0, BN, P, p.w);
@@ -107,21 +134,33 @@ __global__ void __launch_bounds__(WARPS * 32) pw_kvcache(const KVParams p) {
       const int r = my_row + it * RSTEP;
       if (BN % RSTEP == 0 || r < BN) {
         const int n = n0 + r;
-        const bool ok = n < L;
+        const bool ok = n < L;  // ..and zero-filled instead
         const u32 d = st + (u32)(it * RSTEP * PITCH * 2);
-        const int nn = ok ? n : 0;
-        if (mode & 1) cp_async16(d, k1h + cache_offset(p, p.k1, b, nn) + my_ch * 8, ok);
-        if (mode & 2) cp_async16(d + TILE * 2, k2h + cache_offset(p, p.k2, b, nn) + my_ch * 8, ok);
-        cp_async16(d + 2 * TILE * 2, vh + cache_offset(p, p.v, b, nn) + my_ch * 8, ok);
+        if (PER_KEY) {
+          const bool far = P - n >= p.w;  // the one token's distance to this key
+          const CacheView& kv = far ? p.k2 : p.k1;
+          cp_async16(d, (far ? k2h : k1h) + page[it] * kv.sp + rin[it] * kv.sr + my_ch * 8, ok);
+        } else {
+          if (mode & 1)
+            cp_async16(d, k1h + page[it] * p.k1.sp + rin[it] * p.k1.sr + my_ch * 8, ok);
+          if (mode & 2)
+            cp_async16(d + K2_SLOT * 2, k2h + page[it] * p.k2.sp + rin[it] * p.k2.sr + my_ch * 8,
+                       ok);
+        }
+        cp_async16(d + V_SLOT * 2, vh + page[it] * p.v.sp + rin[it] * p.v.sr + my_ch * 8, ok);
       }
     }
   };
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (t_begin + s < t_end) issue(t_begin + s, s);
+    if (t_begin + s < t_end) {
+      locate(t_begin + s);
+      issue(t_begin + s, s);
+    }
     cp_async_commit();  // the query rows ride in the first group
   }
+  if (t_begin + STAGES - 1 < t_end) locate(t_begin + STAGES - 1);
 
   // Tokens of this thread's two fragment rows (lane / 4 and lane / 4 + 8).
   int tok[2];
@@ -138,11 +177,9 @@ __global__ void __launch_bounds__(WARPS * 32) pw_kvcache(const KVParams p) {
   for (int tile = t_begin; tile < t_end; ++tile) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile's stage landed for all; the stage of tile - 1 is free again
-    {
-      const int nxt = tile + STAGES - 1;
-      if (nxt < t_end) issue(nxt, (nxt - t_begin) % STAGES);
-      cp_async_commit();
-    }
+    const int nxt = tile + STAGES - 1;
+    if (nxt < t_end) issue(nxt, (nxt - t_begin) % STAGES);  // located an iteration ago
+    cp_async_commit();
     const u16* st = sKV + ((tile - t_begin) % STAGES) * STAGE;
     const int n0 = tile * BN + warp * 16;  // this warp's 16 keys
     const int mode = tile_mode(tlo, tn, n0, 16, P, p.w);
@@ -150,7 +187,7 @@ __global__ void __launch_bounds__(WARPS * 32) pw_kvcache(const KVParams p) {
 
     float s[1][2][4];
     zero_n<8>(&s[0][0][0]);
-    const u32 aK1 = smem_addr(st), aK2 = smem_addr(st + TILE);
+    const u32 aK1 = smem_addr(st), aK2 = smem_addr(st + K2_SLOT);
     if (mode == 3) {
       float t2[1][2][4];
       zero_n<8>(&t2[0][0][0]);
@@ -202,7 +239,8 @@ __global__ void __launch_bounds__(WARPS * 32) pw_kvcache(const KVParams p) {
         acc[0][nb][2 * hh + 1] *= alpha;
       }
     }
-    mma_xb<T, D, 16, 1>(acc, s, smem_addr(st + 2 * TILE + warp * 16 * PITCH), lane);
+    mma_xb<T, D, 16, 1>(acc, s, smem_addr(st + V_SLOT + warp * 16 * PITCH), lane);
+    if (nxt + 1 < t_end) locate(nxt + 1);  // the next iteration's copies
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the ring: reuse it to merge the warps

@@ -138,16 +138,19 @@ template <int D, int BM, int BN, int WARPS> struct BwdDkvTraits : TileTraitsBase
                 "buffers start on 16-byte boundaries");
 };
 
-// pw_kvcache (phase kvcache; kvcache.cu). Rows of the block are BM = 16 packed query rows
-// (the heads of a key/value group times the new tokens); key tiles of BN rows stream through
-// a STAGES-deep ring and each warp owns 16 keys of a tile.
-//   [q1 tile | q2 tile | stage 0: k1, k2, v | ... | stage STAGES-1: k1, k2, v]
+// pw_kvcache (phases kvcache, KSLOTS = 2, and kvdecode, KSLOTS = 1; kvcache.cu). Rows of the
+// block are BM = 16 packed query rows (the heads of a key/value group times the new tokens);
+// key tiles of BN rows stream through a STAGES-deep ring and each warp owns 16 keys of a
+// tile. kvdecode's single key slot holds, row by row, whichever projection the key needs.
+//   [q1 tile | q2 tile | stage 0: k1, k2, v | ... | stage STAGES-1: k1, k2, v]   (KSLOTS 2)
+//   [q1 tile | q2 tile | stage 0: k, v | ... | stage STAGES-1: k, v]             (KSLOTS 1)
 // After the loop the ring holds the warps' merge scratch: their unnormalised outputs
 // (WARPS x BM x D float32), then their rows' max and sum (WARPS x BM float32 each).
-template <int D, int BM, int BN, int WARPS, int STAGES> struct KvTraits {
+template <int D, int BM, int BN, int WARPS, int STAGES, int KSLOTS> struct KvTraits {
   static_assert(BM == PW_MMA_ROWS && BN == PW_MMA_ROWS * WARPS,
                 "one 16-row query block; 16 keys per warp");
   static_assert(STAGES >= 2, "the ring needs two stages");
+  static_assert(KSLOTS == 1 || KSLOTS == 2, "one key slot (kvdecode) or two (kvcache)");
   static constexpr int threads = WARPS * PW_WARP_SIZE;
   static constexpr int pitch = Pitch<D>::elems;
   static constexpr int q_tile_elems = BM * pitch;
@@ -155,8 +158,10 @@ template <int D, int BM, int BN, int WARPS, int STAGES> struct KvTraits {
   static constexpr int q1_offset = 0;  // elements
   static constexpr int q2_offset = q1_offset + q_tile_elems;
   static constexpr int kv_offset = q2_offset + q_tile_elems;
-  static constexpr int k1_in_stage = 0, k2_in_stage = k_tile_elems, v_in_stage = 2 * k_tile_elems;
-  static constexpr int stage_elems = 3 * k_tile_elems;
+  static constexpr int k1_in_stage = 0;
+  static constexpr int k2_in_stage = (KSLOTS - 1) * k_tile_elems;  // kvdecode: the same slot
+  static constexpr int v_in_stage = KSLOTS * k_tile_elems;
+  static constexpr int stage_elems = (KSLOTS + 1) * k_tile_elems;
   static constexpr int smem_bytes = (kv_offset + STAGES * stage_elems) * PW_ELEM_BYTES;
   static constexpr int merge_bytes = WARPS * BM * (D + 2) * (int)sizeof(float);
   static_assert(merge_bytes <= STAGES * stage_elems * PW_ELEM_BYTES,

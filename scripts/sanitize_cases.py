@@ -63,8 +63,9 @@ from cupy_piecewise.gpu_arrays import round_to  # noqa: E402
 rng = np.random.default_rng(0)
 for D in capability.head_dims(cc):
     for dtype in ("float16", "bfloat16"):
-        for causal in (False, True):
-            B, H, Hkv, M, N, bs = 2, 4, 2, 3, 192, 64
+        # M = 1 runs kvdecode (one token: one key slot per stage), M = 3 kvcache
+        for causal, M in [(c, m) for c in (False, True) for m in (1, 3)]:
+            B, H, Hkv, N, bs = 2, 4, 2, 192, 64
             nd = _np_dtype(dtype)
             seq = np.array([0, 150], np.int32)
             q1, q2 = (round_to(rng.standard_normal((B, H, M, D)).astype(np.float32), dtype) for _ in range(2))
@@ -90,7 +91,7 @@ for D in capability.head_dims(cc):
                     v_new=cupy.asarray(new[2].astype(nd)))
                 for name, g, r, lw in zip(("o", "lse"), (cupy.asnumpy(o), cupy.asnumpy(lse)), ref, low):
                     tolerance.assert_close(name, np.asarray(g, np.float64), r, lw, dtype)
-            print(f"ok kvcache {dtype} causal={causal} D={D} (contiguous, paged)", flush=True)
+            print(f"ok kvcache {dtype} causal={causal} D={D} M={M} (contiguous, paged)", flush=True)
 
 missing = set(build_check.install_variants(cc)) - launched
 print(f"{len(launched)} kernel variants launched; {len(missing)} selectable on "

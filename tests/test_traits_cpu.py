@@ -22,7 +22,7 @@ from cupy_piecewise.compile import BASE_OPTIONS, SOURCE_FILE, source
 
 #: traits struct per tiled phase (kernels_cu/traits.cuh); fwd_decode runs pw_forward.
 TRAITS = {"fwd": "FwdTraits", "fwd_decode": "FwdTraits", "bwd_dq": "BwdDqTraits",
-          "bwd_dkv": "BwdDkvTraits", "kvcache": "KvTraits"}
+          "bwd_dkv": "BwdDkvTraits", "kvcache": "KvTraits", "kvdecode": "KvTraits"}
 _TAG = re.compile(r"error: static assertion failed.*pw-traits#(\d+)")
 _FINAL = re.compile(r"final comparison was (-?\d+) == (-?\d+)")  # NVRTC's note on a failed ==
 
@@ -35,7 +35,8 @@ def _checks(cc) -> dict[str, dict[tuple[str, int], list[str]]]:
     """{source file: {(traits expression, Python figure): [variants it stands for]}}."""
     out: dict[str, dict[tuple[str, int], list[str]]] = {}
     for phase, head_dim, dtype, causal, t in sorted(capability.selectable_configs(cc), key=str):
-        stages = f", {t.stages}" if phase == "kvcache" else ""  # the only deeper ring
+        # the KV-cache kernel: its ring depth and key slots (two, or one when decoding)
+        stages = {"kvcache": f", {t.stages}, 2", "kvdecode": f", {t.stages}, 1"}.get(phase, "")
         expr = f"{TRAITS[phase]}<{head_dim}, {t.block_m}, {t.block_n}, {t.num_warps}{stages}>"
         figure = capability.shared_bytes(phase, head_dim, t)  # what launch.py passes
         label = f"{phase} D={head_dim} tiles {t} {dtype} causal={causal} on {_arch(cc)}"

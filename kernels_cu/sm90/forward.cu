@@ -208,8 +208,12 @@ PW90 void consumer(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 empty0
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         // A row that has seen only masked keys keeps max -inf: subtract 0 so exp2 gives 0.
-        const float mb = mx == PW90_NEG_INF ? 0.f : mx * sl2;
-        const float alpha = exp2f_approx(mrow[hh] * sl2 - mb);
+        // The scaled maxima are rounded products (__fmul_rn): contracted into an FMA,
+        // m * sl2 - mb is the rounding residual of mb instead of 0 when the max is unchanged,
+        // and alpha = 2^residual != 1 would scale l and O by the same factor every tile:
+        // lse off by 1e-3 (relative) after 2^24 keys, O weighted toward later keys.
+        const float mb = mx == PW90_NEG_INF ? 0.f : __fmul_rn(mx, sl2);
+        const float alpha = exp2f_approx(__fmul_rn(mrow[hh], sl2) - mb);
         mrow[hh] = mx;
         float sum = 0.f;
 #pragma unroll
@@ -430,8 +434,8 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
           mx = fmaxf(mx, fmaxf(s1[4 * j + 2 * hh], s1[4 * j + 2 * hh + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mb = mx == PW90_NEG_INF ? 0.f : mx * sl2;
-        alpha[hh] = exp2f_approx(mrow[hh] * sl2 - mb);
+        const float mb = mx == PW90_NEG_INF ? 0.f : __fmul_rn(mx, sl2);  // as in consumer
+        alpha[hh] = exp2f_approx(__fmul_rn(mrow[hh], sl2) - mb);
         mrow[hh] = mx;
         float sum = 0.f;
 #pragma unroll
