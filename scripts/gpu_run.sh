@@ -8,7 +8,7 @@
 # probes (not in all): the Hopper forward and backward probes (scripts/hopper_probe.py,
 # scripts/hopper_bwd_probe.py), about 4 minutes each, logs in logs/hopper_*.txt.
 # ncu (not in all): Nsight Compute on the Hopper backward kernel (scripts/profile_case.py),
-# non-causal and causal, logs in logs/ncu_pw90_bwd*.txt.
+# non-causal and causal, and on the KV-cache decode kernel, logs in logs/ncu_*.txt.
 # TEST_PATHS / PYTEST_ARGS narrow the tests, BENCH_ARGS replaces the default --quick.
 # FUZZ_EXAMPLES (default 600, about 5 min on an H200) sets the fuzz step's example count; the examples it finds
 # failing are saved to logs/fuzz_db (copy them into tests/fuzz_db to make them replay).
@@ -78,13 +78,20 @@ if asked ncu; then
   # after two warm-up launches, with the sections that say where its time goes
   for causal in "" "--causal"; do
     tag=pw90_bwd${causal:+_causal}
-    timeout 500 ncu --clock-control none -k regex:pw90_bwd --launch-skip 2 --launch-count 1 \
+    timeout 500 ncu --clock-control none -k "regex:^pw90_bwd$" --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
       --section WarpStateStats --section SchedulerStats --section Occupancy \
       python3 scripts/profile_case.py --L 8192 --D 128 $causal > "$logs/ncu_$tag.txt" 2>&1
     rc=$?; echo "ncu $tag: exit $rc"; grep -E "Duration|Throughput|Stall|Issued" "$logs/ncu_$tag.txt" | head -20
     status=$((status | rc))
   done
+  # the KV-cache decode kernel: one token against 131072 keys per head, 32 heads
+  timeout 300 ncu --clock-control none -k "regex:^pw_kvcache$" --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+    --section SchedulerStats --section Occupancy --section LaunchStats \
+    python3 scripts/profile_case.py --decode --L 131072 --D 128 > "$logs/ncu_kvcache.txt" 2>&1
+  rc=$?; echo "ncu kvcache: exit $rc"; grep -E "Duration|Throughput|Stall|Issued" "$logs/ncu_kvcache.txt" | head -20
+  status=$((status | rc))
 fi
 if asked probes; then
   for probe in hopper_probe hopper_bwd_probe; do

@@ -7,6 +7,9 @@ B = 16384 / L, H = 2048 / D (the bench's shapes), bfloat16 by default, w = L / 4
 autograd through cupy_piecewise.attention (so the default path of the GPU: on an H200 the
 Hopper forward and backward). scripts/gpu_run.sh's ncu step profiles the pw90_bwd launches
 of this process.
+
+``--decode`` instead runs attention_with_kvcache a few times: one new token against L
+cached keys per head (B = 1, H = Hkv = 32), what the ncu step profiles for pw_kvcache.
 """
 from __future__ import annotations
 
@@ -25,7 +28,18 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--decode", action="store_true", help="KV-cache decode instead")
     a = ap.parse_args()
+    if a.decode:
+        dt = getattr(torch, a.dtype)
+        q1, q2 = (torch.randn(1, 32, 1, a.D, device="cuda", dtype=dt) for _ in range(2))
+        caches = [torch.randn(1, 32, a.L, a.D, device="cuda", dtype=dt) for _ in range(3)]
+        seq = torch.full((1,), a.L, dtype=torch.int32, device="cuda")
+        for _ in range(a.iters):
+            cupy_piecewise.attention_with_kvcache(q1, q2, *caches, a.L // 4, cache_seqlens=seq)
+        torch.cuda.synchronize()
+        print(f"done: decode H=32 L={a.L} D={a.D} {a.dtype}")
+        return
     B, H, dt = max(1, 16384 // a.L), max(1, 2048 // a.D), getattr(torch, a.dtype)
     ins = [torch.randn(B, H, a.L, a.D, device="cuda", dtype=dt).requires_grad_() for _ in range(5)]
     do = torch.randn(B, H, a.L, a.D, device="cuda", dtype=dt)
