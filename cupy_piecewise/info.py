@@ -173,7 +173,7 @@ def _print_tiles(entry: dict, indent: str) -> None:
     print(f"{indent}tile table {entry['table_arch']} (float16, non-causal; BMxBNxWARPSxSTAGES):")
     for phase, row in entry["tiles"].items():
         cells = "  ".join(f"D{d}={cfg}" for d, cfg in row.items())
-        print(f"{indent}  {phase:<8} {cells}")
+        print(f"{indent}  {phase:<10} {cells}")
 
 
 def _print(info: dict) -> None:
