@@ -6,8 +6,9 @@ keys into the cache in place when they are given. Caches are contiguous
 ``(B, Hkv, N_max, D)`` arrays of any strides (FlashAttention's ``(B, N_max, Hkv, D)``
 memory is a transposed view) or paged ``(num_blocks, Hkv, block_size, D)`` with a
 ``block_table``. The CUDA path reads the lengths on the device only: no host
-synchronisation, and a grid that depends on shapes alone, so a decode step captures in a
-CUDA graph and replays with new lengths (docs/kvcache.md).
+synchronisation, and a grid that depends on shapes alone, so a decode step on torch
+tensors captures in a CUDA graph and replays with new lengths (docs/kvcache.md; the CuPy
+path's workspace is a pool temporary, so it is not for graph capture).
 
 Paths: NumPy arrays run the float64 reference (:func:`reference_with_kvcache`); CuPy
 arrays and torch CUDA tensors the kernels of ``kernels_cu/kvcache.cu`` (torch through the
@@ -141,6 +142,9 @@ def check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cach
     w = validate._check_w(dist_threshold)
     causal = validate._check_causal(causal)
     scale = validate._check_sm_scale(sm_scale, D)
+    if scale * 1.4426950408889634 > 3.0e38:  # the kernels take sm_scale * log2(e) in float32
+        raise ValueError(f"sm_scale must stay below 2e38 (its product with log2(e) is a "
+                         f"float32 in the kernels), got {sm_scale!r}")
     if on_gpu:
         if dtype not in GPU_DTYPES:
             raise ValueError(f"the CUDA kernels take {' and '.join(GPU_DTYPES)}, got {dtype}")
@@ -151,11 +155,15 @@ def check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cach
         for name in _CACHES:
             x = named[name]
             ptr = int(x.data_ptr()) if library == "torch" else int(x.data.ptr)
-            if not kernel_ready(cshape, _strides(x, library), ptr, 2):
+            strides = _strides(x, library)
+            if not kernel_ready(cshape, strides, ptr, 2):
                 raise ValueError(
                     f"{name}: the kernels read and write caches in place, which needs unit "
-                    "stride along D, every other stride a multiple of 8 elements and a "
-                    f"16-byte aligned pointer; got strides {_strides(x, library)}")
+                    "stride along D, every other stride a non-negative multiple of 8 elements "
+                    f"and a 16-byte aligned pointer; got strides {strides}")
+            if "k1_new" in named and any(st == 0 and n > 1 for n, st in zip(cshape, strides)):
+                raise ValueError(f"{name}: new keys are written into the cache, whose rows must "
+                                 f"not alias (a stride-0, expanded axis); got strides {strides}")
     return KVArgs(library, index if on_gpu else None, dtype, B, H, Hkv, M, D, paged, rows,
                   capacity, "k1_new" in named, w, causal, scale)
 
@@ -252,10 +260,10 @@ def attention_with_kvcache(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, 
     Arrays come from one library: NumPy (float64 reference, results in the input dtype),
     CuPy or torch CUDA (float16/bfloat16, head dims 16, 32, 64, 128; CuPy's current stream,
     torch's current stream), torch CPU (reference). On the GPU nothing synchronises with
-    the host and lengths are read on the device, so the call captures in a CUDA graph;
-    the caller must keep ``cache_seqlens[b] + M`` within the capacity (rows that would
-    fall beyond it are not written and not attended) and ``block_table`` entries valid
-    for every block a sequence uses.
+    the host and lengths are read on the device, so the torch call captures in a CUDA
+    graph; the caller must keep ``0 <= cache_seqlens[b]`` and ``cache_seqlens[b] + M``
+    within the capacity (rows outside the cache are not written, and the attended length
+    is clamped to it) and ``block_table`` entries valid for every block a sequence uses.
 
     Returns:
         ``o`` (B, H, M, D) in the input dtype, or ``(o, lse)`` with ``lse`` (B, H, M)
@@ -296,7 +304,7 @@ def _cupy_call(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new, k2
     with cupy.cuda.Device(a.device):
         o = empty((a.B, a.H, a.M, a.D), q1.dtype)
         lse = empty((a.B, a.H, a.M), cupy.float32)
-        if a.M == 0 or a.B == 0 or a.H == 0:
+        if a.M == 0 or a.B == 0 or (a.H == 0 and not a.appended):
             return o, lse
         arrays = {"q1": q1, "q2": q2, "o": o, "k1": k1_cache, "k2": k2_cache, "v": v_cache}
         if a.appended:
@@ -304,7 +312,12 @@ def _cupy_call(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new, k2
         for name in ("q1", "q2", "k1n", "k2n", "vn"):  # inputs only: copy what is not ready
             x = arrays.get(name)
             if x is not None and not _ready(x, "cupy"):
-                arrays[name] = cupy.ascontiguousarray(x)
+                arrays[name] = x.copy(order="C")  # a fresh (aligned) buffer, always
+        # the kernels index the lengths and the table's columns with unit stride
+        if cache_seqlens.strides[0] != 4:
+            cache_seqlens = cache_seqlens.copy()
+        if block_table is not None and block_table.strides[1] != 4 and block_table.shape[1] > 1:
+            block_table = block_table.copy(order="C")
         ptrs = {n: int(x.data.ptr) for n, x in arrays.items()}
         ptrs.update(seqlens=int(cache_seqlens.data.ptr), lse=int(lse.data.ptr),
                     block_table=int(block_table.data.ptr) if block_table is not None else 0)

@@ -96,20 +96,23 @@ class KVPlan:
         self.nsplit = split_count(s, tiles, smem, launch._multiprocessors(s.device), per_sm)
         G = s.H // s.Hkv
         rtiles = math.ceil(s.M * G / tiles.block_m)
-        if s.Hkv * rtiles > launch._MAX_GRID_YZ or s.B > launch._MAX_GRID_YZ:
-            raise ValueError(f"k1_cache: key heads x query tiles ({s.Hkv * rtiles}) and batch "
-                             f"({s.B}) must each be at most {launch._MAX_GRID_YZ}")
+        if s.B > launch._MAX_GRID_YZ:
+            raise ValueError(f"q1: batch ({s.B}) must be at most {launch._MAX_GRID_YZ} for the "
+                             "CUDA kernels")
         steps = []
         if s.appended:
             afn, _ = launch._kernel(s.device, Variant("kv_append", s.dtype, s.D, None, False))
             steps.append((afn, math.ceil(s.M * 3 * (s.D // 8) / 256), s.Hkv, s.B, 256, 0))
-        steps.append((fn, self.nsplit, s.Hkv * rtiles, s.B, main.threads, smem))
+        if rtiles:  # no query heads (H = 0): the append alone
+            # grid x: (key/value head, query tile); y: key split; z: sequence
+            steps.append((fn, s.Hkv * rtiles, self.nsplit, s.B, main.threads, smem))
         self._steps = tuple(steps)
         rows = s.B * s.H * s.M
         self._ws_offset = 4 * self.nsplit * rows * s.D
-        self.workspace_bytes = self._ws_offset + 4 * self.nsplit * rows if self.nsplit > 1 else 0
+        self.workspace_bytes = (self._ws_offset + 4 * self.nsplit * rows
+                                if self.nsplit > 1 and rows else 0)
         self._combine = ()
-        if self.nsplit > 1:
+        if self.nsplit > 1 and rtiles:
             cfn, _ = launch._kernel(s.device, Variant("fwd_combine", s.dtype, s.D, None, False))
             self._combine = ((cfn, math.ceil(s.H * s.M / 8), s.B, 1, 256, 0),)
 
@@ -145,11 +148,11 @@ class KVPlan:
                 slots[_KV_SLOT[name]] = p
             else:
                 slots[_KV_SLOT[f"{name}.ptr"]] = p
-        if self.nsplit > 1:
+        if self.workspace_bytes:
             slots[_KV_SLOT["o_part"]] = workspace
             slots[_KV_SLOT["lse_part"]] = workspace + self._ws_offset
         _launch(self.shape.device, self._steps, stream, _KV_PACK.pack(*slots))
-        if self.nsplit > 1:
+        if self._combine:
             c = list(self._combine_template)
             c[launch._SLOT["o.ptr"]] = ptrs["o"]
             c[launch._SLOT["lse"]] = ptrs.get("lse", 0) or 0

@@ -10,6 +10,7 @@ outside the capture: the first call compiles or loads the kernels).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import numpy as np
@@ -28,7 +29,7 @@ def _cuda(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new, k2_new,
                                    k1_new, k2_new, v_new, block_table, causal, sm_scale)
     o = torch.empty((a.B, a.H, a.M, a.D), dtype=q1.dtype, device=q1.device)
     lse = torch.empty((a.B, a.H, a.M), dtype=torch.float32, device=q1.device)
-    if a.M == 0 or a.B == 0 or a.H == 0:
+    if a.M == 0 or a.B == 0 or (a.H == 0 and not a.appended):
         return o, lse
     arrays = {"q1": q1, "q2": q2, "o": o, "k1": k1_cache, "k2": k2_cache, "v": v_cache}
     if a.appended:
@@ -36,8 +37,13 @@ def _cuda(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new, k2_new,
     for name in ("q1", "q2", "k1n", "k2n", "vn"):  # inputs only: copy what is not ready
         x = arrays.get(name)
         if x is not None and not kvcache._ready(x, "torch"):
-            arrays[name] = x.contiguous() if x.stride()[-1] == 1 else x.clone(
-                memory_format=torch.contiguous_format)
+            # a fresh buffer, always: .contiguous() would keep a misaligned contiguous view
+            arrays[name] = x.clone(memory_format=torch.contiguous_format)
+    # the kernels index the lengths and the table's columns with unit stride
+    if cache_seqlens.stride(0) != 1:
+        cache_seqlens = cache_seqlens.contiguous()
+    if block_table is not None and block_table.stride(1) != 1 and block_table.shape[1] > 1:
+        block_table = block_table.contiguous()
     ptrs = {n: x.data_ptr() for n, x in arrays.items()}
     ptrs.update(seqlens=cache_seqlens.data_ptr(), lse=lse.data_ptr(),
                 block_table=block_table.data_ptr() if block_table is not None else 0)
@@ -104,7 +110,18 @@ def attention_with_kvcache(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens
                            k2_new, v_new, block_table, causal, sm_scale):
     """(o, lse) for torch tensors through ``cupy_piecewise::kvcache`` (arguments checked
     first, so errors name the argument; ``sm_scale`` resolved from None)."""
+    if torch.compiler.is_compiling():
+        # Traced by dynamo: the operator's body checks everything when it runs (data
+        # pointers and strides are not traceable); shapes alone give sm_scale and clamp w.
+        D, N = q1.shape[-1], k1_cache.shape[2] * (1 if block_table is None else block_table.shape[1])
+        scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+        if isinstance(w, int) and not isinstance(w, bool):  # else the schema refuses it
+            w = max(-(N + q1.shape[2] + 1), min(N + q1.shape[2] + 1, w))
+        return kvcache_op(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new,
+                          k2_new, v_new, block_table, causal, scale)
     a = kvcache.check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens,
                                    k1_new, k2_new, v_new, block_table, causal, sm_scale)
-    return kvcache_op(q1, q2, k1_cache, k2_cache, v_cache, a.w, cache_seqlens, k1_new, k2_new,
-                      v_new, block_table, a.causal, a.sm_scale)
+    # |d| <= capacity + M: the clamp keeps every comparison and fits the schema's int64
+    limit = a.capacity + a.M + 1
+    return kvcache_op(q1, q2, k1_cache, k2_cache, v_cache, max(-limit, min(limit, a.w)),
+                      cache_seqlens, k1_new, k2_new, v_new, block_table, a.causal, a.sm_scale)

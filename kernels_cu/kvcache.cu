@@ -73,10 +73,12 @@ __global__ void __launch_bounds__(WARPS * 32) pw_kvcache(const KVParams p) {
   static_assert(Tr::k2_in_stage == K2_SLOT, "stage order K1, K2, V");
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const i64 b = blockIdx.z, split = blockIdx.x;
+  // grid: x = (key/value head, query tile) (up to 2^31 - 1: long chunked prefills),
+  // y = key split (at most 64), z = sequence
+  const i64 b = blockIdx.z, split = blockIdx.y;
   const i64 G = p.group, M = p.M, rows = G * M;
   const i64 rtiles = (rows + BM - 1) / BM;
-  const i64 hk = blockIdx.y / rtiles, row0 = (blockIdx.y % rtiles) * BM;
+  const i64 hk = blockIdx.x / rtiles, row0 = (blockIdx.x % rtiles) * BM;
   const int L = kv_length(p, b);
   const i64 P = (i64)L - M;  // query t sits at position L - M + t: d(t, n) = t + P - n
 
@@ -299,7 +301,7 @@ __global__ void __launch_bounds__(WARPS * 32) pw_kvcache(const KVParams p) {
 }
 
 // Writes the M new rows of k1, k2 and v of each sequence into its cache at positions
-// seqlens[b] + t (rows that would fall past the capacity are dropped). One thread per
+// seqlens[b] + t (rows that would fall outside [0, capacity) are dropped). One thread per
 // 16-byte chunk: blockIdx.x * 256 + threadIdx.x enumerates (token, tensor, chunk).
 template <typename T, int D>
 __global__ void __launch_bounds__(256) pw_kvcache_append(const KVParams p) {
@@ -309,7 +311,7 @@ __global__ void __launch_bounds__(256) pw_kvcache_append(const KVParams p) {
   const i64 hk = blockIdx.y, b = blockIdx.z;
   const int t = (int)(idx / (3 * CPR)), which = (int)(idx / CPR % 3), ch = (int)(idx % CPR);
   const i64 pos = (i64)p.seqlens[b] + t;
-  if (pos >= p.capacity) return;
+  if (pos < 0 || pos >= p.capacity) return;  // outside the cache: not written (nor attended)
   const Tensor& src = which == 0 ? p.k1n : (which == 1 ? p.k2n : p.vn);
   const CacheView& dst = which == 0 ? p.k1 : (which == 1 ? p.k2 : p.v);
   const uint4 x = *reinterpret_cast<const uint4*>(src.at(b, hk) + t * src.sr + ch * 8);

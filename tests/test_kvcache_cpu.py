@@ -238,3 +238,31 @@ def test_kv_param_layout_matches_the_kernel_struct(nvrtc):
             pytest.fail(nvrtc.getProgramLog(prog))
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def test_torch_any_integer_w_and_torch_compile():
+    """w beyond int64 reaches the operator clamped (same result as the largest useful w),
+    and torch.compile(fullgraph=True) runs the call through the operator's fake
+    implementation with the same result as eager."""
+    g = torch.Generator().manual_seed(1)
+    B, H, Hkv, M, D, N = 2, 4, 2, 1, 16, 32
+    q1, q2 = (torch.randn(B, H, M, D, generator=g) for _ in range(2))
+    caches = [torch.randn(B, Hkv, N, D, generator=g) for _ in range(3)]
+    seq = torch.tensor([5, 30], dtype=torch.int32)
+    huge = cupy_piecewise.attention_with_kvcache(q1, q2, *caches, 2 ** 70, cache_seqlens=seq)
+    far = cupy_piecewise.attention_with_kvcache(q1, q2, *caches, N + 5, cache_seqlens=seq)
+    assert torch.equal(huge, far)
+    fn = torch.compile(lambda *a: cupy_piecewise.attention_with_kvcache(
+        *a, 3, cache_seqlens=seq, return_lse=True), fullgraph=True, backend="eager")
+    o_c, lse_c = fn(q1, q2, *caches)
+    o_e, lse_e = cupy_piecewise.attention_with_kvcache(q1, q2, *caches, 3, cache_seqlens=seq,
+                                                       return_lse=True)
+    assert torch.equal(o_c, o_e) and torch.equal(lse_c, lse_e)
+
+
+def test_negative_lengths_are_refused_on_the_host_paths():
+    rng = np.random.default_rng(10)
+    q1, q2, caches = _setup(rng)
+    with pytest.raises(ValueError, match="capacity"):
+        cupy_piecewise.attention_with_kvcache(q1, q2, *caches, 2,
+                                              cache_seqlens=np.array([1, -1, 3], np.int32))

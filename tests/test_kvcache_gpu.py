@@ -247,3 +247,56 @@ def test_transposed_cache_view_on_the_gpu():
     assert bool((a == b).all())
     for c, v in zip(contig, views):
         assert bool((c == v).all())
+
+
+def test_strided_lengths_and_table_misaligned_queries_and_no_query_heads():
+    """Lengths and block table given as strided views, queries and new keys at a pointer
+    that is not 16-byte aligned (copied, not read in place): the same results as plain
+    arrays. And with no query heads (H = 0) the new keys are still written."""
+    import cupy
+
+    rng = np.random.default_rng(4)
+    nd = _np_dtype("bfloat16")
+    B, H, Hkv, M, D, N, bs = 3, 4, 2, 2, 64, 256, 64
+    q = [rng.standard_normal((B, H, M, D)).astype(nd) for _ in range(2)]
+    host = [rng.standard_normal((B, Hkv, N, D)).astype(nd) for _ in range(3)]
+    new = [rng.standard_normal((B, Hkv, M, D)).astype(nd) for _ in range(3)]
+    seq = np.array([0, 77, 200], np.int32)
+    pages, table = kc.page_all([h.astype(np.float32) for h in host], bs, rng)
+
+    def run(q_dev, new_dev, seq_dev, table_dev):
+        caches = [cupy.asarray(np.nan_to_num(p).astype(nd)) for p in pages]
+        o, lse = kvcache.attention_with_kvcache(
+            *q_dev, *caches, 9, cache_seqlens=seq_dev, block_table=table_dev, return_lse=True,
+            k1_new=new_dev[0], k2_new=new_dev[1], v_new=new_dev[2])
+        return cupy.asnumpy(o), cupy.asnumpy(lse), [cupy.asnumpy(c) for c in caches]
+
+    def misaligned(x):
+        flat = cupy.empty(x.size + 1, dtype=x.dtype)
+        view = flat[1:].reshape(x.shape)  # contiguous, 2 bytes past an aligned start
+        view[...] = cupy.asarray(x)
+        assert view.data.ptr % 16
+        return view
+
+    plain = run([cupy.asarray(x) for x in q], [cupy.asarray(x) for x in new],
+                cupy.asarray(seq), cupy.asarray(table))
+    seq2 = cupy.asarray(np.stack([seq, seq + 1], axis=1))[:, 0]       # stride 8 bytes
+    table_f = cupy.asfortranarray(cupy.asarray(table))                # column stride != 1
+    odd = run([misaligned(x) for x in q], [misaligned(x) for x in new], seq2, table_f)
+    for a, b in zip(plain[:2], odd[:2]):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(plain[2], odd[2]):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+    # no query heads: nothing to attend, the append still happens
+    caches = [cupy.asarray(h) for h in host]
+    empty_q = cupy.zeros((B, 0, M, D), nd)
+    o = kvcache.attention_with_kvcache(
+        empty_q, empty_q, *caches, 9, cache_seqlens=cupy.asarray(seq),
+        k1_new=cupy.asarray(new[0]), k2_new=cupy.asarray(new[1]), v_new=cupy.asarray(new[2]))
+    assert o.shape == (B, 0, M, D)
+    for c, n in zip(caches, new):
+        got = cupy.asnumpy(c)
+        for b in range(B):
+            np.testing.assert_array_equal(got[b, :, seq[b]:seq[b] + M].view(np.uint16),
+                                          n[b].view(np.uint16))
