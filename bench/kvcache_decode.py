@@ -117,6 +117,41 @@ def paged_with(cache, table, bs):
     return pages
 
 
+#: providers SPEC's results format lists that this script does not run, and why
+NOT_RUN = {"flex_composite": "not run: FlexAttention has no KV-cache decode entry; bench.py's "
+                             "decode section leaves it out too (one torch.compile per shape)"}
+
+
+def results_json(rows, copy_gbps_, *, date, gpu, versions, command) -> dict:
+    """SPEC.md's results format: ``header`` and the ``decode`` rows (effective bytes per
+    second beside the copy bandwidth of the same run), plus a skipped row per provider of
+    :data:`NOT_RUN` for each shape."""
+    decode = []
+    shapes = []
+    for r in rows:
+        row = dict(r, phase="fwd", causal=True, status="ok" if r["ms"] else "error",
+                   error=r.get("note") or None, pct_of_copy_bw=r.get("pct_of_copy"))
+        row.pop("note", None)
+        row.pop("pct_of_copy", None)
+        decode.append(row)
+        key = tuple(r[k] for k in ("dtype", "B", "H", "Hkv", "M", "N", "D"))
+        if key not in shapes:
+            shapes.append(key)
+    for key in shapes:
+        for name, why in NOT_RUN.items():
+            decode.append(dict(zip(("dtype", "B", "H", "Hkv", "M", "N", "D"), key),
+                               provider=name, phase="fwd", causal=True, status="skipped",
+                               error=why, ms=None, gbps=None))
+    return {"header": {"date": date, "gpu": gpu, "versions": versions, "command": command,
+                       "method": f"every call in a CUDA graph of {CALLS_PER_GRAPH}, median of "
+                                 "15 replays (CUDA events)",
+                       "bytes": "per cached key one key projection + v, the queries, the output",
+                       "w": "N // 4"},
+            "copy_bandwidth": {"gbps": copy_gbps_,
+                               "method": "dst.copy_(src) of 2 GiB, (read + write) / median time"},
+            "decode": decode}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="JSON results here")
@@ -153,12 +188,16 @@ def main(argv=None) -> int:
                           f"{r['pct_of_copy'] or float('nan'):5.1f}% of copy  "
                           f"x{r['vs_cudnn'] or float('nan'):.2f} cuDNN {r['note']}", flush=True)
     if args.out:
+        import cupy
+        import numpy
+
         with open(args.out, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
-                       "torch": torch.__version__, "copy_gbps": cb,
-                       "method": f"CUDA graph of {CALLS_PER_GRAPH} calls, median of 15 replays",
-                       "bytes": "per key one key projection + v, queries, output",
-                       "results": results}, f, indent=1)
+            json.dump(results_json(
+                results, cb, date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(),
+                versions={"torch": torch.__version__, "cupy": cupy.__version__,
+                          "numpy": numpy.__version__},
+                command="PYTHONPATH=$PWD python3 bench/kvcache_decode.py "
+                        + " ".join(argv if argv is not None else sys.argv[1:])), f, indent=1)
     return 0
 
 

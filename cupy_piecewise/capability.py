@@ -310,7 +310,7 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
         # memory-bound: a 3-deep ring of 64-key tiles keeps ~100 KB in flight per block
         "kvcache": {d: _T(16, 64, 4, 3) for d in (16, 32, 64, 128)},
         # two stages measured best on an H200 (2026-12-01, bf16, B*H 32-256, N 4k-128k:
-        # bench/results/2026-12-01-h200-kvcache/tune_*.json): 1-3% over three or four
+        # bench/results/2026-12-01-h200-kvcache/results_tune_*.json): 1-3% over three or four
         "kvdecode": {d: _T(16, 64, 4, 2) for d in (16, 32, 64, 128)},
     },
 }

@@ -109,9 +109,9 @@ def check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cach
                          + ", ".join(str(shape[n]) for n in _CACHES))
     pages, Hkv, rows, Dc = cshape
     if Dc != D:
-        raise ValueError(f"head dims differ: q1 has {D}, k1_cache {Dc}")
+        raise ValueError(f"k1_cache: head dim {Dc} differs from q1's {D}")
     if Hkv < 1 or H % Hkv:
-        raise ValueError(f"query heads ({H}) must be a multiple of the cache's key/value heads "
+        raise ValueError(f"q1's heads ({H}) must be a multiple of k1_cache's key/value heads "
                          f"({Hkv})")
     for name in ("cache_seqlens",) + (("block_table",) if block_table is not None else ()):
         if validate.dtype_name(named[name]) != "int32":
@@ -124,16 +124,17 @@ def check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cach
             raise ValueError(f"block_table must have shape (B, max_blocks) with B = {B}, got "
                              f"{shape['block_table']}")
         if rows % 16 or rows == 0:
-            raise ValueError(f"paged caches need a block size (dim 2) that is a positive "
-                             f"multiple of 16, got {rows}")
+            raise ValueError(f"k1_cache: paged caches need a block size (dim 2) that is a "
+                             f"positive multiple of 16, got {rows}")
         capacity = shape["block_table"][1] * rows
     else:
         if pages != B:
-            raise ValueError(f"a contiguous cache has shape (B, Hkv, N_max, D) with B = {B}, got "
-                             f"{cshape} (pass block_table for a paged cache)")
+            raise ValueError(f"k1_cache: a contiguous cache has shape (B, Hkv, N_max, D) with "
+                             f"B = {B}, got {cshape} (pass block_table for a paged cache)")
         capacity = rows
     if capacity >= GPU_MAX_LENGTH or M >= GPU_MAX_LENGTH:
-        raise ValueError(f"cache capacity ({capacity}) and new rows ({M}) must stay below 2**30")
+        raise ValueError(f"k1_cache's capacity ({capacity}) and q1's new rows ({M}) must stay "
+                         "below 2**30")
     if "k1_new" in named:
         for name in _NEW:
             if shape[name] != (B, Hkv, M, D):
@@ -147,9 +148,9 @@ def check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cach
                          f"float32 in the kernels), got {sm_scale!r}")
     if on_gpu:
         if dtype not in GPU_DTYPES:
-            raise ValueError(f"the CUDA kernels take {' and '.join(GPU_DTYPES)}, got {dtype}")
+            raise ValueError(f"q1: the CUDA kernels take {' and '.join(GPU_DTYPES)}, got {dtype}")
         if D not in GPU_HEAD_DIMS:
-            raise ValueError(f"the CUDA kernels take head dims {GPU_HEAD_DIMS}, got {D}")
+            raise ValueError(f"q1: the CUDA kernels take head dims {GPU_HEAD_DIMS}, got {D}")
         from .launch import kernel_ready
 
         for name in _CACHES:

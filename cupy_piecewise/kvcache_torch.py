@@ -10,13 +10,12 @@ outside the capture: the first call compiles or loads the kernels).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import numpy as np
 import torch
 
-from . import kvcache
+from . import kvcache, validate
 
 Tensor = torch.Tensor
 
@@ -108,20 +107,21 @@ def _fake(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new, k2_new,
 
 def attention_with_kvcache(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new,
                            k2_new, v_new, block_table, causal, sm_scale):
-    """(o, lse) for torch tensors through ``cupy_piecewise::kvcache`` (arguments checked
-    first, so errors name the argument; ``sm_scale`` resolved from None)."""
-    if torch.compiler.is_compiling():
-        # Traced by dynamo: the operator's body checks everything when it runs (data
-        # pointers and strides are not traceable); shapes alone give sm_scale and clamp w.
-        D, N = q1.shape[-1], k1_cache.shape[2] * (1 if block_table is None else block_table.shape[1])
-        scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
-        if isinstance(w, int) and not isinstance(w, bool):  # else the schema refuses it
-            w = max(-(N + q1.shape[2] + 1), min(N + q1.shape[2] + 1, w))
-        return kvcache_op(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new,
-                          k2_new, v_new, block_table, causal, scale)
-    a = kvcache.check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens,
+    """(o, lse) for torch tensors through ``cupy_piecewise::kvcache``. The operator's body
+    checks every argument, once per call (also when torch.compile traced this call); here
+    only what the schema takes is resolved first, each scalar checked so that errors name
+    it: ``dist_threshold`` clamped to the cache (|d| <= capacity + M: the same comparisons,
+    and an int64 for any integer) and ``sm_scale`` from None."""
+    tensors = (q1, q2, k1_cache, k2_cache, v_cache, cache_seqlens) + (
+        () if block_table is None else (block_table,))
+    if not all(isinstance(x, Tensor) for x in tensors) or k1_cache.dim() != 4 or (
+            block_table is not None and block_table.dim() != 2) or q1.dim() != 4:
+        kvcache.check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens,
                                    k1_new, k2_new, v_new, block_table, causal, sm_scale)
-    # |d| <= capacity + M: the clamp keeps every comparison and fits the schema's int64
-    limit = a.capacity + a.M + 1
-    return kvcache_op(q1, q2, k1_cache, k2_cache, v_cache, max(-limit, min(limit, a.w)),
-                      cache_seqlens, k1_new, k2_new, v_new, block_table, a.causal, a.sm_scale)
+    w = validate._check_w(w)
+    causal = validate._check_causal(causal)
+    scale = validate._check_sm_scale(sm_scale, q1.shape[-1])
+    capacity = k1_cache.shape[2] * (1 if block_table is None else block_table.shape[1])
+    limit = capacity + q1.shape[2] + 1
+    return kvcache_op(q1, q2, k1_cache, k2_cache, v_cache, max(-limit, min(limit, w)),
+                      cache_seqlens, k1_new, k2_new, v_new, block_table, causal, scale)
