@@ -70,6 +70,8 @@ __all__ = [
     "check_config",
     "lookup",
     "selectable_configs",
+    "VARLEN_TABLE",
+    "VARLEN_PHASES",
     "parse_override",
     "resolve_arch",
     "head_dims",
@@ -262,21 +264,29 @@ _T = TileConfig
 TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
     # A100: 163 KiB shared per block.
     (8, 0): {
-        "fwd": {128: _T(64, 64, 4), 64: _T(128, 64, 8), 32: _T(128, 64, 8), 16: _T(128, 64, 8)},
-        "fwd_decode": {128: _T(16, 32, 1), 64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
-        "bwd_dq": {128: _T(128, 32, 8), 64: _T(64, 64, 4), 32: _T(64, 128, 4), 16: _T(64, 128, 4)},
+        "fwd": {256: _T(32, 32, 2), 128: _T(64, 64, 4), 96: _T(64, 64, 4), 80: _T(64, 64, 4),
+                64: _T(128, 64, 8), 32: _T(128, 64, 8), 16: _T(128, 64, 8)},
+        "fwd_decode": {256: _T(16, 32, 1), 128: _T(16, 32, 1), 96: _T(16, 32, 1), 80: _T(16, 32, 1),
+                       64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
+        "bwd_dq": {256: _T(64, 16, 4), 128: _T(128, 32, 8), 96: _T(128, 32, 8), 80: _T(128, 32, 8),
+                   64: _T(64, 64, 4), 32: _T(64, 128, 4), 16: _T(64, 128, 4)},
         # D = 128: 32x128x8 sits at 255 registers and spills 12 bytes (bf16) with NVRTC
         # 13.5; 16x128x8 keeps the 128-key tile at 230-233 registers (not timed on an A100)
-        "bwd_dkv": {128: _T(16, 128, 8), 64: _T(64, 64, 4), 32: _T(128, 64, 4), 16: _T(128, 64, 4)},
+        "bwd_dkv": {256: _T(16, 64, 4), 128: _T(16, 128, 8), 96: _T(16, 128, 8), 80: _T(16, 128, 8),
+                    64: _T(64, 64, 4), 32: _T(128, 64, 4), 16: _T(128, 64, 4)},
         "kvcache": {d: _T(16, 64, 4, 2) for d in (16, 32, 64, 128)},
         "kvdecode": {d: _T(16, 64, 4, 3) for d in (16, 32, 64, 128)},
     },
     # RTX 30xx / A10 / A40: 99 KiB shared per block.
     (8, 6): {
-        "fwd": {128: _T(64, 32, 4), 64: _T(64, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
-        "fwd_decode": {128: _T(16, 32, 1), 64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
-        "bwd_dq": {128: _T(64, 16, 4), 64: _T(64, 32, 4), 32: _T(64, 32, 4), 16: _T(64, 64, 4)},
-        "bwd_dkv": {128: _T(16, 64, 4), 64: _T(32, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
+        "fwd": {256: _T(32, 16, 2), 128: _T(64, 32, 4), 96: _T(64, 32, 4), 80: _T(64, 32, 4),
+                64: _T(64, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
+        "fwd_decode": {256: _T(16, 16, 1), 128: _T(16, 32, 1), 96: _T(16, 32, 1), 80: _T(16, 32, 1),
+                       64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
+        "bwd_dq": {256: _T(16, 16, 1), 128: _T(64, 16, 4), 96: _T(64, 16, 4), 80: _T(64, 16, 4),
+                   64: _T(64, 32, 4), 32: _T(64, 32, 4), 16: _T(64, 64, 4)},
+        "bwd_dkv": {256: _T(16, 16, 1), 128: _T(16, 64, 4), 96: _T(16, 64, 4), 80: _T(16, 64, 4),
+                    64: _T(32, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
         "kvcache": {128: _T(16, 32, 2, 2), 64: _T(16, 64, 4, 2), 32: _T(16, 64, 4, 2),
                     16: _T(16, 64, 4, 2)},
         "kvdecode": {128: _T(16, 64, 4, 2), 64: _T(16, 64, 4, 3), 32: _T(16, 64, 4, 3),
@@ -284,10 +294,14 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
     },
     # RTX 40xx / L4 / L40: 99 KiB shared per block.
     (8, 9): {
-        "fwd": {128: _T(64, 32, 4), 64: _T(64, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
-        "fwd_decode": {128: _T(16, 32, 1), 64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
-        "bwd_dq": {128: _T(64, 16, 4), 64: _T(64, 32, 4), 32: _T(64, 32, 4), 16: _T(64, 64, 4)},
-        "bwd_dkv": {128: _T(16, 64, 4), 64: _T(32, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
+        "fwd": {256: _T(32, 16, 2), 128: _T(64, 32, 4), 96: _T(64, 32, 4), 80: _T(64, 32, 4),
+                64: _T(64, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
+        "fwd_decode": {256: _T(16, 16, 1), 128: _T(16, 32, 1), 96: _T(16, 32, 1), 80: _T(16, 32, 1),
+                       64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
+        "bwd_dq": {256: _T(16, 16, 1), 128: _T(64, 16, 4), 96: _T(64, 16, 4), 80: _T(64, 16, 4),
+                   64: _T(64, 32, 4), 32: _T(64, 32, 4), 16: _T(64, 64, 4)},
+        "bwd_dkv": {256: _T(16, 16, 1), 128: _T(16, 64, 4), 96: _T(16, 64, 4), 80: _T(16, 64, 4),
+                    64: _T(32, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
         "kvcache": {128: _T(16, 32, 2, 2), 64: _T(16, 64, 4, 2), 32: _T(16, 64, 4, 2),
                     16: _T(16, 64, 4, 2)},
         "kvdecode": {128: _T(16, 64, 4, 2), 64: _T(16, 64, 4, 3), 32: _T(16, 64, 4, 3),
@@ -297,12 +311,22 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
     # (2026-11-30, bf16, L=8192; bench/results/tiles_h200.json) among variants ptxas
     # compiles without spills. Warps own 32 rows (MW=2) where the registers allow.
     (9, 0): {
-        "fwd": {128: _T(128, 64, 8), 64: _T(128, 64, 4), 32: _T(128, 128, 8), 16: _T(128, 64, 4)},
-        "fwd_decode": {128: _T(16, 32, 1), 64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
-        "bwd_dq": {128: _T(128, 64, 8), 64: _T(128, 32, 4), 32: _T(64, 64, 4), 16: _T(128, 64, 4)},
+        # Head dims 80, 96 and 256 (issue 12) take the D = 128 shapes where they fit (80 and
+        # 96 need fewer registers and less shared memory); 256 takes 16-key steps and one
+        # 16-row block per warp (a D-wide accumulator is 128 registers; the build check
+        # finds these at 247-255 without spills). Not yet timed.
+        "fwd": {256: _T(64, 16, 4), 128: _T(128, 64, 8), 96: _T(128, 64, 8), 80: _T(128, 64, 8),
+                64: _T(128, 64, 4), 32: _T(128, 128, 8), 16: _T(128, 64, 4)},
+        "fwd_decode": {256: _T(16, 16, 1), 128: _T(16, 32, 1), 96: _T(16, 32, 1), 80: _T(16, 32, 1),
+                       64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
+        "bwd_dq": {256: _T(64, 16, 4), 128: _T(128, 64, 8), 96: _T(128, 64, 8), 80: _T(128, 64, 8),
+                   64: _T(128, 32, 4), 32: _T(64, 64, 4), 16: _T(128, 64, 4)},
         "bwd_dkv": {
+            256: _T(16, 64, 4),
             # causal spills at 32x64 (mask and row-scale registers): one 16-row block per warp
             128: {(None, True): _T(16, 64, 4), (None, None): _T(32, 64, 4)},
+            96: {(None, True): _T(16, 64, 4), (None, None): _T(32, 64, 4)},
+            80: {(None, True): _T(16, 64, 4), (None, None): _T(32, 64, 4)},
             64: {(None, True): _T(32, 128, 4), (None, None): _T(64, 64, 4)},
             32: _T(64, 64, 4),
             16: _T(64, 128, 4),
@@ -315,7 +339,31 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
     },
 }
 
+#: Packed variable-length batches (``attention_varlen``) run the same kernels built with a
+#: VARLEN flag: per-sequence lengths and offsets held in registers. Where a dense entry sits
+#: at the register limit that tips it into spills, the packed kernel takes the entry here
+#: instead (same layout as TABLE; phases fwd, bwd_dq, bwd_dkv; absent entries: TABLE's).
+VARLEN_TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
+    (9, 0): {
+        "fwd": {64: _T(64, 64, 4)},
+        "bwd_dkv": {
+            128: {(None, True): _T(16, 64, 4), (None, None): _T(16, 64, 4)},
+            64: {(None, True): _T(32, 64, 4), (None, None): _T(64, 64, 4)},
+        },
+    },
+}
+#: Phases with a packed-batch kernel.
+VARLEN_PHASES = ("fwd", "bwd_dq", "bwd_dkv")
+
 del _T
+
+
+def _table_entry(arch, phase: str, head_dim: int, varlen: bool):
+    if varlen:
+        entry = VARLEN_TABLE.get(arch, {}).get(phase, {}).get(head_dim)
+        if entry is not None:
+            return entry
+    return TABLE[arch][phase].get(head_dim)
 
 
 def head_dims(cc: tuple[int, int]) -> tuple[int, ...]:
@@ -446,13 +494,15 @@ def lookup(
     override: Mapping[str, TileConfig] | None = None,
     *,
     max_shared: int | None = None,
+    varlen: bool = False,
 ) -> TileConfig:
     """Tile sizes for one kernel variant on a GPU of compute capability ``cc``.
 
     ``override`` (``{phase: TileConfig}``) wins over the ``CUPY_PIECEWISE_TILES``
     environment variable, which wins over the table. ``max_shared`` is the GPU's
     opt-in shared memory per block, used only when ``cc`` is not in
-    :data:`SHARED_LIMIT`.
+    :data:`SHARED_LIMIT`. ``varlen``: the tiles of the packed-batch kernel of ``phase``
+    (:data:`VARLEN_TABLE` where it has an entry, else the table's).
 
     Raises:
         ValueError: unknown phase, head_dim without an entry, dtype the table
@@ -484,7 +534,9 @@ def lookup(
             raise ValueError(f"{source}: tiles {chosen} for {phase} are invalid: " + "; ".join(problems))
         return chosen
 
-    entry = TABLE[arch][phase].get(head_dim)
+    if varlen and phase not in VARLEN_PHASES:
+        raise ValueError(f"phase {phase!r} has no packed-batch kernel; those are {VARLEN_PHASES}")
+    entry = _table_entry(arch, phase, head_dim, varlen)
     if entry is None:
         raise ValueError(
             f"head_dim {head_dim} has no tile entry; expected one of "
@@ -493,17 +545,20 @@ def lookup(
     return _refine(entry, dtype, bool(causal))
 
 
-def selectable_configs(cc: tuple[int, int], *, max_shared: int | None = None) -> set[tuple[str, int, str, bool, TileConfig]]:
-    """Every (phase, head_dim, dtype, causal, TileConfig) the table can select on ``cc``.
+def selectable_configs(cc: tuple[int, int], *, max_shared: int | None = None,
+                       varlen: bool = False) -> set[tuple[str, int, str, bool, TileConfig]]:
+    """Every (phase, head_dim, dtype, causal, TileConfig) the table can select on ``cc``;
+    with ``varlen``, those of the packed-batch kernels (phases :data:`VARLEN_PHASES`).
 
     Ignores ``CUPY_PIECEWISE_TILES``: this is what the build check compiles.
     """
     cc = (int(cc[0]), int(cc[1]))
     arch = resolve_arch(cc, max_shared)
     out = set()
-    for phase in PHASES:
+    for phase in (VARLEN_PHASES if varlen else PHASES):
         for head_dim in sorted(TABLE[arch][phase]):
+            entry = _table_entry(arch, phase, head_dim, varlen)
             for dtype in TABLE_DTYPES:
                 for causal in (False, True):
-                    out.add((phase, head_dim, dtype, causal, _refine(TABLE[arch][phase][head_dim], dtype, causal)))
+                    out.add((phase, head_dim, dtype, causal, _refine(entry, dtype, causal)))
     return out

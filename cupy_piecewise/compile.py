@@ -16,7 +16,7 @@ import re
 import threading
 from dataclasses import dataclass
 
-from .capability import TileConfig
+from .capability import VARLEN_PHASES, TileConfig
 from .kernel_sources import kernel_dir
 
 #: kernel file per phase; the delta pre-pass lives with the backward kernels.
@@ -77,6 +77,7 @@ class Variant:
     head_dim: int
     tiles: TileConfig | None  # None for the row kernels
     causal: bool = False
+    varlen: bool = False  # packed variable-length batch (VARLEN_PHASES only)
 
     @property
     def filename(self) -> str:
@@ -100,6 +101,10 @@ class Variant:
         stages = ""  # the KV-cache kernel: a deeper ring, and one key slot when decoding
         if self.phase in ("kvcache", "kvdecode"):
             stages = f", {t.stages}, {'true' if self.phase == 'kvdecode' else 'false'}"
+        if self.varlen:
+            if self.phase not in VARLEN_PHASES:
+                raise ValueError(f"phase {self.phase!r} has no packed-batch kernel")
+            stages = ", true"
         return (f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}, {t.block_m}, {t.block_n}, "
                 f"{t.num_warps}, {causal}{stages}>")
 

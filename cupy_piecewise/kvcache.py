@@ -23,7 +23,11 @@ from typing import NamedTuple
 import numpy as np
 
 from . import reference, validate
-from .validate import GPU_DTYPES, GPU_HEAD_DIMS, GPU_MAX_LENGTH
+from .validate import GPU_DTYPES, GPU_MAX_LENGTH
+
+#: Head dims of the KV-cache kernels (the capability table's kvcache and kvdecode rows;
+#: 80, 96 and 256 have no KV-cache tiles yet).
+KV_HEAD_DIMS = (16, 32, 64, 128)
 
 __all__ = ["attention_with_kvcache", "reference_with_kvcache", "KVArgs", "check_kvcache_args"]
 
@@ -149,8 +153,8 @@ def check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cach
     if on_gpu:
         if dtype not in GPU_DTYPES:
             raise ValueError(f"q1: the CUDA kernels take {' and '.join(GPU_DTYPES)}, got {dtype}")
-        if D not in GPU_HEAD_DIMS:
-            raise ValueError(f"q1: the CUDA kernels take head dims {GPU_HEAD_DIMS}, got {D}")
+        if D not in KV_HEAD_DIMS:
+            raise ValueError(f"q1: the KV-cache kernels take head dims {KV_HEAD_DIMS}, got {D}")
         from .launch import kernel_ready
 
         for name in _CACHES:

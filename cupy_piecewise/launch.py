@@ -28,7 +28,7 @@ TENSORS = ("q1", "k1", "q2", "k2", "v", "o", "dout", "dq1", "dk1", "dq2", "dk2",
 #: The scalar tail of ``Params``; the last 8 bytes hold two float32 (scale_log2, sm_scale).
 PARAM_FIELDS = tuple(f"{t}.{f}" for t in TENSORS for f in ("ptr", "sb", "sh", "sr")) + (
     "lse", "delta", "H", "group", "M", "N", "w", "scale_log2|sm_scale",
-    "nsplit", "split_tiles", "o_part", "lse_part", "shift", "dlse")
+    "nsplit", "split_tiles", "o_part", "lse_part", "shift", "dlse", "cu_q", "cu_k")
 _NSLOTS = len(PARAM_FIELDS)
 _Slots = ctypes.c_int64 * _NSLOTS
 _LOG2E = 1.4426950408889634
@@ -108,21 +108,23 @@ def _compute_capability(device: int) -> tuple[int, int]:
 _variants: dict[tuple, Variant] = {}
 
 
-def plan(problem, phase: str) -> Variant:
-    """The kernel variant (tile sizes from the capability table) for ``problem``'s device.
+def plan(problem, phase: str, varlen: bool = False) -> Variant:
+    """The kernel variant (tile sizes from the capability table) for ``problem``'s device;
+    ``varlen``: the packed-batch kernel of ``phase``.
 
-    Cached per (device, phase, head dim, dtype, causal) and the value of
+    Cached per (device, phase, head dim, dtype, causal, varlen) and the value of
     ``CUPY_PIECEWISE_TILES``, so a tuning override set between calls still takes effect.
     """
-    key = (problem.device, phase, problem.D, problem.dtype, problem.causal,
+    key = (problem.device, phase, problem.D, problem.dtype, problem.causal, varlen,
            capability.plan_switches())
     hit = _variants.get(key)
     if hit is not None:
         return hit
     cc = _compute_capability(problem.device)
     tiles = None if phase in ROW_KERNELS else capability.lookup(
-        cc, phase, problem.D, problem.dtype, problem.causal)
-    variant = _variants[key] = Variant(phase, problem.dtype, problem.D, tiles, problem.causal)
+        cc, phase, problem.D, problem.dtype, problem.causal, varlen=varlen)
+    variant = _variants[key] = Variant(phase, problem.dtype, problem.D, tiles, problem.causal,
+                                       varlen)
     return variant
 
 
@@ -167,7 +169,7 @@ FORWARD_ARRAYS = ("q1", "k1", "q2", "k2", "v", "o", "lse")
 BACKWARD_ARRAYS = ("q1", "k1", "q2", "k2", "v", "o", "lse", "dout",
                    "dq1", "dk1", "dq2", "dk2", "dv", "delta", "dlse")
 #: Arrays that travel as a bare pointer (contiguous float32), the rest as views.
-_BARE = ("lse", "delta", "dlse")
+_BARE = ("lse", "delta", "dlse", "cu_q", "cu_k")
 _SLOT = {name: i for i, name in enumerate(PARAM_FIELDS)}
 _SIZE = 8 * _NSLOTS
 _PACKER = struct.Struct(f"<{_NSLOTS}q")
@@ -206,7 +208,7 @@ def _pack(problem, strides: dict, split=(1, 0, 0, 0)) -> bytes:
     P, w = _clamped(problem)
     scales = struct.unpack("<q", struct.pack("<ff", problem.sm_scale * _LOG2E, problem.sm_scale))[0]
     slots += (0, 0, problem.H, problem.H // problem.Hkv, problem.M, problem.N, w, scales) + tuple(split)
-    slots += (P, 0)  # shift, dlse (a pointer set per call)
+    slots += (P, 0, 0, 0)  # shift; dlse, cu_q, cu_k (pointers set per call)
     return _PACKER.pack(*slots)
 
 

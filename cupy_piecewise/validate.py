@@ -36,7 +36,7 @@ __all__ = [
 #: dtypes the CUDA kernels take (tensor cores, float32 accumulation).
 GPU_DTYPES = ("float16", "bfloat16")
 #: head dims the CUDA kernels are instantiated for.
-GPU_HEAD_DIMS = (16, 32, 64, 128)
+GPU_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 #: The kernels keep row indices and distances in 32-bit integers (i + N - M - j, tile
 #: starts plus tile sizes): lengths must stay below this.
 GPU_MAX_LENGTH = 1 << 30

@@ -8,11 +8,12 @@ of the queries against the rows ``cu_seqlens_k[b] : cu_seqlens_k[b + 1]`` of the
 an independent problem whose queries are aligned to the end of its own keys
 (docs/semantics.md, "Packed variable-length batches"). Zero-length sequences are allowed.
 
-Implemented on the CPU paths (NumPy: the float64 reference; torch CPU tensors: the torch
-implementation, with autograd, the lse differentiable) by running each sequence through
-:func:`cupy_piecewise.attention`. CUDA arrays raise NotImplementedError: the packed
-kernels (one grid over the query tiles of every sequence, no host synchronisation) are not
-written yet.
+CUDA arrays (CuPy; torch CUDA tensors, with autograd through ``o`` and ``lse``, custom
+operators for ``torch.compile``) run packed kernels (:mod:`cupy_piecewise.varlen_gpu`): one
+grid over (query tile, head, sequence), no padding, and no host synchronisation when
+``max_seqlen_q`` and ``max_seqlen_k`` are given (CUDA-graph capture). The CPU paths (NumPy:
+the float64 reference; torch CPU tensors: the torch implementation, with autograd, the lse
+differentiable) run each sequence through :func:`cupy_piecewise.attention`.
 """
 from __future__ import annotations
 
@@ -45,10 +46,8 @@ def _host_ints(cu, name: str, library: str):
 
 
 def _plan(q1, k1, cu_q, cu_k, max_q, max_k):
-    """Checked (cu_q, cu_k) lists for inputs of the given library and packed lengths
-    (CUDA arrays are refused first: reading their running totals would synchronise)."""
+    """Checked (cu_q, cu_k) lists for CPU inputs of the given library and packed lengths."""
     library = validate.library_of(q1, "q1")
-    _gpu_refused(library, q1)
     for name, x in (("q1", q1), ("k1", k1)):
         if len(x.shape) != 3:
             raise ValueError(f"{name} must have 3 dimensions (total, heads, head_dim) in a packed "
@@ -86,13 +85,14 @@ def _cat(parts, axis: int, like):
     return torch.cat(parts, dim=axis)
 
 
-def _gpu_refused(library: str, q1) -> None:
-    dev = getattr(q1, "device", None)
-    on_gpu = library == "cupy" or (library == "torch" and getattr(dev, "type", "cpu") == "cuda")
-    if on_gpu:
-        raise NotImplementedError(
-            "attention_varlen: CUDA arrays are not supported yet (the packed-batch kernels are "
-            "not written); use the CPU paths, or one attention call per sequence")
+def _on_gpu(q1) -> str | None:
+    """``'cupy'`` or ``'torch'`` for CUDA arrays of those libraries, else None."""
+    library = validate.library_of(q1, "q1")
+    if library == "cupy":
+        return library
+    if library == "torch" and getattr(getattr(q1, "device", None), "type", "cpu") == "cuda":
+        return library
+    return None
 
 
 def attention_varlen(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, dist_threshold, *,
@@ -114,12 +114,22 @@ def attention_varlen(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, dist_thresho
     Returns ``o`` ``(total_q, H, D)`` in the input dtype (or ``(o, lse)``); with torch
     tensors, differentiable (``o`` and ``lse``).
 
+    CUDA arrays (CuPy, torch CUDA; float16/bfloat16, the CUDA head dims): ``cu_seqlens_*``
+    must be int32 on the inputs' device. With both ``max_seqlen_*`` given the host never
+    reads the running totals (no synchronisation: CUDA graphs, ``torch.compile``); they
+    must then bound every sequence and the totals must be valid (start at 0,
+    non-decreasing, end at the packed lengths), or results are undefined. A ``max_seqlen``
+    left None is found by reading the totals on the host, which checks them too. The
+    packed kernels are the mma.sync ones on every GPU (no Hopper wgmma variant yet) and do
+    not split the keys of decode-like batches (one query per sequence): use
+    :func:`cupy_piecewise.attention_with_kvcache` for those.
+
     Raises:
         TypeError, ValueError: bad inputs, as :func:`cupy_piecewise.attention` for each
             sequence, and for running totals that are not 1-D integers starting at 0,
-            non-decreasing and ending at the packed lengths, or a max_seqlen below the
-            longest sequence.
-        NotImplementedError: CUDA arrays (no packed-batch kernels yet).
+            non-decreasing and ending at the packed lengths (on CUDA: not int32 on the
+            inputs' device), or a max_seqlen below the longest sequence (on CUDA, when
+            the host reads the totals) or outside [0, total].
 
     Example:
         >>> import numpy as np, cupy_piecewise.varlen as vl
@@ -131,6 +141,21 @@ def attention_varlen(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, dist_thresho
         >>> o.shape, lse.shape
         ((7, 2, 16), (2, 7))
     """
+    gpu = _on_gpu(q1)
+    if gpu == "torch":
+        from . import varlen_torch
+
+        return varlen_torch.attention_varlen(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k,
+                                             dist_threshold, max_seqlen_q, max_seqlen_k, causal,
+                                             sm_scale, return_lse)
+    if gpu == "cupy":
+        from . import varlen_gpu
+        from .adapters import cupy as ad
+
+        pk = varlen_gpu.prepare(ad.OPS, q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k,
+                                dist_threshold, max_seqlen_q, max_seqlen_k, causal, sm_scale)
+        o, lse = varlen_gpu.forward(pk, ad.OPS, q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k)
+        return (o, lse) if return_lse else o
     library, cq, ck = _plan(q1, k1, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     os, ls = [], []
     for (qa, qb), (ka, kb) in zip(zip(cq, cq[1:]), zip(ck, ck[1:])):
@@ -144,14 +169,31 @@ def attention_varlen(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, dist_thresho
 
 
 def attention_varlen_backward(do, q1, k1, q2, k2, v, o, lse, cu_seqlens_q, cu_seqlens_k,
-                              dist_threshold, *, causal=False, sm_scale=None, dlse=None):
+                              dist_threshold, *, max_seqlen_q=None, max_seqlen_k=None,
+                              causal=False, sm_scale=None, dlse=None):
     """Gradients of :func:`attention_varlen` -> ``(dq1, dk1, dq2, dk2, dv)``, packed like the
     inputs (``dq*`` ``(total_q, H, D)``, ``dk*``/``dv`` ``(total_k, Hkv, D)``).
 
     ``do``, ``o``: ``(total_q, H, D)``; ``lse`` and ``dlse`` (optional gradient of lse):
-    ``(H, total_q)``. Errors as :func:`attention_varlen` and
-    :func:`cupy_piecewise.attention_backward`."""
-    library, cq, ck = _plan(q1, k1, cu_seqlens_q, cu_seqlens_k, None, None)
+    ``(H, total_q)``; ``max_seqlen_*`` as for :func:`attention_varlen` (on CUDA: given,
+    nothing synchronises). Errors as :func:`attention_varlen` and
+    :func:`cupy_piecewise.attention_backward`. On CUDA the gradients are deterministic."""
+    gpu = _on_gpu(q1)
+    if gpu == "torch":
+        from . import varlen_torch
+
+        return varlen_torch.attention_varlen_backward(
+            do, q1, k1, q2, k2, v, o, lse, cu_seqlens_q, cu_seqlens_k, dist_threshold,
+            max_seqlen_q, max_seqlen_k, causal, sm_scale, dlse)
+    if gpu == "cupy":
+        from . import varlen_gpu
+        from .adapters import cupy as ad
+
+        pk = varlen_gpu.prepare(ad.OPS, q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k,
+                                dist_threshold, max_seqlen_q, max_seqlen_k, causal, sm_scale)
+        return varlen_gpu.backward(pk, ad.OPS, do, q1, k1, q2, k2, v, o, lse, cu_seqlens_q,
+                                   cu_seqlens_k, dlse)
+    library, cq, ck = _plan(q1, k1, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     parts = [[] for _ in range(5)]
     for (qa, qb), (ka, kb) in zip(zip(cq, cq[1:]), zip(ck, ck[1:])):
         d = None if dlse is None else dlse[:, qa:qb][None]

@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(256) pw_backward_delta(const Params p) {
   }
 }
 
-template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL>
+template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) {
   using L = BwdDqTraits<D, BM, BN, WARPS>;  // shared-memory layout and warp split (traits.cuh)
   constexpr int MW = L::MW;                 // 16-row blocks per warp (1 or 2, checked there)
@@ -58,16 +58,18 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const i64 mt = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
   const i64 h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  const i64 M = p.M, N = p.N, P = p.shift, m0 = mt * BM;
+  const Seq<VARLEN> sq = seq_of<VARLEN>(p, b);
+  const i64 M = sq.M, N = sq.N, P = sq.P, m0 = mt * BM;
+  if (VARLEN && m0 >= M) return;  // a packed batch's grid covers its longest sequence
   const i64 row0 = m0 + warp * 16 * MW;
 
-  const u16* k1 = p.k1.at(b, hk);
-  const u16* k2 = p.k2.at(b, hk);
-  const u16* vv = p.v.at(b, hk);
+  const u16* k1 = p.k1.at(b, hk, sq.k0);
+  const u16* k2 = p.k2.at(b, hk, sq.k0);
+  const u16* vv = p.v.at(b, hk, sq.k0);
 
-  load_rows<BM, D, THREADS>(smem_addr(sQ1), p.q1.at(b, h), p.q1.sr, m0, M);
-  load_rows<BM, D, THREADS>(smem_addr(sQ2), p.q2.at(b, h), p.q2.sr, m0, M);
-  load_rows<BM, D, THREADS>(smem_addr(sDO), p.dout.at(b, h), p.dout.sr, m0, M);
+  load_rows<BM, D, THREADS>(smem_addr(sQ1), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
+  load_rows<BM, D, THREADS>(smem_addr(sQ2), p.q2.at(b, h, sq.q0), p.q2.sr, m0, M);
+  load_rows<BM, D, THREADS>(smem_addr(sDO), p.dout.at(b, h, sq.q0), p.dout.sr, m0, M);
 
   float lse2[MW][2], delta[MW][2];
 #pragma unroll
@@ -75,7 +77,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const i64 r = row0 + mi * 16 + lane / 4 + 8 * hh;
-      const i64 idx = (b * p.H + h) * M + r;
+      const i64 idx = stat_row0<VARLEN>(p, sq, b, h) + r;
       lse2[mi][hh] = r < M ? lse_to_log2(p.lse[idx]) : PW_POS_INF;
       delta[mi][hh] = r < M ? p.delta[idx] : 0.f;
     }
@@ -137,11 +139,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
     float scale[MW][2];
     unscale_rows<MW>(scale, ex, p.sm_scale);
     const Tensor& out = pair == 1 ? p.dq1 : p.dq2;
-    store_rows<T, D, MW>(out.mut(b, h), out.sr, row0, M, acc, scale, lane);
+    const Seq<VARLEN> end = seq_again<VARLEN>(p, b);
+    store_rows<T, D, MW>(out.mut(b, h, end.q0), out.sr, row0, end.M, acc, scale, lane);
   }
 }
 
-template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL>
+template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p) {
   using L = BwdDkvTraits<D, BM, BN, WARPS>;  // shared-memory layout and warp split (traits.cuh)
   constexpr int MW = L::MW;                  // 16-row (key) blocks per warp (1 or 2)
@@ -155,12 +158,14 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const i64 nt = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-  const i64 M = p.M, N = p.N, P = p.shift, n0 = nt * BN;
+  const Seq<VARLEN> sq = seq_of<VARLEN>(p, b);
+  const i64 M = sq.M, N = sq.N, P = sq.P, n0 = nt * BN;
+  if (VARLEN && n0 >= N) return;  // a packed batch's grid covers its longest sequence
   const i64 row0 = n0 + warp * 16 * MW;  // rows are keys here
 
-  load_rows<BN, D, THREADS>(smem_addr(sK1), p.k1.at(b, hk), p.k1.sr, n0, N);
-  load_rows<BN, D, THREADS>(smem_addr(sK2), p.k2.at(b, hk), p.k2.sr, n0, N);
-  load_rows<BN, D, THREADS>(smem_addr(sV), p.v.at(b, hk), p.v.sr, n0, N);
+  load_rows<BN, D, THREADS>(smem_addr(sK1), p.k1.at(b, hk, sq.k0), p.k1.sr, n0, N);
+  load_rows<BN, D, THREADS>(smem_addr(sK2), p.k2.at(b, hk, sq.k0), p.k2.sr, n0, N);
+  load_rows<BN, D, THREADS>(smem_addr(sV), p.v.at(b, hk, sq.k0), p.v.sr, n0, N);
 
   // Query tiles that can see this key tile at all, then the sub-ranges touching each pair:
   // pair 1 (some d < w) is a prefix of them, pair 2 (some d >= w) a suffix.
@@ -174,43 +179,93 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
   const u32 aK1 = smem_addr(sK1 + warp_off), aK2 = smem_addr(sK2 + warp_off);
   const u32 aV = smem_addr(sV + warp_off);
 
+  // Stream iteration `it` over the (query head of the group, query tile) pairs of tiles
+  // [lo, lo + per_head) -- one pipelined stream for the whole group -- and its loads.
+  auto tile_of = [&](int lo, int per_head, int it, i64& h, i64& m0) {
+    h = hk * group + it / per_head;
+    m0 = (i64)(lo + it % per_head) * BM;
+  };
+  auto issue_tile = [&](i64 h, i64 m0, int stage) {
+    const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
+    u16* st = sQ + stage * L::stage_elems;
+    if (mode & 1)
+      load_rows<BM, D, THREADS>(smem_addr(st + L::q1_in_stage), p.q1.at(b, h, sq.q0), p.q1.sr,
+                                m0, M);
+    if (mode & 2)
+      load_rows<BM, D, THREADS>(smem_addr(st + L::q2_in_stage), p.q2.at(b, h, sq.q0), p.q2.sr,
+                                m0, M);
+    load_rows<BM, D, THREADS>(smem_addr(st + L::do_in_stage), p.dout.at(b, h, sq.q0), p.dout.sr,
+                              m0, M);
+    const i64 base = stat_row0<VARLEN>(p, sq, b, h);
+    float* ss = sStat + stage * L::stats_stage_floats;
+    load_f32<BM, THREADS>(smem_addr(ss + L::lse_in_stage), p.lse + base, m0, M);
+    load_f32<BM, THREADS>(smem_addr(ss + L::delta_in_stage), p.delta + base, m0, M);
+  };
+  // Probabilities of the warp's keys against streamed query tile (h, m0), rows of s.
+  auto probabilities = [&](float s[MW][BM / 8][4], i64 m0, int stage, const Geom& g) {
+    const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
+    const bool masked = tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), m0 + BM, M);
+    const u16* st = sQ + stage * L::stage_elems;
+    const float* ss = sStat + stage * L::stats_stage_floats;
+    score_tile<T, D, BM, MW, CAUSAL, true>(s, aK1, aK2, smem_addr(st + L::q1_in_stage),
+                                           smem_addr(st + L::q2_in_stage), mode, masked, g,
+                                           p.scale_log2, lane);
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+      for (int nb = 0; nb < BM / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          s[mi][nb][e] =
+              fast_exp2(s[mi][nb][e] - lse_to_log2(ss[L::lse_in_stage + frag_col(nb, e, lane)]));
+  };
+
+  // Above head dim 128 a dV and a dK accumulator (2 x D/2 registers per row block) do not
+  // fit in registers together: dV then takes a pass of its own over every visible tile,
+  // before the two dK passes, which leave it alone. Up to 128 dV rides along with them.
+  constexpr bool SPLIT_DV = D > 128;
   float dv[MW][D / 8][4];
   zero_n<MW * D / 2>(&dv[0][0][0]);
   int ex_v[MW][2];
   init_rows<T, MW>(ex_v);
+  if constexpr (SPLIT_DV) {
+    const int per_head = t_hi - t_lo;
+    auto issue = [&](int it, int stage) {
+      i64 h, m0;
+      tile_of(t_lo, per_head, it, h, m0);
+      issue_tile(h, m0, stage);
+    };
+    pipelined_tiles(0, per_head > 0 ? per_head * group : 0, issue, [&](int it, int stage) {
+      i64 h, m0;
+      tile_of(t_lo, per_head, it, h, m0);
+      float s[MW][BM / 8][4];
+      probabilities(s, m0, stage, make_geom<true>(row0, m0, P, p.w, M));
+      fit_rows<T, BM / 8, D / 8, MW>(s, dv, ex_v);
+      mma_xb<T, D, BM, MW>(dv, s, smem_addr(sQ + stage * L::stage_elems + L::do_in_stage), lane);
+    });
+    float one[MW][2];
+    unscale_rows<MW>(one, ex_v, 1.f);
+    const Seq<VARLEN> end = seq_again<VARLEN>(p, b);
+    store_rows<T, D, MW>(p.dv.mut(b, hk, end.k0), p.dv.sr, row0, end.N, dv, one, lane);
+  }
 
 #pragma unroll 1
   for (int pair = 1; pair <= 2; ++pair) {
     const int lo = pair == 1 ? t_lo : first2, hi = pair == 1 ? end1 : t_hi;
     const int per_head = hi - lo;
-    // Iterations walk (query head of the group, query tile) pairs in one pipelined stream.
-    auto tile_of = [&](int it, i64& h, i64& m0) {
-      h = hk * group + it / per_head;
-      m0 = (i64)(lo + it % per_head) * BM;
-    };
-    auto issue = [&](int it, int stage) {
-      i64 h, m0;
-      tile_of(it, h, m0);
-      const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
-      u16* st = sQ + stage * L::stage_elems;
-      if (mode & 1)
-        load_rows<BM, D, THREADS>(smem_addr(st + L::q1_in_stage), p.q1.at(b, h), p.q1.sr, m0, M);
-      if (mode & 2)
-        load_rows<BM, D, THREADS>(smem_addr(st + L::q2_in_stage), p.q2.at(b, h), p.q2.sr, m0, M);
-      load_rows<BM, D, THREADS>(smem_addr(st + L::do_in_stage), p.dout.at(b, h), p.dout.sr, m0, M);
-      const i64 base = (b * p.H + h) * M;
-      float* ss = sStat + stage * L::stats_stage_floats;
-      load_f32<BM, THREADS>(smem_addr(ss + L::lse_in_stage), p.lse + base, m0, M);
-      load_f32<BM, THREADS>(smem_addr(ss + L::delta_in_stage), p.delta + base, m0, M);
-    };
 
     float dk[MW][D / 8][4];
     zero_n<MW * D / 2>(&dk[0][0][0]);
     int ex_k[MW][2];
     init_rows<T, MW>(ex_k);
+    auto issue = [&](int it, int stage) {
+      i64 h, m0;
+      tile_of(lo, per_head, it, h, m0);
+      issue_tile(h, m0, stage);
+    };
     pipelined_tiles(0, per_head > 0 ? per_head * group : 0, issue, [&](int it, int stage) {
       i64 h, m0;
-      tile_of(it, h, m0);
+      tile_of(lo, per_head, it, h, m0);
       const int t = (int)(m0 / BM);
       const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
       const bool masked = tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), m0 + BM, M);
@@ -230,13 +285,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
           for (int e = 0; e < 4; ++e)
             s[mi][nb][e] =
                 fast_exp2(s[mi][nb][e] - lse_to_log2(ss[L::lse_in_stage + frag_col(nb, e, lane)]));
-      // dV takes every tile once: pass 2 skips the straddling tiles pass 1 already counted.
       float dp[MW][BM / 8][4];
       zero_n<MW * BM / 2>(&dp[0][0][0]);
       mma_abt<T, D, BM, MW>(dp, aV, smem_addr(st + L::do_in_stage), lane);
       // dV takes every tile once: pass 2 skips the straddling tiles pass 1 already counted.
       // P is scaled per row for float16 (fit_rows) and unscaled exactly for dS below.
-      const bool count_dv = pair == 1 || t >= end1;
+      const bool count_dv = !SPLIT_DV && (pair == 1 || t >= end1);
       if (count_dv) {
         fit_rows<T, BM / 8, D / 8, MW>(s, dv, ex_v);
         mma_xb<T, D, BM, MW>(dv, s, smem_addr(st + L::do_in_stage), lane);
@@ -263,9 +317,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
     float scale[MW][2];
     unscale_rows<MW>(scale, ex_k, p.sm_scale);
     const Tensor& out = pair == 1 ? p.dk1 : p.dk2;
-    store_rows<T, D, MW>(out.mut(b, hk), out.sr, row0, N, dk, scale, lane);
+    const Seq<VARLEN> end = seq_again<VARLEN>(p, b);
+    store_rows<T, D, MW>(out.mut(b, hk, end.k0), out.sr, row0, end.N, dk, scale, lane);
   }
-  float one[MW][2];
-  unscale_rows<MW>(one, ex_v, 1.f);
-  store_rows<T, D, MW>(p.dv.mut(b, hk), p.dv.sr, row0, N, dv, one, lane);
+  if constexpr (!SPLIT_DV) {
+    float one[MW][2];
+    unscale_rows<MW>(one, ex_v, 1.f);
+    const Seq<VARLEN> end = seq_again<VARLEN>(p, b);
+    store_rows<T, D, MW>(p.dv.mut(b, hk, end.k0), p.dv.sr, row0, end.N, dv, one, lane);
+  }
 }

@@ -122,27 +122,44 @@ template <int D> struct Pitch {
 };
 
 // Copies rows [row0, row0+ROWS) of an (L, D) matrix (row stride `rs` elements, unit column
-// stride) into a shared tile; rows at or beyond `nvalid` become zeros. Each thread keeps one
-// 16-byte column and walks rows with a running pointer: precomputed per-row addresses would
-// otherwise be hoisted out of the tile loop and pin dozens of registers.
+// stride) into a shared tile; rows at or beyond `nvalid` become zeros. When the block's
+// threads divide evenly into a row's 16-byte chunks (head dims 16, 32, 64, 128, 256), each
+// thread keeps one chunk column and walks rows with a running pointer: precomputed per-row
+// addresses would otherwise be hoisted out of the tile loop and pin dozens of registers.
+// Head dims such as 80 and 96 (10 and 12 chunks a row) walk the tile's chunks in order
+// instead, each thread recomputing its row and column per copy.
 template <int ROWS, int D, int THREADS>
 PW_DEVICE void load_rows(u32 dst, const u16* src, i64 rs, i64 row0, i64 nvalid) {
   constexpr int CPR = D / 8;  // 16-byte chunks per row
-  static_assert(THREADS % CPR == 0, "a thread's column must stay fixed");
-  constexpr int RSTEP = THREADS / CPR;
-  const int r = (int)threadIdx.x / CPR, ch = (int)threadIdx.x % CPR;
-  i64 gr = row0 + r;
-  const u16* g = src + gr * rs + ch * 8;
-  u32 d = dst + r * Pitch<D>::bytes + ch * 16;
+  static_assert(D % 16 == 0, "head dims are multiples of 16");
+  if constexpr (THREADS % CPR == 0) {
+    constexpr int RSTEP = THREADS / CPR;
+    const int r = (int)threadIdx.x / CPR, ch = (int)threadIdx.x % CPR;
+    i64 gr = row0 + r;
+    const u16* g = src + gr * rs + ch * 8;
+    u32 d = dst + r * Pitch<D>::bytes + ch * 16;
 #pragma unroll
-  for (int it = 0; it < (ROWS + RSTEP - 1) / RSTEP; ++it) {
-    if (ROWS % RSTEP == 0 || r + it * RSTEP < ROWS) {
-      const bool ok = gr < nvalid;
-      cp_async16(d, ok ? g : src, ok);
+    for (int it = 0; it < (ROWS + RSTEP - 1) / RSTEP; ++it) {
+      if (ROWS % RSTEP == 0 || r + it * RSTEP < ROWS) {
+        const bool ok = gr < nvalid;
+        cp_async16(d, ok ? g : src, ok);
+      }
+      gr += RSTEP;
+      g += RSTEP * rs;
+      d += RSTEP * Pitch<D>::bytes;
     }
-    gr += RSTEP;
-    g += RSTEP * rs;
-    d += RSTEP * Pitch<D>::bytes;
+  } else {
+    constexpr int CHUNKS = ROWS * CPR;
+#pragma unroll
+    for (int it = 0; it < (CHUNKS + THREADS - 1) / THREADS; ++it) {
+      const int c = it * THREADS + (int)threadIdx.x;
+      if (CHUNKS % THREADS == 0 || c < CHUNKS) {
+        const int r = c / CPR, ch = c % CPR;
+        const i64 gr = row0 + r;
+        const bool ok = gr < nvalid;
+        cp_async16(dst + r * Pitch<D>::bytes + ch * 16, ok ? src + gr * rs + ch * 8 : src, ok);
+      }
+    }
   }
 }
 

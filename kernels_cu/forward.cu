@@ -4,7 +4,7 @@
 #include "params.cuh"
 #include "traits.cuh"
 
-template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL>
+template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   using L = FwdTraits<D, BM, BN, WARPS>;  // shared-memory layout and warp split (traits.cuh)
   constexpr int MW = L::MW;               // 16-row blocks per warp (1 or 2, checked there)
@@ -19,11 +19,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   // Heavier causal tiles (later queries) launch first, evening out the tail of the grid.
   const i64 mt = CAUSAL ? (mtiles - 1 - blockIdx.x / p.nsplit) : blockIdx.x / p.nsplit;
   const i64 h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  const i64 M = p.M, N = p.N, P = p.shift, m0 = mt * BM;
+  const Seq<VARLEN> sq = seq_of<VARLEN>(p, b);
+  const i64 M = sq.M, N = sq.N, P = sq.P, m0 = mt * BM;
+  if (VARLEN && m0 >= M) return;  // a packed batch's grid covers its longest sequence
 
-  const u16* k1 = p.k1.at(b, hk);
-  const u16* k2 = p.k2.at(b, hk);
-  const u16* vv = p.v.at(b, hk);
+  const u16* k1 = p.k1.at(b, hk, sq.k0);
+  const u16* k2 = p.k2.at(b, hk, sq.k0);
+  const u16* vv = p.v.at(b, hk, sq.k0);
 
   // Keys past the last query's diagonal are masked for every row of the tile.
   const i64 n_end = CAUSAL ? clamp64(m0 + BM + P, 0, N) : N;
@@ -31,8 +33,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   const int t_begin = (int)min((i64)all_tiles, split * p.split_tiles);
   const int ntiles = (int)min((i64)all_tiles, (split + 1) * p.split_tiles);
 
-  load_rows<BM, D, THREADS>(smem_addr(sQ1), p.q1.at(b, h), p.q1.sr, m0, M);
-  load_rows<BM, D, THREADS>(smem_addr(sQ2), p.q2.at(b, h), p.q2.sr, m0, M);
+  load_rows<BM, D, THREADS>(smem_addr(sQ1), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
+  load_rows<BM, D, THREADS>(smem_addr(sQ2), p.q2.at(b, h, sq.q0), p.q2.sr, m0, M);
 
   auto issue = [&](int t, int stage) {
     const i64 n0 = (i64)t * BN;
@@ -98,8 +100,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   });
 
   float inv[MW][2];
-  const i64 row_base = (b * p.H + h) * M;  // (b, h) offset in (B, H, M) arrays
-  const i64 part = split * p.H * M * (i64)gridDim.z;  // gridDim.z = batch
+  const Seq<VARLEN> end = seq_again<VARLEN>(p, b);
+  const i64 row_base = stat_row0<VARLEN>(p, end, b, h);  // row 0 of (b, h) in lse (and lse_part)
+  const i64 part = split * p.H * p.M * (i64)gridDim.z;  // gridDim.z = batch (dense only)
 #pragma unroll
   for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
@@ -110,13 +113,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       inv[mi][hh] = l > 0.f ? 1.f / l : 0.f;  // a row with no admissible key gives o = 0
       const i64 r = row0 + mi * 16 + lane / 4 + 8 * hh;
       const float lse = l > 0.f ? (row_max[mi][hh] + __log2f(l)) * PW_LN2 : PW_NEG_INF;
-      if (lane % 4 == 0 && r < M) {
+      if (lane % 4 == 0 && r < end.M) {
         if (p.nsplit > 1) p.lse_part[part + row_base + r] = lse;
         else if (p.lse) p.lse[row_base + r] = lse;
       }
     }
   if (p.nsplit == 1) {
-    store_rows<T, D, MW>(p.o.mut(b, h), p.o.sr, row0, M, acc, inv, lane);
+    store_rows<T, D, MW>(p.o.mut(b, h, end.q0), p.o.sr, row0, end.M, acc, inv, lane);
     return;
   }
   // Partial result of this key split, normalised by its own row sums, in float32.
@@ -126,7 +129,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const i64 r = row0 + mi * 16 + lane / 4 + 8 * hh;
-      if (r < M)
+      if (r < end.M)
 #pragma unroll
         for (int nb = 0; nb < D / 8; ++nb)
           *reinterpret_cast<float2*>(op + r * D + nb * 8 + 2 * (lane % 4)) =

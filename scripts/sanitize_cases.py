@@ -2,7 +2,8 @@
 this GPU (every head dim, dtype and causal flag of its row, the decode split-KV kernel and
 its combine, the row kernels), on the mma.sync path and on the Hopper path (forward and
 backward, fused dQ and deterministic mode), at sizes that are not tile multiples, with
-position offsets and a gradient into lse; then torch tensors through the memoised path.
+position offsets and a gradient into lse; the KV-cache kernels; the packed-batch (varlen)
+kernels; then torch tensors through the memoised path.
 
 Run under compute-sanitizer (memcheck, racecheck, synccheck, initcheck) by
 scripts/gpu_run.sh; each case is also checked against the reference, so a clean report is
@@ -61,7 +62,7 @@ from cupy_piecewise import kvcache, tolerance  # noqa: E402
 from cupy_piecewise.gpu_arrays import round_to  # noqa: E402
 
 rng = np.random.default_rng(0)
-for D in capability.head_dims(cc):
+for D in kvcache.KV_HEAD_DIMS:
     for dtype in ("float16", "bfloat16"):
         # M = 1 runs kvdecode (one token: one key slot per stage), M = 3 kvcache
         for causal, M in [(c, m) for c in (False, True) for m in (1, 3)]:
@@ -92,6 +93,16 @@ for D in capability.head_dims(cc):
                 for name, g, r, lw in zip(("o", "lse"), (cupy.asnumpy(o), cupy.asnumpy(lse)), ref, low):
                     tolerance.assert_close(name, np.asarray(g, np.float64), r, lw, dtype)
             print(f"ok kvcache {dtype} causal={causal} D={D} M={M} (contiguous, paged)", flush=True)
+
+# Packed variable-length batches (the VARLEN kernels): empty sequences, tile edges, every
+# head dim, dtype and causal flag, forward and backward with a gradient into lse
+from test_varlen_gpu import run_packed  # noqa: E402
+
+for D in capability.head_dims(cc):
+    for dtype in ("float16", "bfloat16"):
+        for causal in (False, True):
+            run_packed([65, 0, 3], [40, 9, 129], D=D, dtype=dtype, causal=causal, w=20)
+            print(f"ok varlen {dtype} causal={causal} D={D}", flush=True)
 
 missing = set(build_check.install_variants(cc)) - launched
 print(f"{len(launched)} kernel variants launched; {len(missing)} selectable on "

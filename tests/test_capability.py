@@ -95,9 +95,10 @@ def test_lookup_returns_table_entry(cc):
 @pytest.mark.parametrize("cc", LISTED_ARCHS)
 def test_selectable_configs_cover_lookup(cc):
     configs = selectable_configs(cc)
-    assert len(configs) == len(PHASES) * len(HEAD_DIMS) * len(DTYPES) * 2
+    arch = cap.resolve_arch(cc)
+    assert len(configs) == sum(len(TABLE[arch][ph]) for ph in PHASES) * len(DTYPES) * 2
     for phase in PHASES:
-        for d in HEAD_DIMS:
+        for d in TABLE[arch][phase]:
             for dtype in DTYPES:
                 for causal in (False, True):
                     assert (phase, d, dtype, causal, lookup(cc, phase, d, dtype, causal)) in configs
@@ -147,7 +148,7 @@ def test_unknown_phase_head_dim_dtype():
     with pytest.raises(ValueError, match="phase"):
         lookup((9, 0), "bwd", 64, "float16", False)
     with pytest.raises(ValueError, match="head_dim"):
-        lookup((9, 0), "fwd", 96, "float16", False)
+        lookup((9, 0), "fwd", 48, "float16", False)
     with pytest.raises(ValueError, match="dtype"):
         lookup((9, 0), "fwd", 64, "float64", False)
 
@@ -264,3 +265,33 @@ def test_info_names_the_forward_path(monkeypatch):
     monkeypatch.setenv(cap.PATH_VAR, "warp-speed")
     cap.refresh_env_override()
     assert "CUPY_PIECEWISE_PATH" in info._forward_path((9, 0))
+
+
+#: Head dims of the attention kernels (issue 12 added 80, 96, 256); the KV-cache phases
+#: keep the first four.
+ATTENTION_PHASES = ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv")
+
+
+@pytest.mark.parametrize("cc", LISTED_ARCHS)
+def test_attention_phases_cover_the_new_head_dims(cc):
+    for phase in ATTENTION_PHASES:
+        assert {16, 32, 64, 80, 96, 128, 256} == set(TABLE[cc][phase]), (cc, phase)
+    assert cap.head_dims(cc) == (16, 32, 64, 80, 96, 128, 256)
+
+
+@pytest.mark.parametrize("cc", LISTED_ARCHS)
+def test_varlen_lookup_and_selectable_configs(cc):
+    configs = selectable_configs(cc, varlen=True)
+    assert {c[0] for c in configs} == set(cap.VARLEN_PHASES)
+    for phase, d, dtype, causal, tiles in configs:
+        assert tiles == lookup(cc, phase, d, dtype, causal, varlen=True)
+        assert not cap.check_config(phase, d, tiles, cc), (phase, d, tiles)
+    # entries of VARLEN_TABLE win; elsewhere the packed kernels take the dense tiles
+    for phase, by_dim in cap.VARLEN_TABLE.get(cc, {}).items():
+        for d in by_dim:
+            assert lookup(cc, phase, d, "bfloat16", True, varlen=True) == cap._refine(
+                by_dim[d], "bfloat16", True)
+    assert lookup(cc, "bwd_dq", 32, "float16", False, varlen=True) == lookup(
+        cc, "bwd_dq", 32, "float16", False)
+    with pytest.raises(ValueError, match="packed-batch"):
+        lookup(cc, "fwd_decode", 64, "float16", False, varlen=True)

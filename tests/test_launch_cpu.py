@@ -34,7 +34,8 @@ def test_pack_fills_every_slot():
     block = struct.unpack(f"<{len(launch.PARAM_FIELDS)}q",
                           launch._pack(p, {"k1": (5, 6, 7, 1)}, (3, 7, 1000, 2000)))
     fields = dict(zip(launch.PARAM_FIELDS, block))
-    assert block[-6:] == (3, 7, 1000, 2000, 10, 0)  # split, then shift = N - M and dlse
+    # split, then shift = N - M, and the pointers dlse, cu_q, cu_k (written per call)
+    assert block[-8:] == (3, 7, 1000, 2000, 10, 0, 0, 0)
     shifted = launch._pack(dataclasses.replace(p, shift=-4, w=7), {})
     fields2 = dict(zip(launch.PARAM_FIELDS, struct.unpack(f"<{len(launch.PARAM_FIELDS)}q", shifted)))
     assert (fields2["shift"], fields2["w"]) == (-4, 6)  # w - P clamped to [-N, M] = [-20, 10]
@@ -407,3 +408,51 @@ def test_hopper_launch(fake_gpu, fake_maps, monkeypatch):
     capability.refresh_env_override()
     with pytest.raises(ValueError, match="CUPY_PIECEWISE_PATH"):
         launch.use_hopper(p)
+
+
+def test_packed_batch_launch_parameters(fake_gpu):
+    """attention_varlen's launches: the VARLEN kernels over (tile of the longest sequence,
+    head, sequence); packed (total, heads, D) arrays as views with batch stride 0; M and N
+    holding the packed totals; the running totals as per-call pointers; the backward's
+    delta pre-pass over all H * total_q rows as one batch."""
+    from cupy_piecewise import varlen_launch
+
+    drv, _ = fake_gpu
+    S, H, Hkv, D = 3, 8, 2, 64
+    max_q, max_k, total_q, total_k = 300, 500, 420, 900
+    p = Problem("cupy", S, H, Hkv, max_q, max_k, D, "float16", 77, True, 0.125, 0)
+    shape = varlen_launch.VarlenShape(total_q, total_k)
+    q, k = (H * D, D, 1), (Hkv * D, D, 1)
+    run = varlen_launch.forward_launches(p, shape, (q, k, q, k, k, q))
+    ptrs = tuple(16 * (i + 1) for i in range(len(varlen_launch.FORWARD_ARRAYS)))
+    run.run(ptrs, stream=5)
+    (call,) = drv.launches
+    v = call["fn"]
+    assert (v.phase, v.varlen, v.causal) == ("fwd", True, True)
+    assert "true>" in v.name_expression  # pw_forward<..., CAUSAL, VARLEN=true>
+    assert v.tiles == capability.lookup((9, 0), "fwd", D, "float16", True, varlen=True)
+    assert call["grid"] == (math.ceil(max_q / v.tiles.block_m), H, S)
+    f = call["params"]
+    assert (f["M"], f["N"], f["H"], f["group"]) == (total_q, total_k, H, H // Hkv)
+    assert (f["q1.sb"], f["q1.sh"], f["q1.sr"]) == (0, D, H * D)
+    assert (f["k2.sb"], f["k2.sh"], f["k2.sr"]) == (0, D, Hkv * D)
+    assert (f["cu_q"], f["cu_k"]) == ptrs[-2:] and f["lse"] == ptrs[6]
+    # one split covering every key tile (split_tiles 0 would give each row no keys)
+    assert (f["nsplit"], f["split_tiles"]) == (1, launch.UNSPLIT_TILES)
+    assert f["w"] == 77
+    drv.launches.clear()
+
+    names = ("q1", "k1", "q2", "k2", "v", "o", "dout", "dq1", "dk1", "dq2", "dk2", "dv")
+    strides = tuple(k if n in ("k1", "k2", "v", "dk1", "dk2", "dv") else q for n in names)
+    back = varlen_launch.backward_launches(p, shape, strides)
+    ptrs = tuple(16 * (i + 1) for i in range(len(varlen_launch.BACKWARD_ARRAYS)))
+    back.run(ptrs, stream=5)
+    delta, dq, dkv = drv.launches
+    assert delta["fn"].phase == "bwd_delta" and delta["grid"] == (math.ceil(H * total_q / 8), 1, 1)
+    assert (dq["fn"].phase, dq["fn"].varlen) == ("bwd_dq", True)
+    assert dq["grid"] == (math.ceil(max_q / dq["fn"].tiles.block_m), H, S)
+    assert (dkv["fn"].phase, dkv["fn"].varlen) == ("bwd_dkv", True)
+    assert dkv["grid"] == (math.ceil(max_k / dkv["fn"].tiles.block_n), Hkv, S)
+    f = dkv["params"]
+    assert (f["cu_q"], f["cu_k"], f["delta"], f["dlse"]) == (ptrs[15], ptrs[16], ptrs[13], ptrs[14])
+    assert (f["dv.sb"], f["dv.sh"], f["dv.sr"]) == (0, D, Hkv * D)
