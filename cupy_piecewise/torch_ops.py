@@ -11,7 +11,7 @@ with fake (meta) implementations for ``torch.compile`` and an autograd formula
 ``w`` is an ``int``, ``causal`` a ``bool`` and ``sm_scale`` a ``float`` (already
 resolved from ``None``) -- non-tensor arguments, never differentiated.
 
-CUDA tensors (float16, bfloat16; head dim 16, 32, 64 or 128) go to the CUDA kernels
+CUDA tensors (float16, bfloat16; head dim 16, 32, 64, 80, 96, 128 or 256) go to the CUDA kernels
 through the core (:mod:`cupy_piecewise.core`) and the torch adapter
 (:mod:`cupy_piecewise.adapters.torch`). The kernels read the inputs in place from their
 ``data_ptr()`` and element strides (zero copy, no DLPack, no CuPy array in the hot
@@ -324,7 +324,7 @@ def attention(
             means ``k_offset + N - M``): ``d = (q_offset + i) - (k_offset + j)``.
 
     Devices and dtypes:
-        CUDA: float16 or bfloat16, ``D`` in 16, 32, 64, 128 (float32 inputs are run in
+        CUDA: float16 or bfloat16, ``D`` in 16, 32, 64, 80, 96, 128, 256 (float32 inputs are run in
         the autocast dtype under ``torch.autocast("cuda")``). Inputs are read in place;
         one whose last dimension is not unit-stride (or other strides not multiples of 8
         elements, or a data pointer not 16-byte aligned) is copied once. Launched on

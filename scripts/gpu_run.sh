@@ -9,7 +9,8 @@
 # scripts/hopper_bwd_probe.py), about 4 minutes each, logs in logs/hopper_*.txt.
 # ncu (not in all): Nsight Compute on the Hopper backward kernel (scripts/profile_case.py),
 # non-causal and causal, and on the KV-cache decode kernel, logs in logs/ncu_*.txt.
-# TEST_PATHS / PYTEST_ARGS narrow the tests, BENCH_ARGS replaces the default --quick.
+# TEST_PATHS / PYTEST_ARGS narrow the tests, BENCH_ARGS replaces the default --quick;
+# SANITIZE_DIMS (e.g. 80,96,256) / SANITIZE_SKIP (dense,kvcache,varlen,torch) narrow sanitize.
 # FUZZ_EXAMPLES (default 600, about 5 min on an H200) sets the fuzz step's example count; the examples it finds
 # failing are saved to logs/fuzz_db (copy them into tests/fuzz_db to make them replay).
 # Runs the project from its checkout (no install), as the lent H200 machines require.
