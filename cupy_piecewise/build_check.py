@@ -34,7 +34,8 @@ def variants_for(cc, hopper: bool = False) -> list[Variant]:
         out.add(Variant(phase, dtype, head_dim, tiles, causal))
         out.add(Variant("bwd_delta", dtype, head_dim, None, False))
         out.add(Variant("fwd_combine", dtype, head_dim, None, False))
-        out.add(Variant("kv_append", dtype, head_dim, None, False))
+        if phase in capability.KV_PHASES:  # the KV-cache append, for the KV head dims
+            out.add(Variant("kv_append", dtype, head_dim, None, False))
     for phase, head_dim, dtype, causal, tiles in capability.selectable_configs(cc, varlen=True):
         out.add(Variant(phase, dtype, head_dim, tiles, causal, varlen=True))
     return sorted(out, key=lambda v: (v.filename, v.name_expression))
