@@ -19,16 +19,18 @@ import sys
 import time
 
 from . import capability
-from .compile import HOPPER_KERNELS, HOPPER_ROW_KERNELS, Variant, compile_offline, get_function
+from .compile import (HOPPER_KERNELS, HOPPER_ROW_KERNELS, HOPPER_VARLEN_PHASES, Variant,
+                      compile_offline, get_function)
 
 
 def variants_for(cc, hopper: bool = False) -> list[Variant]:
     """Every kernel variant the table can select on ``cc``, plus the per-row kernels; with
     ``hopper`` (``--arch sm_90a``) the wgmma + TMA kernels instead."""
     if hopper:
-        return [Variant(phase, dtype, d, None, causal) for phase in HOPPER_KERNELS
+        return [Variant(phase, dtype, d, None, causal, varlen) for phase in HOPPER_KERNELS
                 for dtype in capability.TABLE_DTYPES for d in capability.HOPPER_HEAD_DIMS
-                for causal in ((False,) if phase in HOPPER_ROW_KERNELS else (False, True))]
+                for causal in ((False,) if phase in HOPPER_ROW_KERNELS else (False, True))
+                for varlen in ((False, True) if phase in HOPPER_VARLEN_PHASES else (False,))]
     out = set()
     for phase, head_dim, dtype, causal, tiles in capability.selectable_configs(cc):
         out.add(Variant(phase, dtype, head_dim, tiles, causal))

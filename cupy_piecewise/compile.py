@@ -40,6 +40,8 @@ ROW_KERNELS = ("bwd_delta", "fwd_combine", "kv_append")
 #: dV (deterministic mode: dQ from the mma.sync dq kernel); bwd_sm90_prep (delta, lse in
 #: base 2, zeroed dQ accumulator) runs before and bwd_sm90_dq (accumulator -> dQ) after.
 HOPPER_KERNELS = ("fwd_sm90", "bwd_sm90", "bwd_sm90_det", "bwd_sm90_prep", "bwd_sm90_dq")
+#: Hopper kernels with a packed variable-length variant (template flag VARLEN)
+HOPPER_VARLEN_PHASES = ("fwd_sm90",)
 #: Hopper kernels with a warp per row (no causal flag, 256 threads)
 HOPPER_ROW_KERNELS = ("bwd_sm90_prep", "bwd_sm90_dq")
 #: threads of a Hopper forward or backward block: a producer warpgroup and two consumer
@@ -77,7 +79,7 @@ class Variant:
     head_dim: int
     tiles: TileConfig | None  # None for the row kernels
     causal: bool = False
-    varlen: bool = False  # packed variable-length batch (VARLEN_PHASES only)
+    varlen: bool = False  # packed variable-length batch (VARLEN_PHASES, HOPPER_VARLEN_PHASES)
 
     @property
     def filename(self) -> str:
@@ -93,6 +95,10 @@ class Variant:
             flags = "true" if self.causal else "false"
             if self.phase in ("bwd_sm90", "bwd_sm90_det"):  # fused dQ or not
                 flags += ", true" if self.phase == "bwd_sm90" else ", false"
+            if self.varlen:
+                if self.phase not in HOPPER_VARLEN_PHASES:
+                    raise ValueError(f"phase {self.phase!r} has no packed-batch kernel")
+                flags += ", true"
             return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}, {flags}>"
         if self.phase in ROW_KERNELS:
             return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}>"

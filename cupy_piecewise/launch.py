@@ -398,8 +398,9 @@ def _tma_describable(problem, strides, dout=None) -> bool:
 
 
 #: FwdParams of kernels_cu/sm90/forward.cu: o, its batch/head/row strides, lse, H, group,
-#: M, N, w, shift (8 bytes each), then scale_log2 and sm_scale as float32.
-_HOPPER_PARAMS = struct.Struct("<Qqqq Q qqqqqq ff")
+#: M, N, w, shift (8 bytes each), scale_log2 and sm_scale as float32, then the running totals
+#: cu_q and cu_k of a packed batch (0 for a dense call).
+_HOPPER_PARAMS = struct.Struct("<Qqqq Q qqqqqq ff QQ")
 _HOPPER_MAPS_MAX = 64
 
 
@@ -415,19 +416,19 @@ class HopperLaunches:
     __slots__ = ("device", "arrays", "strides", "workspace_bytes", "_steps", "_template",
                  "_boxes", "_shapes", "_dtype", "_maps", "_lock")
 
-    def __init__(self, problem, strides):
+    def __init__(self, problem, strides, *, variant=None, grid=None):
         p = problem
         self.device = p.device
         self.arrays = FORWARD_ARRAYS
         self.strides = dict(zip(("q1", "k1", "q2", "k2", "v", "o"), map(tuple, strides)))
         self.workspace_bytes = 0
-        variant = Variant("fwd_sm90", p.dtype, p.D, None, p.causal)
-        grid = (math.ceil(p.M / capability.HOPPER_BLOCK_M), p.H, p.B)
+        variant = variant or Variant("fwd_sm90", p.dtype, p.D, None, p.causal)
+        grid = grid or (math.ceil(p.M / capability.HOPPER_BLOCK_M), p.H, p.B)
         self._steps = (_step(p, variant, grid),)
         so = self.strides["o"]
         P, w = _clamped(p)
         self._template = _HOPPER_PARAMS.pack(0, so[0], so[1], so[2], 0, p.H, p.H // p.Hkv, p.M,
-                                             p.N, w, P, p.sm_scale * _LOG2E, p.sm_scale)
+                                             p.N, w, P, p.sm_scale * _LOG2E, p.sm_scale, 0, 0)
         bn = capability.HOPPER_BLOCK_N[p.D]
         q_shape, k_shape = (p.B, p.H, p.M, p.D), (p.B, p.Hkv, p.N, p.D)
         self._shapes = (q_shape, k_shape, q_shape, k_shape, k_shape)

@@ -11,12 +11,18 @@ The parameter block is :mod:`cupy_piecewise.launch`'s ``Params``: each packed
 ``(total, heads, D)`` array travels as a view with batch stride 0, head stride
 ``stride[1]`` and row stride ``stride[0]``; ``M`` and ``N`` hold ``total_q`` and
 ``total_k`` (the row count of lse and delta, ``(H, total_q)``); ``cu_q`` and ``cu_k`` are
-pointers written per call. The Hopper (wgmma + TMA) kernels have no packed variant yet:
-packed batches take the mma.sync kernels on every GPU.
+pointers written per call. On compute capability 9.0 the packed forward runs the Hopper
+kernel built with VARLEN where the dense rule would (:func:`use_hopper`): its tensor maps
+describe the packed arrays as one batch and each CTA offsets its TMA coordinates by its
+sequence's first rows (rows of the neighbouring sequence that a tile reaches are masked as
+keys past the sequence's end, and not stored as queries). The packed backward runs the
+mma.sync kernels on every GPU (no Hopper variant yet).
 """
 from __future__ import annotations
 
+import ctypes
 import math
+import struct
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -44,6 +50,11 @@ def _view(strides) -> tuple:
     return (0, int(strides[1]), int(strides[0]))
 
 
+def _view4(strides) -> tuple:
+    """(batch, head, row, D) element strides of a packed array seen as one batch."""
+    return (0, int(strides[1]), int(strides[0]), 1)
+
+
 def _template(problem, shape: VarlenShape, views: dict) -> bytes:
     # Params.M and N carry the packed totals; the kernels take each sequence's lengths and
     # shift from cu_q / cu_k. w arrives clamped for the longest sequences (core.clamp_w);
@@ -53,17 +64,64 @@ def _template(problem, shape: VarlenShape, views: dict) -> bytes:
                         (1, launch.UNSPLIT_TILES, 0, 0))
 
 
-def forward_launches(problem, shape: VarlenShape, strides) -> launch.Launches:
+def use_hopper(problem) -> bool:
+    """True when a packed forward runs the Hopper kernel (``pw90_forward`` built with VARLEN):
+    the dense rule of :func:`cupy_piecewise.launch.use_hopper` with ``M`` the longest
+    sequence (compute capability 9.0, head dim 64 or 128, more than 16 query rows, a grid of
+    at least one CTA per SM unless ``CUPY_PIECEWISE_PATH=hopper``)."""
+    return launch.use_hopper(problem, split=True)
+
+
+class HopperVarlenLaunches(launch.HopperLaunches):
+    """The Hopper forward of a packed batch: tensor maps over the packed arrays as batch 1
+    ((1, heads, total, D) views), o with batch stride 0, ``M`` / ``N`` the packed totals,
+    grid (ceil(longest sequence / 128), H, B); :meth:`run` takes :data:`FORWARD_ARRAYS`."""
+
+    __slots__ = ()
+
+    def __init__(self, problem, shape: VarlenShape, strides):
+        p = problem
+        packed = replace(p, B=1, M=shape.total_q, N=shape.total_k, shift=None)
+        # (1, heads, total, D) views: batch stride 0 (one batch), head and row strides
+        super().__init__(packed, [_view4(st) for st in strides],
+                         variant=launch.Variant("fwd_sm90", p.dtype, p.D, None, p.causal, True),
+                         grid=(math.ceil(p.M / launch.capability.HOPPER_BLOCK_M), p.H, p.B))
+        self.arrays = FORWARD_ARRAYS
+
+    def run(self, ptrs, stream: int, workspace: int = 0) -> None:
+        """Launch with the pointers of q1, k1, q2, k2, v, o, lse, cu_q, cu_k."""
+        key = tuple(ptrs[:5])
+        hit = self._maps.get(key)
+        if hit is None:
+            hit = self._encode(key)
+            with self._lock:
+                if len(self._maps) >= launch._HOPPER_MAPS_MAX:
+                    self._maps.clear()
+                self._maps[key] = hit
+        params = ctypes.create_string_buffer(self._template, launch._HOPPER_PARAMS.size)
+        struct.pack_into("<Q", params, 0, ptrs[5])
+        struct.pack_into("<Q", params, 32, ptrs[6])
+        struct.pack_into("<QQ", params, launch._HOPPER_PARAMS.size - 16, ptrs[7], ptrs[8])
+        args = (ctypes.c_void_p * 6)(*hit[0], ctypes.addressof(params))
+        launch._launch_all(self.device, self._steps, stream, ctypes.addressof(args))
+
+
+def forward_launches(problem, shape: VarlenShape, strides):
     """Prepare the packed forward (``problem.M > 0``, ``problem.B`` and ``problem.H`` > 0).
 
     ``strides``: element strides of the packed q1, k1, q2, k2, v, o (each (total, heads, D)
     with unit stride along D). :meth:`~launch.Launches.run` then takes the pointers of
     :data:`FORWARD_ARRAYS`: the six arrays, lse (float32 (H, total_q), or 0), cu_q and cu_k
     (int32 (B + 1,)). Unsplit: a decode-like batch (few queries per sequence) does not get
-    the dense path's split-KV.
+    the dense path's split-KV. Returns :class:`HopperVarlenLaunches` where
+    :func:`use_hopper` says so and tensor maps can describe the strides.
     """
     launch._check_grid(problem)
     launch._driver()
+    if shape.total_k and use_hopper(problem) and launch._tma_describable(
+            replace(problem, B=1, M=shape.total_q, N=shape.total_k),
+            [_view4(st) for st in strides[:5]]):
+        return HopperVarlenLaunches(problem, shape, strides)
     variant = launch.plan(problem, "fwd", varlen=True)
     views = dict(zip(("q1", "k1", "q2", "k2", "v", "o"), map(_view, strides)))
     grid = (math.ceil(problem.M / variant.tiles.block_m), problem.H, problem.B)

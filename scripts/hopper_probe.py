@@ -151,14 +151,17 @@ class Kernels:
         scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
         nd = M + N + 1
         wc = max(-nd, min(nd, int(w)))
+        # FwdParams: o and its strides, lse, H, group, M, N, w, shift (P = N - M), the two
+        # float32 scales, (PW90_PERSIST) the batch, then the packed batch's cu_q, cu_k (0)
         fields = (o.data_ptr(), o.stride(0), o.stride(1), o.stride(2),
-                  lse.data_ptr() if lse is not None else 0, H, H // Hkv, M, N, wc, scale * LOG2E, scale)
+                  lse.data_ptr() if lse is not None else 0, H, H // Hkv, M, N, wc, N - M,
+                  scale * LOG2E, scale)
         grid = ((M + BM - 1) // BM, H, B)
         if self.persist:
-            params = ctypes.create_string_buffer(struct.pack("<Qqqq Q qqqqq ff q", *fields, B))
+            params = ctypes.create_string_buffer(struct.pack("<Qqqq Q qqqqqq ff q QQ", *fields, B, 0, 0))
             grid = (min(grid[0] * H * B, self.sms), 1, 1)
         else:
-            params = ctypes.create_string_buffer(struct.pack("<Qqqq Q qqqqq ff", *fields))
+            params = ctypes.create_string_buffer(struct.pack("<Qqqq Q qqqqqq ff QQ", *fields, 0, 0))
         ptrs = [m.address() for m in (maps[0], maps[1], maps[2], maps[3], maps[4])]
         ptrs.append(ctypes.addressof(params))
         args = (ctypes.c_void_p * 6)(*ptrs)

@@ -19,8 +19,8 @@ SM90 = (9, 0)
 
 
 def _pick(phase, head_dim=64, dtype="float16", causal=False) -> Variant:
-    matches = [v for v in build_check.variants_for(SM90)
-               if (v.phase, v.head_dim, v.dtype, v.causal) == (phase, head_dim, dtype, causal)]
+    matches = [v for v in build_check.variants_for(SM90) if not v.varlen
+               and (v.phase, v.head_dim, v.dtype, v.causal) == (phase, head_dim, dtype, causal)]
     assert len(matches) == 1, matches
     return matches[0]
 
@@ -46,26 +46,42 @@ def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatc
     variants = build_check.variants_for(SM90)
     assert len(set(variants)) == len(variants)
     got = {(v.phase, v.head_dim, v.dtype, v.causal): v.tiles for v in variants
-           if v.phase not in ROW_KERNELS}
+           if v.phase not in ROW_KERNELS and not v.varlen}
     head_dims = capability.head_dims(SM90)
-    assert set(head_dims) >= {16, 32, 64, 128}
-    expected = set(itertools.product(capability.PHASES, head_dims, capability.TABLE_DTYPES, (False, True)))
+    assert set(head_dims) >= {16, 32, 64, 80, 96, 128, 256}
+    table = capability.TABLE[SM90]
+    expected = {(ph, d, dt, c) for ph in capability.PHASES for d in table[ph]
+                for dt in capability.TABLE_DTYPES for c in (False, True)}
     assert set(got) == expected
     for (phase, head_dim, dtype, causal), tiles in got.items():
         assert tiles == capability.lookup(SM90, phase, head_dim, dtype, causal), (phase, head_dim, dtype, causal)
-    for row_kernel in ROW_KERNELS:  # the delta pre-pass and the split-KV combine
+    # the packed-batch (VARLEN) kernels, with their own tiles where VARLEN_TABLE says so
+    packed = {(v.phase, v.head_dim, v.dtype, v.causal): v.tiles for v in variants if v.varlen}
+    assert set(packed) == {(ph, d, dt, c) for ph in capability.VARLEN_PHASES for d in table[ph]
+                           for dt in capability.TABLE_DTYPES for c in (False, True)}
+    for (phase, head_dim, dtype, causal), tiles in packed.items():
+        assert tiles == capability.lookup(SM90, phase, head_dim, dtype, causal, varlen=True)
+    kv_dims = set(table["kvcache"])
+    for row_kernel in ROW_KERNELS:  # the delta pre-pass, the split-KV combine, the KV append
         have = {(v.head_dim, v.dtype) for v in variants if v.phase == row_kernel}
-        assert have == set(itertools.product(head_dims, capability.TABLE_DTYPES)), row_kernel
+        dims = kv_dims if row_kernel == "kv_append" else set(head_dims)
+        assert have == set(itertools.product(dims, capability.TABLE_DTYPES)), row_kernel
+    hopper = build_check.variants_for(SM90, hopper=True)
+    assert {(v.head_dim, v.dtype, v.causal) for v in hopper if v.varlen} == set(itertools.product(
+        capability.HOPPER_HEAD_DIMS, capability.TABLE_DTYPES, (False, True)))
+    assert {v.phase for v in hopper if v.varlen} == {"fwd_sm90"}
     assert all(v.tiles is None for v in variants if v.phase in ROW_KERNELS)
 
 
 def test_hopper_kernels_build_for_sm90a(capsys, nvrtc):
     """--arch sm_90a compiles every Hopper variant the launch layer can select (the names
-    launch.HopperLaunches and launch.HopperBackward ask for), with no spills: 8 forward,
-    16 backward (fused dQ or deterministic), 4 prep and 4 dQ-convert kernels."""
+    launch.HopperLaunches, varlen_launch.HopperVarlenLaunches and launch.HopperBackward ask
+    for), with no spills: 8 forward and 8 packed-batch forward, 16 backward (fused dQ or
+    deterministic), 4 prep and 4 dQ-convert kernels."""
     assert build_check.main(["--arch", "sm_90a"]) == 0
     out = capsys.readouterr().out
-    assert "32 variants compiled for sm_90a" in out and "pw90_forward<pw90::bf16, 128, true>" in out
+    assert "40 variants compiled for sm_90a" in out and "pw90_forward<pw90::bf16, 128, true>" in out
+    assert "pw90_forward<pw90::f16, 64, false, true>" in out
     for name in ("pw90_bwd<pw90::f16, 128, true, true>", "pw90_bwd<pw90::bf16, 64, false, false>",
                  "pw90_bwd_prep<pw90::bf16, 64>", "pw90_bwd_dq_convert<pw90::f16, 128>"):
         assert name in out, name

@@ -14,6 +14,7 @@ import pytest
 import cupy_piecewise
 from cupy_piecewise import reference, tolerance
 from cupy_piecewise.gpu_arrays import poisoned_outputs, round_to, to_host
+from test_kernels_gpu import kernel_path  # noqa: F401  (fixture: mma / hopper paths)
 
 pytestmark = pytest.mark.gpu
 
@@ -119,7 +120,9 @@ def run_packed(lq, lk, D=64, dtype="bfloat16", causal=False, w=3, H=4, Hkv=2, gi
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype,D", [("bfloat16", 64), ("float16", 128), ("bfloat16", 128),
                                      ("float16", 32)])
-def test_packed_batches_match_reference(lq, lk, causal, dtype, D):
+def test_packed_batches_match_reference(kernel_path, lq, lk, causal, dtype, D):
+    """On the mma.sync kernels and (CUPY_PIECEWISE_PATH=hopper, on an H100/H200, head dims 64
+    and 128) the Hopper forward built for packed batches; the backward is the mma.sync one."""
     run_packed(lq, lk, D=D, dtype=dtype, causal=causal, w=max(1, max(lk) // 3))
 
 
@@ -127,6 +130,23 @@ def test_packed_batches_match_reference(lq, lk, causal, dtype, D):
 @pytest.mark.parametrize("w", [-2, 0, 50])
 def test_packed_other_head_dims_and_w(D, w):
     run_packed([130, 0, 40], [100, 7, 300], D=D, dtype="bfloat16", causal=True, w=w, H=2, Hkv=1)
+
+
+def test_packed_forward_takes_the_hopper_kernel_on_hopper(monkeypatch):
+    """With CUPY_PIECEWISE_PATH=hopper a packed D = 128 forward runs pw90_forward<..., true>
+    on compute capability 9.0 (and the mma.sync packed kernel elsewhere)."""
+    import cupy
+
+    from cupy_piecewise import capability, launch, varlen_gpu, varlen_launch
+
+    monkeypatch.setenv(capability.PATH_VAR, "hopper")
+    capability.refresh_env_override()
+    varlen_gpu._launch_memo.clear()
+    run_packed([200, 33, 0, 129], [300, 33, 7, 128], D=128, dtype="bfloat16", causal=True, w=40)
+    made = [v for k, v in varlen_gpu._launch_memo._data.items() if k[0] == "fwd"]
+    on_hopper = launch._compute_capability(cupy.cuda.Device().id) == (9, 0)
+    assert made and all(isinstance(m, varlen_launch.HopperVarlenLaunches) == on_hopper
+                        for m in made)
 
 
 def test_packed_without_max_seqlen_reads_and_checks_the_totals():

@@ -74,7 +74,34 @@ struct FwdParams {
 #if PW90_PERSIST
   i64 batch;             // B: the persistent kernel walks (query tile, head, batch) itself
 #endif
+  // Packed variable-length batch (kernel built with VARLEN; else unused): B + 1 int32
+  // running totals of the query and key rows. The tensor maps then describe the packed
+  // (total, heads, D) arrays as batch 1, o has batch stride 0, M holds total_q (the row
+  // count of lse, (H, total_q)), and each CTA reads its sequence's rows here.
+  const int* cu_q;
+  const int* cu_k;
 };
+
+// The rows of one CTA's sequence: batch entry b (dense) or packed sequence b (VARLEN). q0/k0
+// are its first query/key rows in the arrays the tensor maps describe; tb the batch
+// coordinate of those maps; lse0 the index of row 0 of head 0 in lse (head h adds h * lse_h).
+struct SeqRows {
+  int M, N, P, q0, k0, tb;
+  i64 lse0, lse_h;
+};
+
+template <bool VARLEN> PW90 SeqRows seq_rows(const FwdParams& p, int b) {
+  SeqRows s;
+  if constexpr (VARLEN) {
+    s.q0 = p.cu_q[b], s.k0 = p.cu_k[b];
+    s.M = p.cu_q[b + 1] - s.q0, s.N = p.cu_k[b + 1] - s.k0, s.P = s.N - s.M;
+    s.tb = 0, s.lse0 = s.q0, s.lse_h = p.M;
+  } else {
+    s.M = (int)p.M, s.N = (int)p.N, s.P = (int)p.shift, s.q0 = s.k0 = 0, s.tb = b;
+    s.lse0 = (i64)b * p.H * p.M, s.lse_h = p.M;
+  }
+  return s;
+}
 
 constexpr int BM = 128;       // query rows per CTA (two consumer warpgroups x 64)
 constexpr int THREADS = 384;  // producer warpgroup + 2 consumer warpgroups
@@ -329,13 +356,13 @@ template <typename T, int D, bool CAUSAL>
 // tiles of a persistent CTA); qpar: parity of this work tile's Q load on qbar; qempty: where
 // the consumers tell the producer that Q is no longer read (PW90_PERSIST).
 PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 empty0, u32 fullv0,
-                        u32 emptyv0, int m0, int h, int b, int ntiles, int kg, u32 qpar,
-                        u32 qempty) {
+                        u32 emptyv0, int m0, int h, const SeqRows& sr, int ntiles, int kg,
+                        u32 qpar, u32 qempty) {
   using S = FwdSmem<D>;
   constexpr int BN = S::BN;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wg = __shfl_sync(0xffffffffu, warp / 4 - 1, 0), wl = warp % 4;
-  const int M = (int)p.M, N = (int)p.N, P = (int)p.shift, w = (int)p.w;
+  const int M = sr.M, N = sr.N, P = sr.P, w = (int)p.w;
   const int row0 = m0 + 64 * wg;
   const float sl2 = p.scale_log2;
   const u32 q1a = base + S::Q1 + wg * 64 * 128, q2a = base + S::Q2 + wg * 64 * 128;
@@ -508,7 +535,6 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
 #endif
 
   // Epilogue (as in consumer): normalise, store O and lse.
-  const i64 H = p.H;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     float l = lrow[hh];
@@ -518,9 +544,10 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
     const float inv = l > 0.f ? 1.f / l : 0.f;
     if (r < M) {
       if (p.lse && lane % 4 == 0)
-        p.lse[((i64)b * H + h) * (i64)M + r] =
+        p.lse[sr.lse0 + (i64)h * sr.lse_h + r] =
             l > 0.f ? (mrow[hh] * sl2 + log2f_approx(l)) * PW90_LN2 : PW90_NEG_INF;
-      u16* dst = p.o + (i64)b * p.o_sb + (i64)h * p.o_sh + (i64)r * p.o_sr + 2 * (lane % 4);
+      u16* dst = p.o + (i64)sr.tb * p.o_sb + (i64)h * p.o_sh + (i64)(sr.q0 + r) * p.o_sr +
+                 2 * (lane % 4);
 #pragma unroll
       for (int j = 0; j < D / 8; ++j)
         *reinterpret_cast<u32*>(dst + 8 * j) =
@@ -535,7 +562,7 @@ template <int D, bool CAUSAL>
 PW90 void produce_pipe(const TmaDesc* tq1, const TmaDesc* tq2, const TmaDesc* tk1,
                        const TmaDesc* tk2, const TmaDesc* tv, u32 base, u32 qbar, u32 qempty,
                        u32 full0, u32 empty0, u32 fullv0, u32 emptyv0, int m0, int h, int b,
-                       int hk, int ntiles, int kg, int qn, int P, int w) {
+                       int hk, int ntiles, int kg, int qn, int P, int w, int q0, int k0) {
   using S = FwdSmem<D>;
   constexpr int BN = S::BN;
 #if PW90_PERSIST
@@ -544,8 +571,8 @@ PW90 void produce_pipe(const TmaDesc* tq1, const TmaDesc* tq2, const TmaDesc* tk
   mbar_expect_tx(qbar, 2 * S::Q_TILE);
 #pragma unroll
   for (int pn = 0; pn < S::PANELS; ++pn) {
-    tma_load_4d(base + S::Q1 + pn * S::Q_PANEL, tq1, 64 * pn, m0, h, b, qbar);
-    tma_load_4d(base + S::Q2 + pn * S::Q_PANEL, tq2, 64 * pn, m0, h, b, qbar);
+    tma_load_4d(base + S::Q1 + pn * S::Q_PANEL, tq1, 64 * pn, q0 + m0, h, b, qbar);
+    tma_load_4d(base + S::Q2 + pn * S::Q_PANEL, tq2, 64 * pn, q0 + m0, h, b, qbar);
   }
   for (int t = 0; t <= ntiles; ++t) {
     if (t < ntiles) {
@@ -556,8 +583,9 @@ PW90 void produce_pipe(const TmaDesc* tq1, const TmaDesc* tq2, const TmaDesc* tk
       mbar_expect_tx(fb, ((mode & 1) + (mode >> 1)) * S::K_TILE);
 #pragma unroll
       for (int pn = 0; pn < S::PANELS; ++pn) {
-        if (mode & 1) tma_load_4d(st + pn * S::K_PANEL, tk1, 64 * pn, n0, hk, b, fb);
-        if (mode & 2) tma_load_4d(st + S::K_TILE + pn * S::K_PANEL, tk2, 64 * pn, n0, hk, b, fb);
+        if (mode & 1) tma_load_4d(st + pn * S::K_PANEL, tk1, 64 * pn, k0 + n0, hk, b, fb);
+        if (mode & 2)
+          tma_load_4d(st + S::K_TILE + pn * S::K_PANEL, tk2, 64 * pn, k0 + n0, hk, b, fb);
       }
     }
     if (t > 0) {
@@ -567,7 +595,7 @@ PW90 void produce_pipe(const TmaDesc* tq1, const TmaDesc* tq2, const TmaDesc* tk
       mbar_expect_tx(fb, S::K_TILE);
 #pragma unroll
       for (int pn = 0; pn < S::PANELS; ++pn)
-        tma_load_4d(st + 2 * S::K_TILE + pn * S::K_PANEL, tv, 64 * pn, n0, hk, b, fb);
+        tma_load_4d(st + 2 * S::K_TILE + pn * S::K_PANEL, tv, 64 * pn, k0 + n0, hk, b, fb);
     }
   }
 }
@@ -579,7 +607,9 @@ PW90 void produce_pipe(const TmaDesc* tq1, const TmaDesc* tq2, const TmaDesc* tk
 // Tensor maps (cupy_piecewise/tma.py): 4-D {D, rows, heads, batch}, box {64, 128 (Q) or BN
 // (K, V), 1, 1}, 128-byte swizzle, zero fill out of bounds; q1/q2 over (M, H), k1/k2/v over
 // (N, Hkv).
-template <typename T, int D, bool CAUSAL>
+// VARLEN (a packed variable-length batch): the grid is (ceil(longest sequence / 128), H, B)
+// and a CTA whose query tile starts past its sequence's end leaves at once.
+template <typename T, int D, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(pw90::THREADS, 1)
     pw90_forward(const __grid_constant__ pw90::TmaDesc tq1, const __grid_constant__ pw90::TmaDesc tq2,
                  const __grid_constant__ pw90::TmaDesc tk1, const __grid_constant__ pw90::TmaDesc tk2,
@@ -596,11 +626,16 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
   const u32 qempty = qbar + 8 + 32 * STAGES;  // (PW90_PERSIST only)
 #endif
 
+#if PW90_PERSIST
+  static_assert(!VARLEN, "packed batches take the non-persistent grid");
   const int M = (int)p.M, N = (int)p.N, P = (int)p.shift, w = (int)p.w;
-#if !PW90_PERSIST
+#else
   // Heavier causal tiles (later queries) launch first, evening out the tail of the grid.
   const int mt = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
   const int m0 = mt * BM, h = blockIdx.y, b = blockIdx.z;
+  const SeqRows sr = seq_rows<VARLEN>(p, b);
+  const int M = sr.M, N = sr.N, P = sr.P, w = (int)p.w;
+  if (VARLEN && m0 >= M) return;  // uniform over the CTA, before any barrier is used
 #endif
 #if !PW90_PIPE
   const int hk = h / (int)p.group;
@@ -650,11 +685,12 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
       tma_prefetch_desc(&tv);
       int kg = 0, qn = 0;
       PW90_WORK_LOOP
-        const int nt = (CAUSAL ? max(0, min(N, m0w + BM + P)) + BN - 1 : N + BN - 1) / BN;
+        const SeqRows sw = seq_rows<VARLEN>(p, bw);
+        const int nt = (CAUSAL ? max(0, min(sw.N, m0w + BM + sw.P)) + BN - 1 : sw.N + BN - 1) / BN;
         if (nt > 0) {
           produce_pipe<D, CAUSAL>(&tq1, &tq2, &tk1, &tk2, &tv, base, qbar, qempty, full0, empty0,
-                                  fullv0, emptyv0, m0w, hw, bw, hw / (int)p.group, nt, kg, qn,
-                                  P, w);
+                                  fullv0, emptyv0, m0w, hw, sw.tb, hw / (int)p.group, nt, kg, qn,
+                                  sw.P, w, sw.q0, sw.k0);
           kg += nt;
           ++qn;
         }
@@ -664,8 +700,9 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
     regs_inc<CONSUMER_REGS>();
     int kg = 0, qn = 0;
     PW90_WORK_LOOP
-      const int nt = (CAUSAL ? max(0, min(N, m0w + BM + P)) + BN - 1 : N + BN - 1) / BN;
-      consumer_pipe<T, D, CAUSAL>(p, base, qbar, full0, empty0, fullv0, emptyv0, m0w, hw, bw, nt,
+      const SeqRows sw = seq_rows<VARLEN>(p, bw);
+      const int nt = (CAUSAL ? max(0, min(sw.N, m0w + BM + sw.P)) + BN - 1 : sw.N + BN - 1) / BN;
+      consumer_pipe<T, D, CAUSAL>(p, base, qbar, full0, empty0, fullv0, emptyv0, m0w, hw, sw, nt,
                                   kg, (u32)(qn & 1), qempty);
       if (nt > 0) {
         kg += nt;
@@ -675,6 +712,7 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
   }
 #undef PW90_WORK_LOOP
 #else
+  static_assert(!VARLEN, "packed batches take the pipelined loop (the default build)");
   if (warp < 4) {  // ---------------------------------------------------------------- producer
     regs_dec<PRODUCER_REGS>();
     if (warp == 0 && lane == 0 && ntiles > 0) {
