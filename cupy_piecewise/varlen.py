@@ -119,10 +119,10 @@ def attention_varlen(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, dist_thresho
     reads the running totals (no synchronisation: CUDA graphs, ``torch.compile``); they
     must then bound every sequence and the totals must be valid (start at 0,
     non-decreasing, end at the packed lengths), or results are undefined. A ``max_seqlen``
-    left None is found by reading the totals on the host, which checks them too. The
-    packed kernels are the mma.sync ones on every GPU (no Hopper wgmma variant yet) and do
-    not split the keys of decode-like batches (one query per sequence): use
-    :func:`cupy_piecewise.attention_with_kvcache` for those.
+    left None is found by reading the totals on the host, which checks them too. On an
+    H100/H200 the packed forward runs the Hopper kernel (head dims 64 and 128); the packed
+    backward runs the mma.sync kernels. Neither splits the keys of decode-like batches (one
+    query per sequence): use :func:`cupy_piecewise.attention_with_kvcache` for those.
 
     Raises:
         TypeError, ValueError: bad inputs, as :func:`cupy_piecewise.attention` for each
