@@ -201,10 +201,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
     load_f32<BM, THREADS>(smem_addr(ss + L::lse_in_stage), p.lse + base, m0, M);
     load_f32<BM, THREADS>(smem_addr(ss + L::delta_in_stage), p.delta + base, m0, M);
   };
-  // Probabilities of the warp's keys against streamed query tile (h, m0), rows of s.
-  auto probabilities = [&](float s[MW][BM / 8][4], i64 m0, int stage, const Geom& g) {
-    const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
-    const bool masked = tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), m0 + BM, M);
+  // Probabilities of the warp's keys (rows of s) against the streamed query tile of `stage`
+  // (tile mode, mask flag and geometry computed by the caller).
+  auto probabilities = [&](float s[MW][BM / 8][4], int mode, bool masked, int stage,
+                           const Geom& g) {
     const u16* st = sQ + stage * L::stage_elems;
     const float* ss = sStat + stage * L::stats_stage_floats;
     score_tile<T, D, BM, MW, CAUSAL, true>(s, aK1, aK2, smem_addr(st + L::q1_in_stage),
@@ -239,7 +239,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
       i64 h, m0;
       tile_of(t_lo, per_head, it, h, m0);
       float s[MW][BM / 8][4];
-      probabilities(s, m0, stage, make_geom<true>(row0, m0, P, p.w, M));
+      probabilities(s, tile_mode(m0, BM, n0, BN, P, p.w),
+                    tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), m0 + BM, M), stage,
+                    make_geom<true>(row0, m0, P, p.w, M));
       fit_rows<T, BM / 8, D / 8, MW>(s, dv, ex_v);
       mma_xb<T, D, BM, MW>(dv, s, smem_addr(sQ + stage * L::stage_elems + L::do_in_stage), lane);
     });
@@ -274,17 +276,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
       const Geom g = make_geom<true>(row0, m0, P, p.w, M);
 
       float s[MW][BM / 8][4];
-      score_tile<T, D, BM, MW, CAUSAL, true>(s, aK1, aK2, smem_addr(st + L::q1_in_stage),
-                                             smem_addr(st + L::q2_in_stage), mode, masked, g,
-                                             p.scale_log2, lane);
-#pragma unroll
-      for (int mi = 0; mi < MW; ++mi)
-#pragma unroll
-        for (int nb = 0; nb < BM / 8; ++nb)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            s[mi][nb][e] =
-                fast_exp2(s[mi][nb][e] - lse_to_log2(ss[L::lse_in_stage + frag_col(nb, e, lane)]));
+      probabilities(s, mode, masked, stage, g);
       float dp[MW][BM / 8][4];
       zero_n<MW * BM / 2>(&dp[0][0][0]);
       mma_abt<T, D, BM, MW>(dp, aV, smem_addr(st + L::do_in_stage), lane);
