@@ -311,33 +311,41 @@ def _cupy_call(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new, k2
         lse = empty((a.B, a.H, a.M), cupy.float32)
         if a.M == 0 or a.B == 0 or (a.H == 0 and not a.appended):
             return o, lse
-        arrays = {"q1": q1, "q2": q2, "o": o, "k1": k1_cache, "k2": k2_cache, "v": v_cache}
-        if a.appended:
-            arrays.update(k1n=k1_new, k2n=k2_new, vn=v_new)
-        for name in ("q1", "q2", "k1n", "k2n", "vn"):  # inputs only: copy what is not ready
-            x = arrays.get(name)
-            if x is not None and not _ready(x, "cupy"):
-                arrays[name] = x.copy(order="C")  # a fresh (aligned) buffer, always
-        # the kernels index the lengths and the table's columns with unit stride
-        if cache_seqlens.strides[0] != 4:
-            cache_seqlens = cache_seqlens.copy()
-        if block_table is not None and block_table.strides[1] != 4 and block_table.shape[1] > 1:
-            block_table = block_table.copy(order="C")
-        ptrs = {n: int(x.data.ptr) for n, x in arrays.items()}
-        ptrs.update(seqlens=int(cache_seqlens.data.ptr), lse=int(lse.data.ptr),
-                    block_table=int(block_table.data.ptr) if block_table is not None else 0)
-        bt_stride = _strides(block_table, "cupy")[0] if block_table is not None else 0
-        plan = launch_plan(a, {n: _strides(x, "cupy")[:3] for n, x in arrays.items()}, bt_stride)
-        ws = cupy.empty(plan.workspace_bytes, cupy.uint8) if plan.workspace_bytes else None
-        plan.run(ptrs, cupy.cuda.get_current_stream().ptr, int(ws.data.ptr) if ws is not None else 0)
+        from .adapters import cupy as ad
+
+        run_on_gpu(ad.OPS, a, q1, q2, k1_cache, k2_cache, v_cache, cache_seqlens, k1_new,
+                   k2_new, v_new, block_table, o, lse)
     return o, lse
 
 
-def _ready(x, library: str) -> bool:
+def run_on_gpu(ops, a: KVArgs, q1, q2, k1_cache, k2_cache, v_cache, cache_seqlens, k1_new,
+               k2_new, v_new, block_table, o, lse) -> None:
+    """Launch a checked KV-cache call ``a`` (M, B > 0) into the outputs ``o``, ``lse`` on the
+    library's current stream; ``ops``: the library's
+    :class:`~cupy_piecewise.core.ArrayOps` (CuPy or torch). Inputs the kernels cannot read
+    in place are copied to fresh buffers (caches never are: checked as kernel-ready);
+    lengths and block table get unit stride."""
     from .launch import kernel_ready
 
-    ptr = int(x.data_ptr()) if library == "torch" else int(x.data.ptr)
-    return kernel_ready(validate._shape(x), _strides(x, library), ptr, 2)
+    arrays = {"q1": q1, "q2": q2, "o": o, "k1": k1_cache, "k2": k2_cache, "v": v_cache}
+    if a.appended:
+        arrays.update(k1n=k1_new, k2n=k2_new, vn=v_new)
+    for name in ("q1", "q2", "k1n", "k2n", "vn"):  # inputs only: copy what is not ready
+        x = arrays.get(name)
+        if x is not None and not kernel_ready(ops.shape(x), ops.strides(x), ops.ptr(x), 2):
+            arrays[name] = ops.copy(x)  # a fresh (aligned) contiguous buffer, always
+    # the kernels index the lengths and the table's columns with unit stride
+    if ops.strides(cache_seqlens)[0] != 1:
+        cache_seqlens = ops.copy(cache_seqlens)
+    if block_table is not None and ops.strides(block_table)[1] != 1 and block_table.shape[1] > 1:
+        block_table = ops.copy(block_table)
+    ptrs = {n: int(ops.ptr(x)) for n, x in arrays.items()}
+    ptrs.update(seqlens=int(ops.ptr(cache_seqlens)), lse=int(ops.ptr(lse)),
+                block_table=int(ops.ptr(block_table)) if block_table is not None else 0)
+    bt_stride = int(ops.strides(block_table)[0]) if block_table is not None else 0
+    plan = launch_plan(a, {n: tuple(ops.strides(x))[:3] for n, x in arrays.items()}, bt_stride)
+    ws = ops.scratch(plan.workspace_bytes, a.device) if plan.workspace_bytes else None
+    plan.run(ptrs, ops.stream(a.device), int(ops.ptr(ws)) if ws is not None else 0)
 
 
 def launch_plan(a: KVArgs, strides: dict, bt_stride: int):

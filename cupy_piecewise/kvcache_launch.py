@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from . import capability, launch
 from .compile import Variant
+from .core.memo import Memo
 
 __all__ = ["KV_FIELDS", "KVPlan", "plan", "split_count"]
 
@@ -169,7 +170,8 @@ def _launch(device: int, steps, stream: int, block: bytes) -> None:
     launch._launch_all(device, steps, stream, ctypes.addressof(args))
 
 
-_plans: dict = {}
+#: Plans per (shape, tile override).
+_plans = Memo(4096)
 
 
 def plan(shape: KVShape) -> KVPlan:
@@ -177,7 +179,5 @@ def plan(shape: KVShape) -> KVPlan:
     key = (shape, capability.plan_switches())
     hit = _plans.get(key)
     if hit is None:
-        if len(_plans) > 4096:
-            _plans.clear()
-        hit = _plans[key] = KVPlan(shape)
+        hit = _plans.put(key, KVPlan(shape))
     return hit

@@ -30,29 +30,10 @@ def _cuda(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new, k2_new,
     lse = torch.empty((a.B, a.H, a.M), dtype=torch.float32, device=q1.device)
     if a.M == 0 or a.B == 0 or (a.H == 0 and not a.appended):
         return o, lse
-    arrays = {"q1": q1, "q2": q2, "o": o, "k1": k1_cache, "k2": k2_cache, "v": v_cache}
-    if a.appended:
-        arrays.update(k1n=k1_new, k2n=k2_new, vn=v_new)
-    for name in ("q1", "q2", "k1n", "k2n", "vn"):  # inputs only: copy what is not ready
-        x = arrays.get(name)
-        if x is not None and not kvcache._ready(x, "torch"):
-            # a fresh buffer, always: .contiguous() would keep a misaligned contiguous view
-            arrays[name] = x.clone(memory_format=torch.contiguous_format)
-    # the kernels index the lengths and the table's columns with unit stride
-    if cache_seqlens.stride(0) != 1:
-        cache_seqlens = cache_seqlens.contiguous()
-    if block_table is not None and block_table.stride(1) != 1 and block_table.shape[1] > 1:
-        block_table = block_table.contiguous()
-    ptrs = {n: x.data_ptr() for n, x in arrays.items()}
-    ptrs.update(seqlens=cache_seqlens.data_ptr(), lse=lse.data_ptr(),
-                block_table=block_table.data_ptr() if block_table is not None else 0)
-    bt_stride = int(block_table.stride(0)) if block_table is not None else 0
-    plan = kvcache.launch_plan(a, {n: tuple(x.stride())[:3] for n, x in arrays.items()},
-                               bt_stride)
-    ws = (torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=q1.device)
-          if plan.workspace_bytes else None)
-    stream = torch.cuda.current_stream(q1.device).cuda_stream
-    plan.run(ptrs, stream, ws.data_ptr() if ws is not None else 0)
+    from .adapters import torch as ad
+
+    kvcache.run_on_gpu(ad.OPS, a, q1, q2, k1_cache, k2_cache, v_cache, cache_seqlens, k1_new,
+                       k2_new, v_new, block_table, o, lse)
     return o, lse
 
 

@@ -218,7 +218,7 @@ def test_split_and_unsplit_grids_agree_with_the_reference():
             *[cupy.asarray(c.astype(nd)) for c in host], 1000, cache_seqlens=cupy.asarray(seq),
             return_lse=True)
         # this call's plans (other tests of the session leave plans of other shapes)
-        plans = [pl for (shape, _), pl in kl._plans.items()
+        plans = [pl for (shape, _), pl in kl._plans._data.items()
                  if (shape.B, shape.H, shape.Hkv, shape.M, shape.D, shape.capacity,
                      shape.appended) == (B, H, H, 1, D, N, False)]
         assert plans and all((pl.nsplit > 1) == (H == 2) for pl in plans), \
