@@ -10,7 +10,9 @@ mean length). Providers:
   and key is paid. Timing only: without a key-padding mask the padded call's values are
   not the packed call's (real rows also see the zero keys in front of them);
 - ``sdpa_flash`` / ``sdpa_cudnn``: PyTorch's standard (not piecewise) attention on the
-  padded batch, the yardstick a standard-attention user has.
+  padded batch, the yardstick a standard-attention user has; ``sdpa_*_per_seq``: the same
+  one sequence at a time on the packed tensors; ``sdpa_nested``: SDPA on jagged nested
+  tensors (PyTorch's own packed form), where this torch supports it.
 
 Effective TFLOP/s count only real tokens (SPEC.md's convention summed over sequences:
 ``4·H·M_b·N_b·D``, halved for causal, backward 2.5x), for every provider, so padding shows
@@ -49,6 +51,16 @@ def lengths(batch: int, mean: int, seed: int = 0) -> list[int]:
     return [int(x) // 8 * 8 for x in rng.integers(mean // 4, 7 * mean // 4, size=batch)]
 
 
+def lengths_to_total(lo: int, hi: int, total: int, seed: int = 0) -> list[int]:
+    """Lengths drawn uniformly from [lo, hi] (multiples of 8) until they sum to ``total``
+    (the last one cut to fit)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    while sum(out) < total:
+        out.append(min(int(rng.integers(lo, hi + 1)) // 8 * 8, total - sum(out)))
+    return out
+
+
 def _timed(fn, phase, outs_of):
     if phase == "fwd":
         with torch.no_grad():
@@ -69,6 +81,7 @@ def run_case(lens, D, dtype, providers):
     mk = lambda *s: torch.randn(*s, generator=g).to(dev, dtype)  # noqa: E731
     packed = [mk(total, H, D).requires_grad_() for _ in range(5)]
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device=dev)
+    starts = [int(x) for x in np.concatenate([[0], np.cumsum(lens)])[:-1]]
     # padded: each sequence at the end of its row (the front is padding)
     pad = [torch.zeros(len(lens), H, L, D, device=dev, dtype=dtype) for _ in range(5)]
     with torch.no_grad():
@@ -87,6 +100,23 @@ def run_case(lens, D, dtype, providers):
             with torch.nn.attention.sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(pad[0], pad[1], pad[4], is_causal=True)
         calls[name] = sdpa
+
+        # standard attention one sequence at a time on the packed tensors (no padding)
+        def per_seq(backend=backend):
+            outs = []
+            with torch.nn.attention.sdpa_kernel(backend):
+                for a, n in zip(starts, lens):
+                    q, k, v = (x[a:a + n].transpose(0, 1)[None] for x in (packed[0], packed[1], packed[4]))
+                    outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+            return torch.cat([o[0].transpose(0, 1) for o in outs])
+        calls[name + "_per_seq"] = per_seq
+
+    # standard attention on a jagged nested tensor (SDPA's own packed form)
+    def nested():
+        q, k, v = (torch.nested.nested_tensor_from_jagged(x, offsets=cu.to(torch.int64))
+                   .transpose(1, 2) for x in (packed[0], packed[1], packed[4]))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).values()
+    calls["sdpa_nested"] = nested
     rows = []
     for prov in providers:
         for phase in PHASES:
@@ -111,15 +141,24 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="JSON results here")
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--batches", default="16:2048,64:512",
-                    help="comma-separated BATCH:MEAN_LENGTH pairs")
-    ap.add_argument("--providers", default="piecewise,piecewise_padded,sdpa_flash,sdpa_cudnn")
+                    help="comma-separated BATCH:MEAN_LENGTH pairs, or LO-HI/TOTAL (lengths drawn "
+                         "from [LO, HI] until they sum to TOTAL), e.g. 512-8192/65536")
+    ap.add_argument("--providers", default="piecewise,piecewise_padded,sdpa_flash,sdpa_cudnn",
+                    help="also: sdpa_flash_per_seq, sdpa_cudnn_per_seq (one SDPA call per "
+                         "sequence), sdpa_nested (SDPA on a jagged nested tensor)")
     args = ap.parse_args(argv)
     t0 = time.time()
     rows = []
     for spec in args.batches.split(","):
-        batch, mean = (int(x) for x in spec.split(":"))
+        if "/" in spec:
+            span, total = spec.split("/")
+            lo, hi = (int(x) for x in span.split("-"))
+            lens = lengths_to_total(lo, hi, int(total))
+        else:
+            batch, mean = (int(x) for x in spec.split(":"))
+            lens = lengths(batch, mean)
         for D in (int(d) for d in args.dims.split(",")):
-            rows += run_case(lengths(batch, mean), D, torch.bfloat16, args.providers.split(","))
+            rows += run_case(lens, D, torch.bfloat16, args.providers.split(","))
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip() or None

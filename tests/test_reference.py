@@ -153,6 +153,10 @@ CASES = [
     (1, 1, 1, 8, 8, 8, False, "onMax"),
     (1, 1, 1, 8, 8, 8, True, "onMin"),
     (1, 2, 1, 6, 10, 8, False, "onMin"),
+    # the head dims issue 12 added to the CUDA kernels: 80, 96, 256
+    (1, 2, 1, 9, 14, 80, True, "inside"),
+    (2, 2, 2, 7, 7, 96, False, "onP"),
+    (1, 2, 1, 5, 11, 256, True, "inside"),
 ]
 
 

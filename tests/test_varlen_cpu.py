@@ -109,3 +109,25 @@ def test_dtype_library_and_max_seqlen_errors():
     varlen.attention_varlen(q1, k1, q2, k2, v, cq, ck, 1, max_seqlen_q=3, max_seqlen_k=4)
     with pytest.raises(ValueError, match="3 dimensions"):
         varlen.attention_varlen(q1[None], k1, q2, k2, v, cq, ck, 1)
+
+
+@pytest.mark.parametrize("D", [80, 96, 256])
+def test_varlen_new_head_dims_numpy_and_torch_cpu(D):
+    """Head dims 80, 96, 256 through both CPU paths of attention_varlen: the torch CPU
+    implementation (float64, with autograd) against the NumPy reference, forward and the
+    five gradients of a loss through o and lse."""
+    (q1, k1, q2, k2, v), (cq, ck) = packed([4, 0, 6], [7, 2, 6], H=2, Hkv=1, D=D, seed=D)
+    o, lse = varlen.attention_varlen(q1, k1, q2, k2, v, cq, ck, 2, causal=True, return_lse=True)
+    leaves = [torch.from_numpy(x).requires_grad_() for x in (q1, k1, q2, k2, v)]
+    ot, lt = varlen.attention_varlen(*leaves, torch.from_numpy(cq), torch.from_numpy(ck), 2,
+                                     causal=True, return_lse=True)
+    np.testing.assert_allclose(ot.detach().numpy(), o, rtol=1e-10, atol=1e-12)
+    # the NumPy path returns lse in float32 (the package's lse dtype there)
+    np.testing.assert_allclose(lt.detach().numpy(), lse, rtol=2e-7, atol=0)
+    rng = np.random.default_rng(D)
+    do, dl = rng.standard_normal(o.shape), rng.standard_normal(lse.shape)
+    ((ot * torch.from_numpy(do)).sum() + (lt * torch.from_numpy(dl)).sum()).backward()
+    grads = varlen.attention_varlen_backward(do, q1, k1, q2, k2, v, o, lt.detach().numpy(), cq,
+                                             ck, 2, causal=True, dlse=dl)
+    for g, x in zip(grads, leaves):
+        np.testing.assert_allclose(x.grad.numpy(), g, rtol=1e-8, atol=1e-10)
