@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -35,7 +34,7 @@ import torch.nn.attention
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import attn_flops, tflops_from_ms  # noqa: E402
+from common import _git_commit, _version_of, attn_flops, tflops_from_ms  # noqa: E402
 from timing import event_median_ms  # noqa: E402
 
 import cupy_piecewise  # noqa: E402
@@ -159,14 +158,9 @@ def main(argv=None) -> int:
             lens = lengths(batch, mean)
         for D in (int(d) for d in args.dims.split(",")):
             rows += run_case(lens, D, torch.bfloat16, args.providers.split(","))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or None
-    except OSError:
-        commit = None
     res = {"header": {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                      "gpu": torch.cuda.get_device_name(), "commit": commit,
-                      "versions": {"torch": torch.__version__},
+                      "gpu": torch.cuda.get_device_name(), "commit": _git_commit(),
+                      "versions": {m: _version_of(m) for m in ("torch", "cupy", "numpy")},
                       "command": "python3 bench/varlen.py " + " ".join(argv or sys.argv[1:]),
                       "flops": "real tokens only: sum over sequences of 4*H*n_b^2*D/2 (causal), "
                                "fwd_bwd 3.5x", "elapsed_s": round(time.time() - t0, 1)},
