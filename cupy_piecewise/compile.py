@@ -41,7 +41,7 @@ ROW_KERNELS = ("bwd_delta", "fwd_combine", "kv_append")
 #: base 2, zeroed dQ accumulator) runs before and bwd_sm90_dq (accumulator -> dQ) after.
 HOPPER_KERNELS = ("fwd_sm90", "bwd_sm90", "bwd_sm90_det", "bwd_sm90_prep", "bwd_sm90_dq")
 #: Hopper kernels with a packed variable-length variant (template flag VARLEN)
-HOPPER_VARLEN_PHASES = ("fwd_sm90",)
+HOPPER_VARLEN_PHASES = HOPPER_KERNELS
 #: Hopper kernels with a warp per row (no causal flag, 256 threads)
 HOPPER_ROW_KERNELS = ("bwd_sm90_prep", "bwd_sm90_dq")
 #: threads of a Hopper forward or backward block: a producer warpgroup and two consumer
@@ -91,15 +91,16 @@ class Variant:
         if self.phase in HOPPER_KERNELS:
             elem = _ELEM90[self.dtype]
             if self.phase in HOPPER_ROW_KERNELS:
-                return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}>"
-            flags = "true" if self.causal else "false"
+                flags = ""
+            else:
+                flags = ", true" if self.causal else ", false"
             if self.phase in ("bwd_sm90", "bwd_sm90_det"):  # fused dQ or not
                 flags += ", true" if self.phase == "bwd_sm90" else ", false"
             if self.varlen:
                 if self.phase not in HOPPER_VARLEN_PHASES:
                     raise ValueError(f"phase {self.phase!r} has no packed-batch kernel")
                 flags += ", true"
-            return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}, {flags}>"
+            return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}{flags}>"
         if self.phase in ROW_KERNELS:
             return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}>"
         t = self.tiles

@@ -15,6 +15,7 @@ import ctypes
 import math
 import struct
 import threading
+from dataclasses import replace
 from typing import NamedTuple
 
 from . import capability
@@ -404,6 +405,37 @@ _HOPPER_PARAMS = struct.Struct("<Qqqq Q qqqqqq ff QQ")
 _HOPPER_MAPS_MAX = 64
 
 
+class _TensorMaps:
+    """Tensor maps of one signature's arrays (fixed shapes, strides, boxes), encoded from
+    the data pointers and cached per pointer tuple, so that repeated calls on the same
+    buffers encode nothing. Thread-safe; the cache is dropped whole when full."""
+
+    __slots__ = ("_shapes", "_strides", "_boxes", "_dtype", "_order", "_maps", "_lock")
+
+    def __init__(self, shapes, strides, boxes, dtype, order=None):
+        self._shapes, self._strides, self._boxes = tuple(shapes), tuple(strides), tuple(boxes)
+        self._dtype = dtype
+        self._order = tuple(order) if order is not None else tuple(range(len(self._shapes)))
+        self._maps: dict = {}
+        self._lock = threading.Lock()
+
+    def addresses(self, ptrs) -> tuple:
+        """Host addresses of the 128-byte maps of ``ptrs`` (one per shape), in ``order``."""
+        key = tuple(ptrs)
+        hit = self._maps.get(key)
+        if hit is None:
+            from . import tma
+
+            maps = [tma.tensor_map_bhld(ptr, shape, st, self._dtype, box)
+                    for ptr, shape, st, box in zip(key, self._shapes, self._strides, self._boxes)]
+            hit = (tuple(maps[i].address() for i in self._order), maps)  # maps: keep alive
+            with self._lock:
+                if len(self._maps) >= _HOPPER_MAPS_MAX:
+                    self._maps.clear()
+                self._maps[key] = hit
+        return hit[0]
+
+
 class HopperLaunches:
     """The Hopper forward of one signature, with :class:`Launches`' interface.
 
@@ -414,7 +446,7 @@ class HopperLaunches:
     """
 
     __slots__ = ("device", "arrays", "strides", "workspace_bytes", "_steps", "_template",
-                 "_boxes", "_shapes", "_dtype", "_maps", "_lock")
+                 "_maps")
 
     def __init__(self, problem, strides, *, variant=None, grid=None):
         p = problem
@@ -431,36 +463,23 @@ class HopperLaunches:
                                              p.N, w, P, p.sm_scale * _LOG2E, p.sm_scale, 0, 0)
         bn = capability.HOPPER_BLOCK_N[p.D]
         q_shape, k_shape = (p.B, p.H, p.M, p.D), (p.B, p.Hkv, p.N, p.D)
-        self._shapes = (q_shape, k_shape, q_shape, k_shape, k_shape)
-        self._boxes = (capability.HOPPER_BLOCK_M, bn, capability.HOPPER_BLOCK_M, bn, bn)
-        self._dtype = p.dtype
-        self._maps: dict = {}
-        self._lock = threading.Lock()
-
-    def _encode(self, ptrs):
-        from . import tma
-
         names = ("q1", "k1", "q2", "k2", "v")
-        m = [tma.tensor_map_bhld(ptr, shape, self.strides[n], self._dtype, box)
-             for ptr, shape, n, box in zip(ptrs, self._shapes, names, self._boxes)]
-        return (m[0].address(), m[2].address(), m[1].address(), m[3].address(),
-                m[4].address()), m
+        # the kernel takes the maps in the order q1, q2, k1, k2, v
+        self._maps = _TensorMaps((q_shape, k_shape, q_shape, k_shape, k_shape),
+                                 [self.strides[n] for n in names],
+                                 (capability.HOPPER_BLOCK_M, bn, capability.HOPPER_BLOCK_M, bn, bn),
+                                 p.dtype, order=(0, 2, 1, 3, 4))
 
     def run(self, ptrs, stream: int, workspace: int = 0) -> None:
         """Launch on ``stream`` with the pointers of q1, k1, q2, k2, v, o, lse (lse 0: not
-        stored); ``workspace`` is unused."""
-        key = tuple(ptrs[:5])
-        hit = self._maps.get(key)
-        if hit is None:
-            hit = self._encode(key)
-            with self._lock:
-                if len(self._maps) >= _HOPPER_MAPS_MAX:
-                    self._maps.clear()
-                self._maps[key] = hit
+        stored) and, for a packed batch (:attr:`arrays` ends with them), cu_q and cu_k;
+        ``workspace`` is unused."""
         params = ctypes.create_string_buffer(self._template, _HOPPER_PARAMS.size)
         struct.pack_into("<Q", params, 0, ptrs[5])
         struct.pack_into("<Q", params, 32, ptrs[6])
-        args = (ctypes.c_void_p * 6)(*hit[0], ctypes.addressof(params))
+        if len(ptrs) > 7:
+            struct.pack_into("<QQ", params, _HOPPER_PARAMS.size - 16, ptrs[7], ptrs[8])
+        args = (ctypes.c_void_p * 6)(*self._maps.addresses(ptrs[:5]), ctypes.addressof(params))
         _launch_all(self.device, self._steps, stream, ctypes.addressof(args))
 
 
@@ -514,12 +533,13 @@ def use_hopper_backward(problem) -> bool:
 
 
 #: Parameter structs of kernels_cu/sm90/backward.cu (pw90::bwd): PrepParams (o and dout
-#: views, lse, lse2, delta, dq accumulator, B, H, M, Mpad, dlse), BwdParams (dk1, dk2, dv
-#: views, dq accumulator, lse2, delta, B, H, group, M, N, Mpad, w, shift, scale_log2,
-#: sm_scale) and ConvertParams (dq1, dq2 views, accumulator, B, H, M, Mpad, sm_scale).
-_BWD_PREP = struct.Struct("<Qqqq Qqqq QQQQ qqqq Q")
-_BWD_MAIN = struct.Struct("<Qqqq Qqqq Qqqq QQQ qqqqqqqq ff")
-_BWD_CONV = struct.Struct("<Qqqq Qqqq Q qqqq f4x")
+#: views, lse, lse2, delta, dq accumulator, B, H, M, Mpad, dlse, rows, cu_q), BwdParams (dk1,
+#: dk2, dv views, dq accumulator, lse2, delta, B, H, group, M, N, Mpad, w, shift, scale_log2,
+#: sm_scale, cu_q, cu_k) and ConvertParams (dq1, dq2 views, accumulator, B, H, M, Mpad,
+#: sm_scale, rows, cu_q).
+_BWD_PREP = struct.Struct("<Qqqq Qqqq QQQQ qqqq Q qQ")
+_BWD_MAIN = struct.Struct("<Qqqq Qqqq Qqqq QQQ qqqqqqqq ff QQ")
+_BWD_CONV = struct.Struct("<Qqqq Qqqq Q qqqq f4x qQ")
 
 
 class HopperBackward:
@@ -536,73 +556,82 @@ class HopperBackward:
     (B, H, Mpad) float32, then (fused dQ only) the (2, B, H, Mpad, D) float32 accumulator.
     Tensor maps of q1, q2, dout (64-row boxes) and k1, k2, v (128-row boxes) are cached per
     pointer tuple like :class:`HopperLaunches`'.
+
+    ``packed`` (a :class:`cupy_piecewise.varlen_launch.VarlenShape`): a packed batch of
+    ``problem.B`` sequences, the longest ``problem.M`` / ``problem.N`` rows, ``views`` those
+    of the (total, heads, D) arrays with batch stride 0. The kernels are the VARLEN builds:
+    tensor maps over the packed arrays as one batch, grids over (tile of the longest
+    sequence, head, sequence), statistics in FlashAttention-3's padded layout ((H, Mpad)
+    with Mpad = total_q + 64 B rounded up to 64: each sequence's rows start at a multiple
+    of 64), and
+    :meth:`run` takes cu_q and cu_k after the dense pointers. ``mma`` then gives the packed
+    mma.sync delta + dq launches of the deterministic mode.
     """
 
     __slots__ = ("device", "arrays", "strides", "workspace_bytes", "deterministic", "_steps",
-                 "_mma", "_prep", "_main", "_conv", "_offsets", "_shapes", "_boxes", "_dtype",
-                 "_maps", "_lock")
+                 "_mma", "_prep", "_main", "_conv", "_offsets", "_maps")
 
-    def __init__(self, problem, views, deterministic: bool = False):
+    def __init__(self, problem, views, deterministic: bool = False, *, packed=None, mma=None):
         p = problem
         bm, bn = capability.HOPPER_BWD_BLOCK_M, capability.HOPPER_BWD_BLOCK_N
         self.device = p.device
-        self.arrays = BACKWARD_ARRAYS
         self.strides = views
         self.deterministic = bool(deterministic)
-        mpad = math.ceil(p.M / bm) * bm
-        rows = p.B * p.H * mpad
+        varlen = packed is not None
+        rows_q = math.ceil(p.M / bm) * bm  # padded query rows of one (batch entry, head)
+        if varlen:
+            self.arrays = BACKWARD_ARRAYS + ("cu_q", "cu_k")
+            # the kernels see one batch entry of the packed rows; w clamped for those
+            dims = replace(p, B=1, M=packed.total_q, N=packed.total_k, shift=None)
+            # a multiple of 64 rows: each head's statistics start 256-byte aligned (the
+            # kernel's 1-D bulk copies need 16 bytes)
+            mpad = math.ceil((packed.total_q + bm * p.B) / bm) * bm
+        else:
+            self.arrays = BACKWARD_ARRAYS
+            dims, mpad = p, rows_q
+        rows = dims.B * p.H * mpad
         self._offsets = (0, 4 * rows, 8 * rows)  # lse2, delta, dq accumulator
         self.workspace_bytes = 8 * rows + (0 if deterministic else 2 * 4 * rows * p.D)
-        prep = Variant("bwd_sm90_prep", p.dtype, p.D, None, False)
-        main = Variant("bwd_sm90_det" if deterministic else "bwd_sm90", p.dtype, p.D, None, p.causal)
-        steps = [_step(p, prep, (math.ceil(p.H * mpad / 8), p.B, 1)),
+        prep = Variant("bwd_sm90_prep", p.dtype, p.D, None, False, varlen)
+        main = Variant("bwd_sm90_det" if deterministic else "bwd_sm90", p.dtype, p.D, None,
+                       p.causal, varlen)
+        steps = [_step(p, prep, (math.ceil(p.H * rows_q / 8), p.B, 1)),
                  _step(p, main, (math.ceil(p.N / bn), p.Hkv, p.B))]
         if not deterministic:
-            conv = Variant("bwd_sm90_dq", p.dtype, p.D, None, False)
+            conv = Variant("bwd_sm90_dq", p.dtype, p.D, None, False, varlen)
             steps.append(_step(p, conv, (math.ceil(p.H * p.M / 8), p.B, 1)))
         self._steps = tuple(steps)
         # the mma.sync delta + dq kernels (deterministic dQ), sharing the call's Params block
-        self._mma = (Launches(p.device, BACKWARD_ARRAYS, views, _mma_dq_steps(p),
-                              _pack(p, views)) if deterministic else None)
+        if deterministic and mma is None:
+            mma = Launches(p.device, BACKWARD_ARRAYS, views, _mma_dq_steps(p), _pack(p, views))
+        self._mma = mma if deterministic else None
         so, sd = views["o"], views["dout"]
-        self._prep = _BWD_PREP.pack(0, *so[:3], 0, *sd[:3], 0, 0, 0, 0, p.B, p.H, p.M, mpad, 0)
+        self._prep = _BWD_PREP.pack(0, *so[:3], 0, *sd[:3], 0, 0, 0, 0, dims.B, p.H, dims.M, mpad,
+                                    0, rows_q, 0)
         dk1, dk2, dv = views["dk1"], views["dk2"], views["dv"]
-        P, w = _clamped(p)
-        self._main = _BWD_MAIN.pack(0, *dk1[:3], 0, *dk2[:3], 0, *dv[:3], 0, 0, 0, p.B, p.H, p.H // p.Hkv,
-                                    p.M, p.N, mpad, w, P, p.sm_scale * _LOG2E, p.sm_scale)
+        P, w = _clamped(dims)
+        self._main = _BWD_MAIN.pack(0, *dk1[:3], 0, *dk2[:3], 0, *dv[:3], 0, 0, 0, dims.B, p.H,
+                                    p.H // p.Hkv, dims.M, dims.N, mpad, w, P, p.sm_scale * _LOG2E,
+                                    p.sm_scale, 0, 0)
         dq1, dq2 = views["dq1"], views["dq2"]
-        self._conv = _BWD_CONV.pack(0, *dq1[:3], 0, *dq2[:3], 0, p.B, p.H, p.M, mpad, p.sm_scale)
-        q_shape, k_shape = (p.B, p.H, p.M, p.D), (p.B, p.Hkv, p.N, p.D)
-        self._shapes = (q_shape, q_shape, q_shape, k_shape, k_shape, k_shape)
-        self._boxes = (bm, bm, bm, bn, bn, bn)
-        self._dtype = p.dtype
-        self._maps: dict = {}
-        self._lock = threading.Lock()
-
-    def _encode(self, ptrs):
-        from . import tma
-
+        self._conv = _BWD_CONV.pack(0, *dq1[:3], 0, *dq2[:3], 0, dims.B, p.H, dims.M, mpad,
+                                    p.sm_scale, p.M, 0)
+        q_shape = (dims.B, p.H, dims.M, p.D)
+        k_shape = (dims.B, p.Hkv, dims.N, p.D)
         names = ("q1", "q2", "dout", "k1", "k2", "v")
-        m = [tma.tensor_map_bhld(ptr, shape, self.strides[n], self._dtype, box)
-             for ptr, shape, n, box in zip(ptrs, self._shapes, names, self._boxes)]
-        return tuple(x.address() for x in m), m
+        self._maps = _TensorMaps((q_shape,) * 3 + (k_shape,) * 3, [views[n] for n in names],
+                                 (bm,) * 3 + (bn,) * 3, p.dtype)
 
     def run(self, ptrs, stream: int, workspace: int = 0) -> None:
-        """Launch on ``stream`` with the pointers of :data:`BACKWARD_ARRAYS` (q1, k1, q2, k2,
-        v, o, lse, dout, dq1, dk1, dq2, dk2, dv, delta, dlse; dlse 0: none) and
-        ``workspace`` (device pointer to :attr:`workspace_bytes` bytes, valid on ``stream``
-        until the work ends)."""
-        q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, delta, dlse = ptrs
+        """Launch on ``stream`` with the pointers of :attr:`arrays` (q1, k1, q2, k2, v, o,
+        lse, dout, dq1, dk1, dq2, dk2, dv, delta, dlse, and cu_q, cu_k for a packed batch;
+        dlse 0: none) and ``workspace`` (device pointer to :attr:`workspace_bytes` bytes,
+        valid on ``stream`` until the work ends)."""
+        q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, delta, dlse = ptrs[:15]
+        cu_q, cu_k = ptrs[15:17] if len(ptrs) > 15 else (0, 0)
         if self._mma is not None:
             self._mma.run(ptrs, stream)
-        key = (q1, q2, do, k1, k2, v)
-        hit = self._maps.get(key)
-        if hit is None:
-            hit = self._encode(key)
-            with self._lock:
-                if len(self._maps) >= _HOPPER_MAPS_MAX:
-                    self._maps.clear()
-                self._maps[key] = hit
+        maps = self._maps.addresses((q1, q2, do, k1, k2, v))
         lse2, dlt = workspace + self._offsets[0], workspace + self._offsets[1]
         acc = 0 if self.deterministic else workspace + self._offsets[2]
         prep = ctypes.create_string_buffer(self._prep, _BWD_PREP.size)
@@ -610,12 +639,14 @@ class HopperBackward:
         struct.pack_into("<Q", prep, 32, do)
         struct.pack_into("<QQQQ", prep, 64, lse, lse2, dlt, acc)
         struct.pack_into("<Q", prep, 128, dlse)
+        struct.pack_into("<Q", prep, 144, cu_q)
         main = ctypes.create_string_buffer(self._main, _BWD_MAIN.size)
         for off, ptr in ((0, dk1), (32, dk2), (64, dv)):
             struct.pack_into("<Q", main, off, ptr)
         struct.pack_into("<QQQ", main, 96, acc, lse2, dlt)
+        struct.pack_into("<QQ", main, 192, cu_q, cu_k)
         a_prep = (ctypes.c_void_p * 1)(ctypes.addressof(prep))
-        a_main = (ctypes.c_void_p * 7)(*hit[0], ctypes.addressof(main))
+        a_main = (ctypes.c_void_p * 7)(*maps, ctypes.addressof(main))
         _launch_all(self.device, self._steps[:1], stream, ctypes.addressof(a_prep))
         _launch_all(self.device, self._steps[1:2], stream, ctypes.addressof(a_main))
         if not self.deterministic:
@@ -623,6 +654,7 @@ class HopperBackward:
             struct.pack_into("<Q", conv, 0, dq1)
             struct.pack_into("<Q", conv, 32, dq2)
             struct.pack_into("<Q", conv, 64, acc)
+            struct.pack_into("<Q", conv, 120, cu_q)
             a_conv = (ctypes.c_void_p * 1)(ctypes.addressof(conv))
             _launch_all(self.device, self._steps[2:], stream, ctypes.addressof(a_conv))
 

@@ -97,7 +97,7 @@ def _on_gpu(q1) -> str | None:
 
 def attention_varlen(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, dist_threshold, *,
                      max_seqlen_q=None, max_seqlen_k=None, causal=False, sm_scale=None,
-                     return_lse=False):
+                     return_lse=False, deterministic=False):
     """Piecewise attention of a packed batch of variable-length sequences.
 
     Args:
@@ -110,6 +110,9 @@ def attention_varlen(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, dist_thresho
             each sequence with its queries aligned to the end of its own keys.
         max_seqlen_q, max_seqlen_k: optional bounds on the sequence lengths (checked).
         return_lse: also return ``lse`` of shape ``(H, total_q)``.
+        deterministic: (torch autograd) make the gradients of this call bitwise
+            reproducible, as :func:`attention_varlen_backward`'s ``deterministic`` does;
+            ``torch.use_deterministic_algorithms(True)`` has the same effect.
 
     Returns ``o`` ``(total_q, H, D)`` in the input dtype (or ``(o, lse)``); with torch
     tensors, differentiable (``o`` and ``lse``).
@@ -120,8 +123,8 @@ def attention_varlen(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, dist_thresho
     must then bound every sequence and the totals must be valid (start at 0,
     non-decreasing, end at the packed lengths), or results are undefined. A ``max_seqlen``
     left None is found by reading the totals on the host, which checks them too. On an
-    H100/H200 the packed forward runs the Hopper kernel (head dims 64 and 128); the packed
-    backward runs the mma.sync kernels. Neither splits the keys of decode-like batches (one
+    H100/H200 the packed forward and backward run the Hopper kernels (head dims 64 and 128;
+    the others run the mma.sync kernels). Neither splits the keys of decode-like batches (one
     query per sequence): use :func:`cupy_piecewise.attention_with_kvcache` for those.
 
     Raises:
@@ -147,7 +150,8 @@ def attention_varlen(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, dist_thresho
 
         return varlen_torch.attention_varlen(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k,
                                              dist_threshold, max_seqlen_q, max_seqlen_k, causal,
-                                             sm_scale, return_lse)
+                                             sm_scale, return_lse, deterministic)
+    validate.check_deterministic(deterministic)
     if gpu == "cupy":
         from . import varlen_gpu
         from .adapters import cupy as ad
@@ -170,21 +174,25 @@ def attention_varlen(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, dist_thresho
 
 def attention_varlen_backward(do, q1, k1, q2, k2, v, o, lse, cu_seqlens_q, cu_seqlens_k,
                               dist_threshold, *, max_seqlen_q=None, max_seqlen_k=None,
-                              causal=False, sm_scale=None, dlse=None):
+                              causal=False, sm_scale=None, dlse=None, deterministic=False):
     """Gradients of :func:`attention_varlen` -> ``(dq1, dk1, dq2, dk2, dv)``, packed like the
     inputs (``dq*`` ``(total_q, H, D)``, ``dk*``/``dv`` ``(total_k, Hkv, D)``).
 
     ``do``, ``o``: ``(total_q, H, D)``; ``lse`` and ``dlse`` (optional gradient of lse):
     ``(H, total_q)``; ``max_seqlen_*`` as for :func:`attention_varlen` (on CUDA: given,
-    nothing synchronises). Errors as :func:`attention_varlen` and
-    :func:`cupy_piecewise.attention_backward`. On CUDA the gradients are deterministic."""
+    nothing synchronises). ``deterministic``: bitwise-identical gradients run to run. On an
+    H100/H200 the packed backward adds dQ with float32 atomics unless it is set (then the
+    mma.sync dq kernel computes dQ, about as :func:`cupy_piecewise.attention_backward`'s
+    deterministic mode costs); every other path is deterministic either way. Errors as
+    :func:`attention_varlen` and :func:`cupy_piecewise.attention_backward`."""
+    deterministic = validate.check_deterministic(deterministic)
     gpu = _on_gpu(q1)
     if gpu == "torch":
         from . import varlen_torch
 
         return varlen_torch.attention_varlen_backward(
             do, q1, k1, q2, k2, v, o, lse, cu_seqlens_q, cu_seqlens_k, dist_threshold,
-            max_seqlen_q, max_seqlen_k, causal, sm_scale, dlse)
+            max_seqlen_q, max_seqlen_k, causal, sm_scale, dlse, deterministic)
     if gpu == "cupy":
         from . import varlen_gpu
         from .adapters import cupy as ad
@@ -192,7 +200,7 @@ def attention_varlen_backward(do, q1, k1, q2, k2, v, o, lse, cu_seqlens_q, cu_se
         pk = varlen_gpu.prepare(ad.OPS, q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k,
                                 dist_threshold, max_seqlen_q, max_seqlen_k, causal, sm_scale)
         return varlen_gpu.backward(pk, ad.OPS, do, q1, k1, q2, k2, v, o, lse, cu_seqlens_q,
-                                   cu_seqlens_k, dlse)
+                                   cu_seqlens_k, dlse, deterministic)
     library, cq, ck = _plan(q1, k1, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     parts = [[] for _ in range(5)]
     for (qa, qb), (ka, kb) in zip(zip(cq, cq[1:]), zip(ck, ck[1:])):

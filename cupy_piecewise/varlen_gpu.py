@@ -147,13 +147,16 @@ def _contiguous3(shape) -> tuple:
 _launch_memo = Memo(1024)
 
 
-def _launches(kind: str, pk: Packed, strides):
-    key = (kind, pk, strides, launch.capability.plan_switches())
+def _launches(kind: str, pk: Packed, strides, deterministic: bool = False):
+    key = (kind, pk, strides, deterministic, launch.capability.plan_switches())
     hit = _launch_memo.get(key)
     if hit is None:
-        make = (varlen_launch.forward_launches if kind == "fwd"
-                else varlen_launch.backward_launches)
-        hit = _launch_memo.put(key, make(pk.problem, pk.shape, strides))
+        if kind == "fwd":
+            made = varlen_launch.forward_launches(pk.problem, pk.shape, strides)
+        else:
+            made = varlen_launch.backward_launches(pk.problem, pk.shape, strides,
+                                                   deterministic=deterministic)
+        hit = _launch_memo.put(key, made)
     return hit
 
 
@@ -182,10 +185,13 @@ def forward(pk: Packed, ops: ArrayOps, q1, k1, q2, k2, v, cu_q, cu_k):
     return o, lse
 
 
-def backward(pk: Packed, ops: ArrayOps, do, q1, k1, q2, k2, v, o, lse, cu_q, cu_k, dlse=None):
+def backward(pk: Packed, ops: ArrayOps, do, q1, k1, q2, k2, v, o, lse, cu_q, cu_k, dlse=None,
+             deterministic: bool = False):
     """``(dq1, dk1, dq2, dk2, dv)``, packed like the inputs, in their dtype. ``o``, ``lse``:
     the forward's outputs; ``do`` of o's shape; ``dlse`` (H, total_q) or None. Shapes are
-    checked here."""
+    checked here. ``deterministic``: bitwise-identical gradients run to run (the Hopper
+    backward then takes dQ from the mma.sync dq kernel instead of float32 atomics; the
+    mma.sync path always is)."""
     p, s = pk.problem, pk.shape
     dev, dt = p.device, p.dtype
     q_shape, k_shape = (s.total_q, p.H, p.D), (s.total_k, p.Hkv, p.D)
@@ -215,8 +221,10 @@ def backward(pk: Packed, ops: ArrayOps, do, q1, k1, q2, k2, v, o, lse, cu_q, cu_
     ptrs = (ptr(q1r), ptr(k1r), ptr(q2r), ptr(k2r), ptr(vr), ptr(or_), ptr(lse32), ptr(dor),
             *(ptr(g) for g in grads), ptr(delta), ptr(keep[10]) if dlse is not None else 0,
             ptr(cq), ptr(ck))
-    _launches("bwd", pk, strides).run(ptrs, ops.stream(dev))
-    del keep
+    run = _launches("bwd", pk, strides, bool(deterministic))
+    ws = ops.scratch(run.workspace_bytes, dev) if run.workspace_bytes else None
+    run.run(ptrs, ops.stream(dev), 0 if ws is None else ops.ptr(ws))
+    del keep, ws  # stream-ordered: reused only by later work
     return grads
 
 

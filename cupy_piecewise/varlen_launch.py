@@ -16,20 +16,20 @@ kernel built with VARLEN where the dense rule would (:func:`use_hopper`): its te
 describe the packed arrays as one batch and each CTA offsets its TMA coordinates by its
 sequence's first rows (rows of the neighbouring sequence that a tile reaches are masked as
 keys past the sequence's end, and not stored as queries). The packed backward runs the
-mma.sync kernels on every GPU (no Hopper variant yet).
+Hopper backward built with VARLEN there too (:func:`use_hopper_backward`; statistics and the
+dQ accumulator in FlashAttention-3's padded layout, so that a tile's rows past its sequence's
+end meet +inf lse and add nothing), and the mma.sync kernels elsewhere.
 """
 from __future__ import annotations
 
-import ctypes
 import math
-import struct
 from dataclasses import replace
 from typing import NamedTuple
 
 from . import launch
 
 __all__ = ["VarlenShape", "FORWARD_ARRAYS", "BACKWARD_ARRAYS", "forward_launches",
-           "backward_launches"]
+           "backward_launches", "use_hopper", "use_hopper_backward"]
 
 #: Pointer arguments of :meth:`launch.Launches.run` for a packed forward / backward.
 FORWARD_ARRAYS = launch.FORWARD_ARRAYS + ("cu_q", "cu_k")
@@ -86,24 +86,7 @@ class HopperVarlenLaunches(launch.HopperLaunches):
         super().__init__(packed, [_view4(st) for st in strides],
                          variant=launch.Variant("fwd_sm90", p.dtype, p.D, None, p.causal, True),
                          grid=(math.ceil(p.M / launch.capability.HOPPER_BLOCK_M), p.H, p.B))
-        self.arrays = FORWARD_ARRAYS
-
-    def run(self, ptrs, stream: int, workspace: int = 0) -> None:
-        """Launch with the pointers of q1, k1, q2, k2, v, o, lse, cu_q, cu_k."""
-        key = tuple(ptrs[:5])
-        hit = self._maps.get(key)
-        if hit is None:
-            hit = self._encode(key)
-            with self._lock:
-                if len(self._maps) >= launch._HOPPER_MAPS_MAX:
-                    self._maps.clear()
-                self._maps[key] = hit
-        params = ctypes.create_string_buffer(self._template, launch._HOPPER_PARAMS.size)
-        struct.pack_into("<Q", params, 0, ptrs[5])
-        struct.pack_into("<Q", params, 32, ptrs[6])
-        struct.pack_into("<QQ", params, launch._HOPPER_PARAMS.size - 16, ptrs[7], ptrs[8])
-        args = (ctypes.c_void_p * 6)(*hit[0], ctypes.addressof(params))
-        launch._launch_all(self.device, self._steps, stream, ctypes.addressof(args))
+        self.arrays = FORWARD_ARRAYS  # run() packs cu_q and cu_k after the dense pointers
 
 
 def forward_launches(problem, shape: VarlenShape, strides):
@@ -130,28 +113,58 @@ def forward_launches(problem, shape: VarlenShape, strides):
                            _template(problem, shape, views))
 
 
-def backward_launches(problem, shape: VarlenShape, strides) -> launch.Launches:
-    """Prepare the packed backward: the delta pre-pass over all ``H * total_q`` rows, the dq
-    kernel over (query tile, head, sequence) and the dk/dv kernel over (key tile, kv head,
-    sequence), which writes zeros for keys of sequences without queries.
+def _dq_steps(problem, shape: VarlenShape) -> list:
+    """The mma.sync delta pre-pass and packed dq kernel (``problem.M``, ``total_q`` > 0)."""
+    dq = launch.plan(problem, "bwd_dq", varlen=True)
+    # the pre-pass is the dense one: batch 1, rows H * total_q of the (H, total_q) arrays
+    return [launch._step(problem, launch.plan(problem, "bwd_delta"),
+                         (math.ceil(problem.H * shape.total_q / 8), 1, 1)),
+            launch._step(problem, dq, (math.ceil(problem.M / dq.tiles.block_m),
+                                       problem.H, problem.B))]
+
+
+def use_hopper_backward(problem, shape: VarlenShape) -> bool:
+    """True when a packed backward runs the Hopper kernels (``pw90_bwd`` built with VARLEN):
+    the dense rule of :func:`cupy_piecewise.launch.use_hopper_backward` with ``M`` / ``N``
+    the longest sequences, queries and keys in the batch, and padded statistics
+    (``total_q + 64 B`` rows) indexable by the kernels' 32-bit row numbers."""
+    return (shape.total_q > 0 and shape.total_k > 0
+            and shape.total_q + launch.capability.HOPPER_BWD_BLOCK_M * problem.B < 2**31
+            and launch.use_hopper_backward(problem))
+
+
+def backward_launches(problem, shape: VarlenShape, strides, *, deterministic: bool = False):
+    """Prepare the packed backward.
+
+    On an H100/H200 where :func:`use_hopper_backward` holds and tensor maps can describe
+    the strides: :class:`cupy_piecewise.launch.HopperBackward` with ``packed=shape`` (dQ by
+    float32 atomics; ``deterministic``: dQ by the packed mma.sync dq kernel instead).
+    Otherwise the mma.sync kernels, always deterministic: the delta pre-pass over all
+    ``H * total_q`` rows, the dq kernel over (query tile, head, sequence) and the dk/dv
+    kernel over (key tile, kv head, sequence), which writes zeros for keys of sequences
+    without queries.
 
     ``strides``: element strides of the packed q1, k1, q2, k2, v, o, dout, dq1, dk1, dq2,
-    dk2, dv. :meth:`~launch.Launches.run` takes the pointers of :data:`BACKWARD_ARRAYS`
-    (lse, delta and dlse: float32 (H, total_q); delta is scratch; dlse 0 for none).
-    Deterministic (no atomics).
+    dk2, dv. ``run`` takes the pointers of :data:`BACKWARD_ARRAYS` (lse, delta and dlse:
+    float32 (H, total_q); delta is scratch; dlse 0 for none) and, on the Hopper path, a
+    workspace of ``workspace_bytes``.
     """
     launch._check_grid(problem)
     launch._driver()
     names = ("q1", "k1", "q2", "k2", "v", "o", "dout", "dq1", "dk1", "dq2", "dk2", "dv")
     views = dict(zip(names, map(_view, strides)))
+    if problem.M > 0 and use_hopper_backward(problem, shape) and launch._tma_describable(
+            replace(problem, B=1, M=shape.total_q, N=shape.total_k),
+            [_view4(st) for st in strides[:5]], _view4(strides[6])):
+        mma = None
+        if deterministic:
+            mma = launch.Launches(problem.device, BACKWARD_ARRAYS, views,
+                                  _dq_steps(problem, shape), _template(problem, shape, views))
+        return launch.HopperBackward(problem, {n: _view4(st) for n, st in zip(names, strides)},
+                                     deterministic, packed=shape, mma=mma)
     steps = []
     if problem.M > 0 and shape.total_q > 0:
-        dq = launch.plan(problem, "bwd_dq", varlen=True)
-        # the pre-pass is the dense one: batch 1, rows H * total_q of the (H, total_q) arrays
-        steps.append(launch._step(problem, launch.plan(problem, "bwd_delta"),
-                                  (math.ceil(problem.H * shape.total_q / 8), 1, 1)))
-        steps.append(launch._step(problem, dq, (math.ceil(problem.M / dq.tiles.block_m),
-                                                problem.H, problem.B)))
+        steps += _dq_steps(problem, shape)
     if problem.N > 0:
         dkv = launch.plan(problem, "bwd_dkv", varlen=True)
         steps.append(launch._step(problem, dkv, (math.ceil(problem.N / dkv.tiles.block_n),

@@ -32,10 +32,11 @@ def _prepare(q1, k1, q2, k2, v, cu_q, cu_k, w, max_q, max_k, causal, sm_scale):
 def varlen_fwd_op(
     q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     cu_seqlens_k: Tensor, w: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-    sm_scale: float,
+    sm_scale: float, deterministic: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Packed forward -> (o (total_q, H, D), lse (H, total_q) float32); see
-    :func:`cupy_piecewise.attention_varlen`."""
+    :func:`cupy_piecewise.attention_varlen`. ``deterministic`` is for the backward its
+    autograd formula runs."""
     pk = _prepare(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, w, max_seqlen_q, max_seqlen_k,
                   causal, sm_scale)
     return varlen_gpu.forward(pk, _adapter.OPS, q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k)
@@ -43,7 +44,7 @@ def varlen_fwd_op(
 
 @varlen_fwd_op.register_fake
 def _fwd_fake(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, w, max_seqlen_q, max_seqlen_k,
-              causal, sm_scale):
+              causal, sm_scale, deterministic=False):
     total_q, H, D = q1.shape
     return q1.new_empty((total_q, H, D)), q1.new_empty((H, total_q), dtype=torch.float32)
 
@@ -52,19 +53,22 @@ def _fwd_fake(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, w, max_seqlen_q, ma
 def varlen_bwd_op(
     do: Tensor, q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, o: Tensor,
     lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, w: int, max_seqlen_q: int,
-    max_seqlen_k: int, causal: bool, sm_scale: float, dlse: Optional[Tensor] = None,
+    max_seqlen_k: int, causal: bool, sm_scale: float, deterministic: bool = False,
+    dlse: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Packed backward -> (dq1, dk1, dq2, dk2, dv); see
-    :func:`cupy_piecewise.attention_varlen_backward`."""
+    :func:`cupy_piecewise.attention_varlen_backward`. ``deterministic`` or
+    ``torch.use_deterministic_algorithms(True)``: bitwise-reproducible gradients."""
     pk = _prepare(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, w, max_seqlen_q, max_seqlen_k,
                   causal, sm_scale)
+    det = deterministic or torch.are_deterministic_algorithms_enabled()
     return varlen_gpu.backward(pk, _adapter.OPS, do, q1, k1, q2, k2, v, o, lse, cu_seqlens_q,
-                               cu_seqlens_k, dlse)
+                               cu_seqlens_k, dlse, det)
 
 
 @varlen_bwd_op.register_fake
 def _bwd_fake(do, q1, k1, q2, k2, v, o, lse, cu_seqlens_q, cu_seqlens_k, w, max_seqlen_q,
-              max_seqlen_k, causal, sm_scale, dlse=None):
+              max_seqlen_k, causal, sm_scale, deterministic=False, dlse=None):
     return (q1.new_empty(q1.shape), k1.new_empty(k1.shape), q2.new_empty(q2.shape),
             k2.new_empty(k2.shape), v.new_empty(v.shape))
 
@@ -79,12 +83,12 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, dlse):
     q1, k1, q2, k2, v, o, lse, cu_q, cu_k = ctx.saved_tensors
     need = ctx.needs_input_grad[:5]
-    tail = (None,) * 7  # cu_seqlens and the scalars
+    tail = (None,) * (2 + len(ctx.scalars))  # cu_seqlens and the scalars
     if not any(need):
         return (None,) * 5 + tail
     if do is None:  # only lse reached the loss
         do = torch.zeros_like(o)
-    grads = varlen_bwd_op(do, q1, k1, q2, k2, v, o, lse, cu_q, cu_k, *ctx.scalars, dlse)
+    grads = varlen_bwd_op(do, q1, k1, q2, k2, v, o, lse, cu_q, cu_k, *ctx.scalars, dlse=dlse)
     return tuple(g if n else None for g, n in zip(grads, need)) + tail
 
 
@@ -101,7 +105,7 @@ def _scalars(q1, k1, q2, k2, v, cu_q, cu_k, w, max_q, max_k, causal, sm_scale):
 
 
 def attention_varlen(q1, k1, q2, k2, v, cu_q, cu_k, w, max_q, max_k, causal, sm_scale,
-                     return_lse):
+                     return_lse, deterministic=False):
     """``attention_varlen`` for torch CUDA tensors (see
     :func:`cupy_piecewise.attention_varlen`): through ``cupy_piecewise::varlen_fwd``, with
     autograd. Under ``torch.compile`` pass ``max_seqlen_q`` and ``max_seqlen_k``."""
@@ -115,12 +119,14 @@ def attention_varlen(q1, k1, q2, k2, v, cu_q, cu_k, w, max_q, max_k, causal, sm_
                 validate._check_causal(causal), scale)
     else:
         args = _scalars(q1, k1, q2, k2, v, cu_q, cu_k, w, max_q, max_k, causal, sm_scale)
-    o, lse = varlen_fwd_op(q1, k1, q2, k2, v, cu_q, cu_k, *args)
+    det = validate.check_deterministic(deterministic)
+    o, lse = varlen_fwd_op(q1, k1, q2, k2, v, cu_q, cu_k, *args, det)
     return (o, lse) if return_lse else o
 
 
 def attention_varlen_backward(do, q1, k1, q2, k2, v, o, lse, cu_q, cu_k, w, max_q, max_k,
-                              causal, sm_scale, dlse):
+                              causal, sm_scale, dlse, deterministic=False):
     """``attention_varlen_backward`` for torch CUDA tensors."""
     args = _scalars(q1, k1, q2, k2, v, cu_q, cu_k, w, max_q, max_k, causal, sm_scale)
-    return varlen_bwd_op(do, q1, k1, q2, k2, v, o, lse, cu_q, cu_k, *args, dlse)
+    return varlen_bwd_op(do, q1, k1, q2, k2, v, o, lse, cu_q, cu_k, *args,
+                         validate.check_deterministic(deterministic), dlse=dlse)

@@ -167,7 +167,8 @@ class Kernels:
         # 1. prep: delta, lse2 (padded), zero dQ accumulator
         pp = ctypes.create_string_buffer(_PREP_PARAMS.pack(
             o.data_ptr(), *o.stride()[:3], do.data_ptr(), *do.stride()[:3], lse.data_ptr(),
-            lse2.data_ptr(), delta.data_ptr(), acc.data_ptr() if dq else 0, B, H, M, Mpad, 0))
+            lse2.data_ptr(), delta.data_ptr(), acc.data_ptr() if dq else 0, B, H, M, Mpad, 0,
+            Mpad, 0))  # dlse none; rows = Mpad; cu_q none (dense)
         keep.append(self._launch(self.fns[prep_name(dtype, D)], ((H * Mpad + 7) // 8, B, 1), 256, 0,
                                  [ctypes.addressof(pp)], stream))
         # 2. main kernel
@@ -178,7 +179,7 @@ class Kernels:
         bp = ctypes.create_string_buffer(_BWD_PARAMS.pack(
             dk1.data_ptr(), *dk1.stride()[:3], dk2.data_ptr(), *dk2.stride()[:3],
             dv.data_ptr(), *dv.stride()[:3], acc.data_ptr() if dq else 0, lse2.data_ptr(),
-            delta.data_ptr(), B, H, H // Hkv, M, N, Mpad, wc, N - M, scale * LOG2E, scale))
+            delta.data_ptr(), B, H, H // Hkv, M, N, Mpad, wc, N - M, scale * LOG2E, scale, 0, 0))
         ptrs = [m.address() for m in maps] + [ctypes.addressof(bp)]
         keep.append(self._launch(self.fns[main_name(dtype, D, causal, dq)], ((N + BN - 1) // BN, Hkv, B),
                                  THREADS, smem_bytes(D), ptrs, stream))
@@ -186,7 +187,7 @@ class Kernels:
         if dq:
             cp = ctypes.create_string_buffer(_CONV_PARAMS.pack(
                 dq1.data_ptr(), *dq1.stride()[:3], dq2.data_ptr(), *dq2.stride()[:3],
-                acc.data_ptr(), B, H, M, Mpad, scale))
+                acc.data_ptr(), B, H, M, Mpad, scale, M, 0))
             keep.append(self._launch(self.fns[conv_name(dtype, D)], ((H * M + 7) // 8, B, 1), 256, 0,
                                      [ctypes.addressof(cp)], stream))
         self._keep = (keep, maps, pp, bp)  # alive until the launches have copied them (they have)

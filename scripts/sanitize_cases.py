@@ -114,11 +114,12 @@ for D in _dims(capability.head_dims(cc)) if "varlen" not in _skip else ():
     for dtype in ("float16", "bfloat16"):
         for causal in (False, True):
             run_packed([65, 0, 3], [40, 9, 129], D=D, dtype=dtype, causal=causal, w=20)
-            if hopper and D in capability.HOPPER_HEAD_DIMS:  # the Hopper packed forward
+            if hopper and D in capability.HOPPER_HEAD_DIMS:  # the Hopper packed kernels
                 os.environ[capability.PATH_VAR] = "hopper"
                 capability.refresh_env_override()
-                run_packed([130, 0, 17, 200], [140, 9, 129, 150], D=D, dtype=dtype,
-                           causal=causal, w=20)
+                for det in (False, True):  # dQ by atomics; dQ by the mma.sync dq kernel
+                    run_packed([130, 0, 17, 200], [140, 9, 129, 150], D=D, dtype=dtype,
+                               causal=causal, w=20, deterministic=det)
                 os.environ.pop(capability.PATH_VAR)
                 capability.refresh_env_override()
             print(f"ok varlen {dtype} causal={causal} D={D}", flush=True)

@@ -12,7 +12,7 @@ import time
 
 
 from cupy_piecewise import build_check, capability
-from cupy_piecewise.compile import ROW_KERNELS, Variant, compile_offline
+from cupy_piecewise.compile import HOPPER_KERNELS, ROW_KERNELS, Variant, compile_offline
 
 SM90 = (9, 0)
 
@@ -67,23 +67,29 @@ def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatc
         dims = kv_dims if row_kernel == "kv_append" else set(head_dims)
         assert have == set(itertools.product(dims, capability.TABLE_DTYPES)), row_kernel
     hopper = build_check.variants_for(SM90, hopper=True)
-    assert {(v.head_dim, v.dtype, v.causal) for v in hopper if v.varlen} == set(itertools.product(
-        capability.HOPPER_HEAD_DIMS, capability.TABLE_DTYPES, (False, True)))
-    assert {v.phase for v in hopper if v.varlen} == {"fwd_sm90"}
+    # every Hopper kernel has a packed-batch (VARLEN) build: forward, backward and its helpers
+    assert {(v.phase, v.head_dim, v.dtype, v.causal) for v in hopper if v.varlen} == {
+        (v.phase, v.head_dim, v.dtype, v.causal) for v in hopper if not v.varlen}
+    assert {v.phase for v in hopper if v.varlen} == set(HOPPER_KERNELS)
+    assert {(v.head_dim, v.dtype, v.causal) for v in hopper if v.phase == "bwd_sm90"} == set(
+        itertools.product(capability.HOPPER_HEAD_DIMS, capability.TABLE_DTYPES, (False, True)))
     assert all(v.tiles is None for v in variants if v.phase in ROW_KERNELS)
 
 
 def test_hopper_kernels_build_for_sm90a(capsys, nvrtc):
     """--arch sm_90a compiles every Hopper variant the launch layer can select (the names
     launch.HopperLaunches, varlen_launch.HopperVarlenLaunches and launch.HopperBackward ask
-    for), with no spills: 8 forward and 8 packed-batch forward, 16 backward (fused dQ or
-    deterministic), 4 prep and 4 dQ-convert kernels."""
+    for), with no spills: 8 forward, 16 backward (fused dQ or deterministic), 4 prep and 4
+    dQ-convert kernels, each dense and packed (VARLEN)."""
     assert build_check.main(["--arch", "sm_90a"]) == 0
     out = capsys.readouterr().out
-    assert "40 variants compiled for sm_90a" in out and "pw90_forward<pw90::bf16, 128, true>" in out
+    assert "64 variants compiled for sm_90a" in out and "pw90_forward<pw90::bf16, 128, true>" in out
     assert "pw90_forward<pw90::f16, 64, false, true>" in out
     for name in ("pw90_bwd<pw90::f16, 128, true, true>", "pw90_bwd<pw90::bf16, 64, false, false>",
-                 "pw90_bwd_prep<pw90::bf16, 64>", "pw90_bwd_dq_convert<pw90::f16, 128>"):
+                 "pw90_bwd_prep<pw90::bf16, 64>", "pw90_bwd_dq_convert<pw90::f16, 128>",
+                 "pw90_bwd<pw90::bf16, 128, true, true, true>",
+                 "pw90_bwd<pw90::f16, 64, false, false, true>",
+                 "pw90_bwd_prep<pw90::f16, 128, true>", "pw90_bwd_dq_convert<pw90::bf16, 64, true>"):
         assert name in out, name
 
 

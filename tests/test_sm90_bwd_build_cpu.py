@@ -25,17 +25,20 @@ ROOT = Path(__file__).resolve().parents[1]
 ELEM = {"bfloat16": "pw90::bf16", "float16": "pw90::f16"}
 
 
-def _main(t, d, c, q):
-    return f"pw90_bwd<{ELEM[t]}, {d}, {'true' if c else 'false'}, {'true' if q else 'false'}>"
+def _main(t, d, c, q, varlen=False):
+    flags = ", true" if varlen else ""  # the packed-batch build (VARLEN)
+    return f"pw90_bwd<{ELEM[t]}, {d}, {'true' if c else 'false'}, {'true' if q else 'false'}{flags}>"
 
 
-MAIN = [(t, d, c, q) for t in ELEM for d in (64, 128) for c in (False, True) for q in (True, False)]
-HELPERS = ([f"pw90_bwd_prep<{ELEM[t]}, {d}>" for t in ELEM for d in (64, 128)]
-           + [f"pw90_bwd_dq_convert<{ELEM[t]}, {d}>" for t in ELEM for d in (64, 128)])
+MAIN = [(t, d, c, q, vl) for t in ELEM for d in (64, 128) for c in (False, True)
+        for q in (True, False) for vl in (False, True)]
+HELPERS = ([f"pw90_bwd_prep<{ELEM[t]}, {d}{vl}>" for t in ELEM for d in (64, 128) for vl in ("", ", true")]
+           + [f"pw90_bwd_dq_convert<{ELEM[t]}, {d}{vl}>" for t in ELEM for d in (64, 128)
+              for vl in ("", ", true")])
 NAMES = [_main(*k) for k in MAIN] + HELPERS
 
 
-def _known_gap(t, d, c, q):
+def _known_gap(t, d, c, q, varlen):
     """Instantiations allowed to spill or serialise wgmma (xfail): none at present."""
     return False
 
@@ -204,3 +207,27 @@ def test_tile_walk_covers_every_pair_once(causal, M, N, w):
     want2 = (adm & (d >= wc)).astype(int)
     assert np.array_equal(count[1], want1), "pass 1 (d < w) coverage"
     assert np.array_equal(count[2], want2), "pass 2 (d >= w) coverage"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_packed_statistics_layout_gives_each_sequence_its_own_tiles(seed):
+    """The packed backward's padded statistics (kernels_cu/sm90/backward.cu, BwdSeq): sequence
+    b's rows start at row0 = floor((cu_q[b] + 64 b) / 64) * 64, a multiple of 64; the
+    ceil(M_b / 64) whole tiles the kernels touch there never reach the next sequence's row0,
+    and all fit the Mpad rows launch.HopperBackward allocates (a multiple of 64, so that each
+    head's rows start 16-byte aligned for the 1-D bulk copies)."""
+    import math
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 40))
+    lens = rng.choice([0, 1, 63, 64, 65, 127, 128, 129, int(rng.integers(1, 3000))], size=B)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    bm = 64
+    mpad = math.ceil((int(cu[-1]) + bm * B) / bm) * bm  # launch.HopperBackward, packed
+    assert mpad % bm == 0
+    row0 = [(int(cu[b]) + bm * b) // bm * bm for b in range(B)]
+    ends = [r + math.ceil(int(m) / bm) * bm for r, m in zip(row0, lens)]
+    assert all(r % bm == 0 for r in row0)
+    assert all(e <= n for e, n in zip(ends, row0[1:] + [mpad])), (lens, row0, ends, mpad)

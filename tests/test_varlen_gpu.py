@@ -70,7 +70,9 @@ def _reference(host, cu, w, causal, sm_scale, dtype, do=None, o=None, lse=None, 
     return ([pack(outs_ref, i, "g") for i in range(5)], [pack(outs_low, i, "g") for i in range(5)])
 
 
-def run_packed(lq, lk, D=64, dtype="bfloat16", causal=False, w=3, H=4, Hkv=2, give_max=True):
+def run_packed(lq, lk, D=64, dtype="bfloat16", causal=False, w=3, H=4, Hkv=2, give_max=True,
+               deterministic=False):
+    """One packed call and its backward against the reference; returns the gradients (CuPy)."""
     import cupy
 
     seed = int(np.random.SeedSequence().entropy % 2**63)
@@ -107,13 +109,20 @@ def run_packed(lq, lk, D=64, dtype="bfloat16", causal=False, w=3, H=4, Hkv=2, gi
     with poisoned_outputs():
         grads = cupy_piecewise.attention_varlen_backward(
             do_d, *dev, o, lse, *cu_d, w, causal=causal, sm_scale=float(sm_scale),
-            dlse=cupy.asarray(dlse_h), **kw)
+            dlse=cupy.asarray(dlse_h), deterministic=deterministic, **kw)
     for name, got, ref, low in zip(("dq1", "dk1", "dq2", "dk2", "dv"), grads, grads_ref, grads_low):
         assert got.shape == ref.shape and got.dtype == dev[0].dtype
         verdict = tolerance.compare(name, to_host(got), ref, low, dtype)
         assert verdict.passed, f"{verdict} (seed {seed}, lengths {lq} / {lk})"
     for a, b in zip(dev, before):
         assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), "an input was written"
+    if deterministic:  # a second run gives the same bits
+        again = cupy_piecewise.attention_varlen_backward(
+            do_d, *dev, o, lse, *cu_d, w, causal=causal, sm_scale=float(sm_scale),
+            dlse=cupy.asarray(dlse_h), deterministic=True, **kw)
+        for name, a, b in zip(("dq1", "dk1", "dq2", "dk2", "dv"), grads, again):
+            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"{name} changed"
+    return grads
 
 
 @pytest.mark.parametrize("lq,lk", LENS, ids=[f"case{i}" for i in range(len(LENS))])
@@ -122,8 +131,17 @@ def run_packed(lq, lk, D=64, dtype="bfloat16", causal=False, w=3, H=4, Hkv=2, gi
                                      ("float16", 32)])
 def test_packed_batches_match_reference(kernel_path, lq, lk, causal, dtype, D):
     """On the mma.sync kernels and (CUPY_PIECEWISE_PATH=hopper, on an H100/H200, head dims 64
-    and 128) the Hopper forward built for packed batches; the backward is the mma.sync one."""
+    and 128) the Hopper forward and backward built for packed batches (dQ by atomics)."""
     run_packed(lq, lk, D=D, dtype=dtype, causal=causal, w=max(1, max(lk) // 3))
+
+
+@pytest.mark.parametrize("lq,lk", LENS[3:], ids=[f"case{i}" for i in range(3, len(LENS))])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,D", [("float16", 64), ("bfloat16", 128)])
+def test_packed_deterministic_backward(kernel_path, lq, lk, causal, dtype, D):
+    """deterministic=True: the reference by the rule and equal bits on a second run (on the
+    Hopper path dK/dV from pw90_bwd without dQ, dQ from the packed mma.sync dq kernel)."""
+    run_packed(lq, lk, D=D, dtype=dtype, causal=causal, w=max(1, max(lk) // 3), deterministic=True)
 
 
 @pytest.mark.parametrize("D", [16, 80, 96, 256])
@@ -132,9 +150,10 @@ def test_packed_other_head_dims_and_w(D, w):
     run_packed([130, 0, 40], [100, 7, 300], D=D, dtype="bfloat16", causal=True, w=w, H=2, Hkv=1)
 
 
-def test_packed_forward_takes_the_hopper_kernel_on_hopper(monkeypatch):
+def test_packed_batch_takes_the_hopper_kernels_on_hopper(monkeypatch):
     """With CUPY_PIECEWISE_PATH=hopper a packed D = 128 forward runs pw90_forward<..., true>
-    on compute capability 9.0 (and the mma.sync packed kernel elsewhere)."""
+    and its backward pw90_bwd<..., true> on compute capability 9.0 (and the mma.sync packed
+    kernels elsewhere)."""
     import cupy
 
     from cupy_piecewise import capability, launch, varlen_gpu, varlen_launch
@@ -147,6 +166,9 @@ def test_packed_forward_takes_the_hopper_kernel_on_hopper(monkeypatch):
     on_hopper = launch._compute_capability(cupy.cuda.Device().id) == (9, 0)
     assert made and all(isinstance(m, varlen_launch.HopperVarlenLaunches) == on_hopper
                         for m in made)
+    made = [v for k, v in varlen_gpu._launch_memo._data.items() if k[0] == "bwd"]
+    assert made and all(isinstance(m, launch.HopperBackward) == on_hopper for m in made)
+    assert all(m.arrays == varlen_launch.BACKWARD_ARRAYS for m in made)
 
 
 def test_packed_without_max_seqlen_reads_and_checks_the_totals():
@@ -229,6 +251,22 @@ def test_torch_packed_autograd_compile_and_cuda_graph():
     for name, a, x in zip(("dq1", "dk1", "dq2", "dk2", "dv"), got, leaves):
         err = (a.float() - x.grad.float()).norm() / x.grad.float().norm().clamp_min(1e-30)
         assert err < 2e-2, f"{name}: relative L2 {float(err):.3g} against per-sequence calls"
+
+    # deterministic=True through autograd: the same rule against the per-sequence calls,
+    # and equal bits on a second run
+    det = []
+    for _ in range(2):
+        for x in leaves:
+            x.grad = None
+        o2, lse2 = cupy_piecewise.attention_varlen(*leaves, cq, ck, 20, causal=True, return_lse=True,
+                                                   max_seqlen_q=max(lq), max_seqlen_k=max(lk),
+                                                   deterministic=True)
+        ((o2.float() * do.float()).sum() + (lse2 * wl).sum()).backward()
+        det.append([x.grad.clone() for x in leaves])
+    for name, a, b, x in zip(("dq1", "dk1", "dq2", "dk2", "dv"), det[0], det[1], got):
+        assert torch.equal(a, b), f"{name}: deterministic=True changed between runs"
+        err = (a.float() - x.float()).norm() / x.float().norm().clamp_min(1e-30)
+        assert err < 2e-2, f"{name}: relative L2 {float(err):.3g} (deterministic)"
 
     # torch.compile(fullgraph=True) traces the operator
     fn = torch.compile(lambda *a: cupy_piecewise.attention_varlen(

@@ -1,7 +1,8 @@
 // Piecewise-attention backward for Hopper (sm_90a): TMA + mbarrier ring, wgmma, warp
 // specialisation. The package's backward on compute capability 9.0 for float16/bfloat16 and
-// D = 64, 128 (cupy_piecewise/launch.py, HopperBackward); scripts/hopper_bwd_probe.py builds,
-// checks and times it standalone.
+// D = 64, 128 (cupy_piecewise/launch.py, HopperBackward), dense or, built with VARLEN, over a
+// packed batch of variable-length sequences (BwdSeq below); scripts/hopper_bwd_probe.py
+// builds, checks and times the dense build standalone.
 //
 // Three kernels, launched in this order on one stream:
 //   pw90_bwd_prep<T, D>     one warp per (b, h, padded query row): delta = rowsum(dO * O),
@@ -112,7 +113,44 @@ struct BwdParams {
   i64 shift;                       // P of d(i, j) = i + P - j: N - M, or within [-M, N]
   float scale_log2;     // sm_scale * log2(e)
   float sm_scale;
+  // Packed variable-length batch (kernel built with VARLEN; else unused): B + 1 int32 running
+  // totals of the query and key rows. The tensor maps then describe the packed (total, heads,
+  // D) arrays as batch 1, dk1/dk2/dv have batch stride 0, B is 1, and Mpad is the row count of
+  // the padded statistics (see BwdSeq): lse2/delta (H, Mpad), dq_acc (2, H, Mpad, D).
+  const int* cu_q;
+  const int* cu_k;
 };
+
+// The rows of one CTA's sequence: batch entry b (dense) or packed sequence b (VARLEN). q0/k0:
+// its first query/key rows in the arrays the tensor maps describe; tb: the batch coordinate of
+// those maps and of the statistics; row0: the statistics row of its query row 0. Packed
+// sequences get FlashAttention-3's padded layout, row0 = floor((q0 + 64 b) / 64) * 64: a
+// multiple of 64 (the 1-D bulk copies of lse2/delta need 16-byte aligned sources), with at
+// least ceil(M / 64) * 64 rows before the next sequence's row0, so that the padding rows of
+// a sequence's last tile are its own (+inf lse2: P = 0 for the next sequence's queries that
+// the tile's TMA box reaches). The arrays hold Mpad = total_q + 64 B rows rounded up to 64
+// (so that every head's rows start 16-byte aligned too).
+struct BwdSeq {
+  int M, N, P, q0, k0, tb, row0;
+};
+
+template <bool VARLEN, typename Prm> PW90 BwdSeq bwd_seq(const Prm& p, int b) {
+  BwdSeq s;
+  if constexpr (VARLEN) {
+    s.q0 = p.cu_q[b], s.M = p.cu_q[b + 1] - s.q0;
+    s.tb = 0, s.row0 = (int)(((i64)s.q0 + 64 * (i64)b) / 64 * 64);
+  } else {
+    s.M = (int)p.M, s.q0 = 0, s.tb = b, s.row0 = 0;
+  }
+  return s;
+}
+template <bool VARLEN> PW90 void bwd_keys(const BwdParams& p, int b, BwdSeq& s) {
+  if constexpr (VARLEN) {
+    s.k0 = p.cu_k[b], s.N = p.cu_k[b + 1] - s.k0, s.P = s.N - s.M;
+  } else {
+    s.k0 = 0, s.N = (int)p.N, s.P = (int)p.shift;
+  }
+}
 
 template <int D> struct Smem {
   static constexpr int PANELS = D / 64;
@@ -265,21 +303,21 @@ PW90 void gemm_rs(float (&acc)[D / 2], const u32 (&a)[BM / 16][4], u32 b) {
     Wgmma<T, D>::template rs<1>(acc, a[kk], smem_desc(b + kk * 2048, Q_PANEL, 1024), 1);
 }
 
-template <typename T, int D, bool CAUSAL, bool DQ>
+template <typename T, int D, bool CAUSAL, bool DQ, bool VARLEN>
 PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0, int n0, int hk,
-                   int b) {
+                   int b, const BwdSeq sq) {
   using S = Smem<D>;
   constexpr int QH = Chunks<D>::QH, NC = Chunks<D>::NC;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // Broadcast so that ptxas knows the warpgroup index is warp-uniform (no wgmma serialisation).
   const int wg = __shfl_sync(0xffffffffu, warp / 4 - 1, 0), wl = warp % 4;
   // Lengths are below 2^30 and w is clamped to [-(M+N+1), M+N+1]: distances fit 32 bits.
-  const int M = (int)p.M, N = (int)p.N, P = (int)p.shift, w = (int)p.w;
+  const int M = sq.M, N = sq.N, P = sq.P, w = (int)p.w;
   const int kw0 = n0 + 64 * wg;  // first key of this warpgroup
   const float sl2 = p.scale_log2;
   const int group = (int)p.group;
   Walk walk;
-  walk.template init<CAUSAL>(M, p.shift, w, n0);
+  walk.template init<CAUSAL>(M, P, w, n0);
   const bool any = walk.lo(1) < walk.hi(1) || walk.lo(2) < walk.hi(2);  // producer loaded K/V
   if (any) mbar_wait(kbar, 0);
 
@@ -299,11 +337,15 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
     u32 lid;
     asm volatile("mov.u32 %0, %%laneid;" : "=r"(lid));
     const int r0 = kw0 + 16 * wl + (int)(lid / 4);
+    // A packed sequence's first key row, re-read (volatile) rather than kept live through
+    // the passes: the registers are all taken there.
+    int k0 = 0;
+    if constexpr (VARLEN) asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(k0) : "l"(p.cu_k + b));
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = r0 + 8 * hh;
       if (r < N) {
-        u16* dst = ptr + (i64)b * sb + (i64)hk * sh + (i64)r * sr + 2 * (lid % 4);
+        u16* dst = ptr + (i64)b * sb + (i64)hk * sh + (i64)(k0 + r) * sr + 2 * (lid % 4);
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
           *reinterpret_cast<u32*>(dst + 8 * j) =
@@ -444,7 +486,7 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
           // halves the float32 atomic traffic (the bound of this kernel: 4 B x M x D per key
           // tile and pass) against each adding its own 64 keys.
 #if !PW90_BWD_DQ_BULK
-          float* dst = p.dq_acc + ((((i64)(PAIR - 1) * p.B + b) * p.H + h) * p.Mpad + m0) * D;  // tile block
+          float* dst = p.dq_acc + ((((i64)(PAIR - 1) * p.B + sq.tb) * p.H + h) * p.Mpad + sq.row0 + m0) * D;  // tile block
 #endif
           const u32 dsb = base + S::DS + slot * S::DS_BYTES;
 #pragma unroll
@@ -478,7 +520,7 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
             fence_proxy_async();
             named_bar_sync(3 + wg, 128);
             if (issuer) {  // the tile's block of the accumulator, computed here (registers)
-              float* dst = p.dq_acc + ((((i64)(PAIR - 1) * p.B + b) * p.H + h) * p.Mpad + m0) * D;
+              float* dst = p.dq_acc + ((((i64)(PAIR - 1) * p.B + sq.tb) * p.H + h) * p.Mpad + sq.row0 + m0) * D;
               bulk_reduce_add_f32(dst + pn * 4096, buf, S::DQBUF_BYTES);
               bulk_commit();
             }
@@ -506,18 +548,19 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
 template <int D, bool CAUSAL>
 PW90 void producer(const BwdParams& p, const TmaDesc* tq1, const TmaDesc* tq2, const TmaDesc* tdo,
                    const TmaDesc* tk1, const TmaDesc* tk2, const TmaDesc* tv, u32 base, u32 kbar,
-                   u32 full0, u32 empty0, int n0, int hk, int b) {
+                   u32 full0, u32 empty0, int n0, int hk, const BwdSeq sq) {
   using S = Smem<D>;
   Walk walk;
-  walk.template init<CAUSAL>(p.M, p.shift, p.w, n0);
+  walk.template init<CAUSAL>(sq.M, sq.P, p.w, n0);
+  const int b = sq.tb, kr = sq.k0 + n0;  // TMA batch coordinate; first key row of the tile
   const bool need1 = walk.lo(1) < walk.hi(1), need2 = walk.lo(2) < walk.hi(2);
   if (!need1 && !need2) return;  // no query sees these keys: the consumers store zeros
   mbar_expect_tx(kbar, ((need1 ? 1 : 0) + (need2 ? 1 : 0) + 1) * S::K_TILE);
 #pragma unroll
   for (int pn = 0; pn < S::PANELS; ++pn) {
-    if (need1) tma_load_4d(base + S::K1 + pn * S::K_PANEL, tk1, 64 * pn, n0, hk, b, kbar);
-    if (need2) tma_load_4d(base + S::K2 + pn * S::K_PANEL, tk2, 64 * pn, n0, hk, b, kbar);
-    tma_load_4d(base + S::V + pn * S::K_PANEL, tv, 64 * pn, n0, hk, b, kbar);
+    if (need1) tma_load_4d(base + S::K1 + pn * S::K_PANEL, tk1, 64 * pn, kr, hk, b, kbar);
+    if (need2) tma_load_4d(base + S::K2 + pn * S::K_PANEL, tk2, 64 * pn, kr, hk, b, kbar);
+    tma_load_4d(base + S::V + pn * S::K_PANEL, tv, 64 * pn, kr, hk, b, kbar);
   }
   const int group = (int)p.group;
   int g = 0;
@@ -525,8 +568,8 @@ PW90 void producer(const BwdParams& p, const TmaDesc* tq1, const TmaDesc* tq2, c
   for (int pair = 1; pair <= 2; ++pair)
     for (int hq = 0; hq < group; ++hq) {
       const int h = hk * group + hq;
-      const float* lse2 = p.lse2 + ((i64)b * p.H + h) * p.Mpad;
-      const float* delta = p.delta + ((i64)b * p.H + h) * p.Mpad;
+      const float* lse2 = p.lse2 + ((i64)b * p.H + h) * p.Mpad + sq.row0;
+      const float* delta = p.delta + ((i64)b * p.H + h) * p.Mpad + sq.row0;
       for (int t = walk.lo(pair); t < walk.hi(pair); ++t) {
         if (!walk.template visit<CAUSAL>(pair, t)) continue;
         const int stage = g & 1;
@@ -538,8 +581,8 @@ PW90 void producer(const BwdParams& p, const TmaDesc* tq1, const TmaDesc* tq2, c
         mbar_expect_tx(fb, 2 * S::Q_TILE + 2 * BM * 4);
 #pragma unroll
         for (int pn = 0; pn < S::PANELS; ++pn) {  // Q of the pass's pair, then dO
-          tma_load_4d(st + pn * S::Q_PANEL, pair == 1 ? tq1 : tq2, 64 * pn, m0, h, b, fb);
-          tma_load_4d(st + S::Q_TILE + pn * S::Q_PANEL, tdo, 64 * pn, m0, h, b, fb);
+          tma_load_4d(st + pn * S::Q_PANEL, pair == 1 ? tq1 : tq2, 64 * pn, sq.q0 + m0, h, b, fb);
+          tma_load_4d(st + S::Q_TILE + pn * S::Q_PANEL, tdo, 64 * pn, sq.q0 + m0, h, b, fb);
         }
         bulk_load(stats, lse2 + m0, BM * 4, fb);
         bulk_load(stats + BM * 4, delta + m0, BM * 4, fb);
@@ -559,6 +602,8 @@ struct PrepParams {
   float* dq_acc;     // (2, B, H, Mpad, D) zeroed here; null: not touched
   i64 B, H, M, Mpad;
   const float* dlse;  // (B, H, M) contiguous gradient of lse, or null: delta -= dlse
+  i64 rows;           // padded rows per (b, h) of the grid: Mpad, or (VARLEN) the longest sequence's
+  const int* cu_q;    // VARLEN: B + 1 running totals; M is total_q, lse/dlse (H, total_q), B 1
 };
 
 struct ConvertParams {
@@ -569,29 +614,34 @@ struct ConvertParams {
   const float* dq_acc;  // (2, B, H, Mpad, D)
   i64 B, H, M, Mpad;
   float sm_scale;
+  i64 rows;           // query rows per (b, h) of the grid: M, or (VARLEN) the longest sequence
+  const int* cu_q;    // VARLEN: B + 1 running totals (then M is total_q and B is 1)
 };
 
 // Host packers (cupy_piecewise/launch.py _BWD_*, scripts/hopper_bwd_probe.py) rely on these sizes.
-static_assert(sizeof(BwdParams) == 192, "BwdParams layout");
-static_assert(sizeof(PrepParams) == 136, "PrepParams layout");
-static_assert(sizeof(ConvertParams) == 112, "ConvertParams layout");
+static_assert(sizeof(BwdParams) == 208, "BwdParams layout");
+static_assert(sizeof(PrepParams) == 152, "PrepParams layout");
+static_assert(sizeof(ConvertParams) == 128, "ConvertParams layout");
 
 }  // namespace bwd
 }  // namespace pw90
 
-// Grid (ceil(H * Mpad / 8), B); 256 threads: one warp per padded row.
-template <typename T, int D>
+// Grid (ceil(H * rows / 8), B); 256 threads: one warp per padded row (rows = Mpad). VARLEN:
+// rows = the longest sequence rounded up to 64; a warp past its sequence's padded rows leaves.
+template <typename T, int D, bool VARLEN = false>
 __global__ void __launch_bounds__(256) pw90_bwd_prep(const pw90::bwd::PrepParams p) {
   using namespace pw90;
   const i64 row = (i64)blockIdx.x * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (row >= p.H * p.Mpad) return;
-  const i64 b = blockIdx.y, h = row / p.Mpad, i = row % p.Mpad;
-  const i64 idx = (b * p.H + h) * p.Mpad + i;
+  if (row >= p.H * p.rows) return;
+  const bwd::BwdSeq sq = bwd::bwd_seq<VARLEN>(p, blockIdx.y);
+  const i64 b = sq.tb, h = row / p.rows, i = row % p.rows, M = sq.M;
+  if (VARLEN && i >= (M + 63) / 64 * 64) return;
+  const i64 idx = (b * p.H + h) * p.Mpad + sq.row0 + i;
   float acc = 0.f;
-  if (i < p.M) {
-    const u16* o = p.o + b * p.o_sb + h * p.o_sh + i * p.o_sr;
-    const u16* d = p.dout + b * p.do_sb + h * p.do_sh + i * p.do_sr;
+  if (i < M) {
+    const u16* o = p.o + b * p.o_sb + h * p.o_sh + (sq.q0 + i) * p.o_sr;
+    const u16* d = p.dout + b * p.do_sb + h * p.do_sh + (sq.q0 + i) * p.do_sr;
     for (int c = 2 * lane; c < D; c += 64) {
       const u32 ov = *reinterpret_cast<const u32*>(o + c), dv = *reinterpret_cast<const u32*>(d + c);
       acc += bwd::ToF<T>::f((u16)(ov & 0xffff)) * bwd::ToF<T>::f((u16)(dv & 0xffff));
@@ -601,37 +651,41 @@ __global__ void __launch_bounds__(256) pw90_bwd_prep(const pw90::bwd::PrepParams
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (lane == 0) {
-    const float l = i < p.M ? p.lse[(b * p.H + h) * p.M + i] : PW90_NEG_INF;
+    const i64 li = (b * p.H + h) * p.M + sq.q0 + i;  // lse: (B, H, M) or (H, total_q)
+    const float l = i < M ? p.lse[li] : PW90_NEG_INF;
     // lse = -inf: no admissible key; lse2 = +inf makes P = exp2(s - lse2) = 0 for the row
     p.lse2[idx] = l == PW90_NEG_INF ? -PW90_NEG_INF : l * PW90_LOG2E;
     // a gradient into lse: ds = p * (dp - delta + dlse); none on rows without keys
-    if (p.dlse != nullptr && l != PW90_NEG_INF) acc -= p.dlse[(b * p.H + h) * p.M + i];
+    if (p.dlse != nullptr && l != PW90_NEG_INF) acc -= p.dlse[li];
     p.delta[idx] = acc;
   }
   if (p.dq_acc) {
 #pragma unroll
     for (int pair = 0; pair < 2; ++pair) {
       // row i of the tile's D x 64 block: zero its D elements wherever dq_index puts them
-      float* z = p.dq_acc + (((i64)pair * p.B + b) * p.H + h) * p.Mpad * D + (i / 64) * 64 * D;
+      float* z = p.dq_acc + (((i64)pair * p.B + b) * p.H + h) * p.Mpad * D + (sq.row0 + (i / 64) * 64) * D;
       for (int c = 2 * lane; c < D; c += 64)
         *reinterpret_cast<float2*>(z + bwd::dq_index<D>((int)(i % 64), c)) = make_float2(0.f, 0.f);
     }
   }
 }
 
-// Grid (ceil(H * M / 8), B); 256 threads: one warp per row.
-template <typename T, int D>
+// Grid (ceil(H * rows / 8), B); 256 threads: one warp per row (rows = M, or with VARLEN the
+// longest sequence: a warp past its sequence's end leaves).
+template <typename T, int D, bool VARLEN = false>
 __global__ void __launch_bounds__(256) pw90_bwd_dq_convert(const pw90::bwd::ConvertParams p) {
   using namespace pw90;
   const i64 row = (i64)blockIdx.x * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (row >= p.H * p.M) return;
-  const i64 b = blockIdx.y, h = row / p.M, i = row % p.M;
+  if (row >= p.H * p.rows) return;
+  const bwd::BwdSeq sq = bwd::bwd_seq<VARLEN>(p, blockIdx.y);
+  const i64 b = sq.tb, h = row / p.rows, i = row % p.rows, r = sq.q0 + i;
+  if (VARLEN && i >= sq.M) return;
 #pragma unroll
   for (int pair = 0; pair < 2; ++pair) {
-    const float* src = p.dq_acc + (((i64)pair * p.B + b) * p.H + h) * p.Mpad * D + (i / 64) * 64 * D;
-    u16* dst = pair == 0 ? p.dq1 + b * p.dq1_sb + h * p.dq1_sh + i * p.dq1_sr
-                         : p.dq2 + b * p.dq2_sb + h * p.dq2_sh + i * p.dq2_sr;
+    const float* src = p.dq_acc + (((i64)pair * p.B + b) * p.H + h) * p.Mpad * D + (sq.row0 + (i / 64) * 64) * D;
+    u16* dst = pair == 0 ? p.dq1 + b * p.dq1_sb + h * p.dq1_sh + r * p.dq1_sr
+                         : p.dq2 + b * p.dq2_sb + h * p.dq2_sh + r * p.dq2_sr;
     for (int c = 2 * lane; c < D; c += 64) {
       const float2 v = *reinterpret_cast<const float2*>(src + bwd::dq_index<D>((int)(i % 64), c));
       *reinterpret_cast<u32*>(dst + c) = Cvt<T>::pack(v.x * p.sm_scale, v.y * p.sm_scale);
@@ -643,7 +697,11 @@ __global__ void __launch_bounds__(256) pw90_bwd_dq_convert(const pw90::bwd::Conv
 // Tensor maps (cupy_piecewise/tma.py tensor_map_bhld): 4-D {D, rows, heads, batch}, box
 // {64, 64, 1, 1} for q1, q2, dout over (M, H) and {64, 128, 1, 1} for k1, k2, v over (N, Hkv);
 // 128-byte swizzle, zero fill out of bounds.
-template <typename T, int D, bool CAUSAL, bool DQ>
+// VARLEN (a packed variable-length batch): the maps describe the packed arrays as batch 1, the
+// grid is (ceil(longest key sequence / 128), Hkv, B), and a CTA whose key tile starts past its
+// sequence's end leaves at once. Query rows of the next sequence that a tile's box reaches
+// get P = 0 from the +inf padding of lse2 (BwdSeq); key rows of it are masked and not stored.
+template <typename T, int D, bool CAUSAL, bool DQ, bool VARLEN = false>
 __global__ void __launch_bounds__(pw90::bwd::THREADS, 1)
     pw90_bwd(const __grid_constant__ pw90::TmaDesc tq1, const __grid_constant__ pw90::TmaDesc tq2,
              const __grid_constant__ pw90::TmaDesc tdo, const __grid_constant__ pw90::TmaDesc tk1,
@@ -657,6 +715,9 @@ __global__ void __launch_bounds__(pw90::bwd::THREADS, 1)
   const u32 kbar = base + S::BARS, full0 = kbar + 8, empty0 = kbar + 8 + 8 * STAGES;
   const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  BwdSeq sq = bwd_seq<VARLEN>(p, b);
+  bwd_keys<VARLEN>(p, b, sq);
+  if (VARLEN && n0 >= sq.N) return;  // uniform over the CTA, before any barrier is used
 
   if (threadIdx.x == 0) {
     mbar_init(kbar, 1);
@@ -674,10 +735,10 @@ __global__ void __launch_bounds__(pw90::bwd::THREADS, 1)
       tma_prefetch_desc(&tq1);
       tma_prefetch_desc(&tq2);
       tma_prefetch_desc(&tdo);
-      producer<D, CAUSAL>(p, &tq1, &tq2, &tdo, &tk1, &tk2, &tv, base, kbar, full0, empty0, n0, hk, b);
+      producer<D, CAUSAL>(p, &tq1, &tq2, &tdo, &tk1, &tk2, &tv, base, kbar, full0, empty0, n0, hk, sq);
     }
   } else {  // ------------------------------------------------------------------------ consumers
     regs_inc<CONSUMER_REGS>();
-    consumer<T, D, CAUSAL, DQ>(p, base, kbar, full0, empty0, n0, hk, b);
+    consumer<T, D, CAUSAL, DQ, VARLEN>(p, base, kbar, full0, empty0, n0, hk, b, sq);
   }
 }
