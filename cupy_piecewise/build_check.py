@@ -28,7 +28,7 @@ def variants_for(cc, hopper: bool = False) -> list[Variant]:
     ``hopper`` (``--arch sm_90a``) the wgmma + TMA kernels instead."""
     if hopper:
         return [Variant(phase, dtype, d, None, causal, varlen) for phase in HOPPER_KERNELS
-                for dtype in capability.TABLE_DTYPES for d in capability.HOPPER_HEAD_DIMS
+                for dtype in capability.TABLE_DTYPES for d in capability.hopper_head_dims(phase)
                 for causal in ((False,) if phase in HOPPER_ROW_KERNELS else (False, True))
                 for varlen in ((False, True) if phase in HOPPER_VARLEN_PHASES else (False,))]
     out = set()

@@ -64,6 +64,8 @@ __all__ = [
     "KV_PHASES",
     "path_override",
     "HOPPER_HEAD_DIMS",
+    "HOPPER_BWD_HEAD_DIMS",
+    "hopper_head_dims",
     "hopper_shared_bytes",
     "hopper_bwd_shared_bytes",
     "shared_bytes",
@@ -132,11 +134,20 @@ PATHS = ("auto", "mma", "hopper")
 _path = os.environ.get(PATH_VAR)
 
 #: Head dims of the Hopper (sm_90a: wgmma + TMA) forward; others take the mma.sync path.
-HOPPER_HEAD_DIMS = (64, 128)
+HOPPER_HEAD_DIMS = (64, 128, 256)
+#: Head dims of the Hopper backward (and its prep / dQ-convert kernels). D = 256 is not one:
+#: resident K1, K2, V of a 128-key tile alone would take 192 KB, and dK + dV 256 registers
+#: per consumer thread; its backward runs the mma.sync kernels.
+HOPPER_BWD_HEAD_DIMS = (64, 128)
 #: Query rows per Hopper forward block (two consumer warpgroups of 64) and key rows per
 #: pipeline stage, per head dim (kernels_cu/sm90/forward.cu, FwdCfg).
 HOPPER_BLOCK_M = 128
-HOPPER_BLOCK_N = {64: 128, 128: 96}
+HOPPER_BLOCK_N = {64: 128, 128: 96, 256: 32}
+
+
+def hopper_head_dims(phase: str) -> tuple:
+    """Head dims the Hopper kernel of ``phase`` (compile.HOPPER_KERNELS) is built for."""
+    return HOPPER_HEAD_DIMS if phase == "fwd_sm90" else HOPPER_BWD_HEAD_DIMS
 
 
 def hopper_shared_bytes(head_dim: int) -> int:

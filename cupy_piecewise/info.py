@@ -124,7 +124,7 @@ def _backward_path(cc: tuple[int, int]) -> str:
     words = _mma_only(cc)
     if words is not None:
         return words
-    dims = "/".join(str(d) for d in capability.HOPPER_HEAD_DIMS)
+    dims = "/".join(str(d) for d in capability.HOPPER_BWD_HEAD_DIMS)
     return (f"Hopper wgmma + TMA kernel (sm_90a) for float16/bfloat16, head dims {dims} (dQ by "
             f"float32 atomics; deterministic=True: dQ by the mma.sync kernel); mma.sync kernels "
             f"otherwise")

@@ -523,9 +523,9 @@ def _mma_dq_steps(problem) -> list:
 def use_hopper_backward(problem) -> bool:
     """True when ``problem``'s backward runs the Hopper kernels (wgmma + TMA, sm_90a): a
     compute capability 9.0 GPU, float16/bfloat16, a head dim in
-    :data:`capability.HOPPER_HEAD_DIMS`, queries and keys, and no ``CUPY_PIECEWISE_PATH=mma``.
+    :data:`capability.HOPPER_BWD_HEAD_DIMS`, queries and keys, and no ``CUPY_PIECEWISE_PATH=mma``.
     (The caller also needs strides a tensor map can describe: :func:`_tma_describable`.)"""
-    if (problem.D not in capability.HOPPER_HEAD_DIMS or not (problem.M and problem.N)
+    if (problem.D not in capability.HOPPER_BWD_HEAD_DIMS or not (problem.M and problem.N)
             or problem.dtype not in ("float16", "bfloat16")):
         return False
     return (_compute_capability(problem.device) == (9, 0)

@@ -71,19 +71,23 @@ def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatc
     assert {(v.phase, v.head_dim, v.dtype, v.causal) for v in hopper if v.varlen} == {
         (v.phase, v.head_dim, v.dtype, v.causal) for v in hopper if not v.varlen}
     assert {v.phase for v in hopper if v.varlen} == set(HOPPER_KERNELS)
-    assert {(v.head_dim, v.dtype, v.causal) for v in hopper if v.phase == "bwd_sm90"} == set(
-        itertools.product(capability.HOPPER_HEAD_DIMS, capability.TABLE_DTYPES, (False, True)))
+    for phase, dims in (("fwd_sm90", (64, 128, 256)), ("bwd_sm90", (64, 128)),
+                        ("bwd_sm90_det", (64, 128))):
+        assert {(v.head_dim, v.dtype, v.causal) for v in hopper if v.phase == phase} == set(
+            itertools.product(dims, capability.TABLE_DTYPES, (False, True))), phase
+    assert {v.head_dim for v in hopper if v.phase in ("bwd_sm90_prep", "bwd_sm90_dq")} == {64, 128}
     assert all(v.tiles is None for v in variants if v.phase in ROW_KERNELS)
 
 
 def test_hopper_kernels_build_for_sm90a(capsys, nvrtc):
     """--arch sm_90a compiles every Hopper variant the launch layer can select (the names
     launch.HopperLaunches, varlen_launch.HopperVarlenLaunches and launch.HopperBackward ask
-    for), with no spills: 8 forward, 16 backward (fused dQ or deterministic), 4 prep and 4
-    dQ-convert kernels, each dense and packed (VARLEN)."""
+    for), with no spills: 12 forward (D 64, 128, 256), 16 backward (fused dQ or
+    deterministic), 4 prep and 4 dQ-convert kernels, each dense and packed (VARLEN)."""
     assert build_check.main(["--arch", "sm_90a"]) == 0
     out = capsys.readouterr().out
-    assert "64 variants compiled for sm_90a" in out and "pw90_forward<pw90::bf16, 128, true>" in out
+    assert "72 variants compiled for sm_90a" in out and "pw90_forward<pw90::f16, 256, true, true>" in out
+    assert "72 variants compiled for sm_90a" in out and "pw90_forward<pw90::bf16, 128, true>" in out
     assert "pw90_forward<pw90::f16, 64, false, true>" in out
     for name in ("pw90_bwd<pw90::f16, 128, true, true>", "pw90_bwd<pw90::bf16, 64, false, false>",
                  "pw90_bwd_prep<pw90::bf16, 64>", "pw90_bwd_dq_convert<pw90::f16, 128>",

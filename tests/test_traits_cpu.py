@@ -124,7 +124,8 @@ def test_hopper_shared_bytes_match_the_kernel(nvrtc, filename, struct, figure):
     src = source(filename) + "".join(
         f"\nstatic_assert({struct}<{d}>::BYTES == {fn(d)}, "
         f"\"{struct}<{d}>::BYTES != capability.{figure}({d})\");"
-        for d in capability.HOPPER_HEAD_DIMS)
+        for d in (capability.HOPPER_HEAD_DIMS if figure == "hopper_shared_bytes"
+                  else capability.HOPPER_BWD_HEAD_DIMS))
     prog = nvrtc.createProgram(src, "sm90_traits.cu", [], [])
     try:
         try:

@@ -146,7 +146,9 @@ def test_packed_deterministic_backward(kernel_path, lq, lk, causal, dtype, D):
 
 @pytest.mark.parametrize("D", [16, 80, 96, 256])
 @pytest.mark.parametrize("w", [-2, 0, 50])
-def test_packed_other_head_dims_and_w(D, w):
+def test_packed_other_head_dims_and_w(kernel_path, D, w):
+    """(hopper: D = 256 takes the Hopper packed forward, 32-key tiles; its backward and the
+    other dims run the mma.sync kernels)"""
     run_packed([130, 0, 40], [100, 7, 300], D=D, dtype="bfloat16", causal=True, w=w, H=2, Hkv=1)
 
 
@@ -212,13 +214,34 @@ def test_one_packed_sequence_equals_the_dense_call():
 @pytest.mark.parametrize("D", [80, 96, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_new_head_dims_dense(D, dtype, causal):
-    """Head dims 80, 96, 256 on the dense entry points (the mma.sync kernels on every GPU;
-    Hopper's wgmma kernels take 64 and 128 only), grouped heads, a transposed layout."""
+def test_new_head_dims_dense(kernel_path, D, dtype, causal):
+    """Head dims 80, 96, 256 on the dense entry points, grouped heads, a transposed layout:
+    the mma.sync kernels, and (hopper, on an H100/H200) the Hopper forward at D = 256."""
     from test_kernels_gpu import run_case
 
     run_case(D=D, dtype=dtype, causal=causal, M=300, N=517, w=130, group=2, transposed=True)
     run_case(D=D, dtype=dtype, causal=causal, M=5, N=3000, w=1000, group=1, transposed=False)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("M,N,w", [
+    (129, 33, 16), (300, 517, 31), (1000, 1000, 32), (64, 4000, 33), (2048, 2048, 1000),
+    (4096, 3, 1),
+    # One key: every probability is 1 and dS = P (dP - delta) is float32 rounding noise
+    # (reference exactly 0). Over 4096 rows at D = 256 the mma.sync backward's dk1 noise
+    # (tensor-core dP against the pre-pass's delta) reached 1.6x the yardstick's bound on
+    # an H200 (bench/NOTES.md, "Head dim 256 on the Hopper forward"); the forward is exact.
+    pytest.param(4096, 1, -5, marks=pytest.mark.xfail(
+        strict=False, reason="known: dk1 of a one-key problem is summation noise above the "
+                             "float32 yardstick at D = 256 (mma.sync backward)")),
+])
+def test_head_dim_256_on_both_paths(kernel_path, dtype, causal, M, N, w):
+    """D = 256 on the Hopper forward (32-key tiles: w on and beside a tile edge, edge tiles
+    in M and N, few keys, long rows) and on the mma.sync kernels; backward on mma.sync."""
+    from test_kernels_gpu import run_case
+
+    run_case(D=256, dtype=dtype, causal=causal, M=M, N=N, w=w, group=2, transposed=M == 300)
 
 
 def test_torch_packed_autograd_compile_and_cuda_graph():

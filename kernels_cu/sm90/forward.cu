@@ -18,6 +18,7 @@
 // Shared memory (bytes): Q1, Q2: 2 x 128 x D x 2; each stage: K1, K2, V: 3 x BN x D x 2.
 //   D = 64,  BN = 128: 32 KB + 2 x 48 KB = 128 KB
 //   D = 128, BN = 96:  64 KB + 2 x 72 KB = 208 KB   (BN = 112 would need 232 KB > 227 KB)
+//   D = 256, BN = 32: 128 KB + 2 x 48 KB = 224 KB
 // plus 40 bytes of mbarriers and 1 KB to align the base to 1024 bytes.
 // Every tile is stored as D/64 panels of rows x 128 bytes (the TMA box is 64 elements wide
 // because the 128-byte swizzle limits the inner box extent to 128 bytes).
@@ -111,6 +112,9 @@ constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;  // 128*40 + 256*232 <= 6
 template <int D> struct FwdCfg;
 template <> struct FwdCfg<64> { static constexpr int BN = 128; };
 template <> struct FwdCfg<128> { static constexpr int BN = 96; };
+// D = 256: Q1 and Q2 alone take 128 KB, so a 2-stage ring of K1, K2, V fits 32-key tiles
+// (96 KB; 48-key tiles would need 144 KB). O is 128 float32 registers per thread.
+template <> struct FwdCfg<256> { static constexpr int BN = 32; };
 
 template <int D> struct FwdSmem {
   static constexpr int BN = FwdCfg<D>::BN, PANELS = D / 64;
