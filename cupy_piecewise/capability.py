@@ -66,6 +66,7 @@ __all__ = [
     "HOPPER_HEAD_DIMS",
     "HOPPER_BWD_HEAD_DIMS",
     "hopper_head_dims",
+    "hopper_compute_dim",
     "hopper_shared_bytes",
     "hopper_bwd_shared_bytes",
     "shared_bytes",
@@ -134,13 +135,14 @@ PATHS = ("auto", "mma", "hopper")
 _path = os.environ.get(PATH_VAR)
 
 #: Head dims of the Hopper (sm_90a: wgmma + TMA) forward; others take the mma.sync path.
-HOPPER_HEAD_DIMS = (64, 128, 256)
+#: 80 and 96 run the D = 128 kernels on zero-padded columns (hopper_compute_dim).
+HOPPER_HEAD_DIMS = (64, 80, 96, 128, 256)
 #: Head dims of the Hopper backward (and its prep / dQ-convert kernels). D = 256 is not one:
 #: resident K1, K2, V of a 128-key tile alone would take 192 KB, and dK + dV 256 registers
 #: per consumer thread; its backward runs the mma.sync kernels.
-HOPPER_BWD_HEAD_DIMS = (64, 128)
+HOPPER_BWD_HEAD_DIMS = (64, 80, 96, 128)
 #: Query rows per Hopper forward block (two consumer warpgroups of 64) and key rows per
-#: pipeline stage, per head dim (kernels_cu/sm90/forward.cu, FwdCfg).
+#: pipeline stage, per compute head dim (kernels_cu/sm90/forward.cu, FwdCfg).
 HOPPER_BLOCK_M = 128
 HOPPER_BLOCK_N = {64: 128, 128: 96, 256: 32}
 
@@ -150,11 +152,23 @@ def hopper_head_dims(phase: str) -> tuple:
     return HOPPER_HEAD_DIMS if phase == "fwd_sm90" else HOPPER_BWD_HEAD_DIMS
 
 
+def hopper_compute_dim(head_dim: int) -> int:
+    """The head dim a Hopper kernel computes with for tensors of ``head_dim`` columns: its
+    shared-memory tiles are whole 64-column panels (128-byte swizzle), so 80 and 96 run the
+    D = 128 kernel, whose TMA boxes fill the columns past the tensor's with zeros (products
+    unchanged; 1.33-1.6x the FLOPs of the real columns). Its template's DV is ``head_dim``."""
+    for d in (64, 128, 256):
+        if head_dim <= d:
+            return d
+    raise ValueError(f"no Hopper kernel for head dim {head_dim}")
+
+
 def hopper_shared_bytes(head_dim: int) -> int:
     """Dynamic shared memory of the Hopper forward (mirrors ``pw90::FwdSmem<D>::BYTES`` of
     the default build, the pipelined loop; checked by tests/test_traits_cpu.py): Q1 and Q2
     tiles, two stages of K1, K2 and V as 64-column, 128-byte-swizzled panels, nine mbarriers
     (Q; full and empty of K and of V per stage) and 1 KB to align the base."""
+    head_dim = hopper_compute_dim(head_dim)
     panels = head_dim // 64
     q_tile = panels * HOPPER_BLOCK_M * 128
     k_tile = panels * HOPPER_BLOCK_N[head_dim] * 128
@@ -173,7 +187,7 @@ def hopper_bwd_shared_bytes(head_dim: int, dq_bulk: bool = False) -> int:
     of (Q, dO); two dSᵀ buffers (128 keys x 64 queries, 16-bit); two stages of lse2 and delta
     (64 float32 each); with ``dq_bulk`` (a build with ``-DPW90_BWD_DQ_BULK=1``) two 16 KB dQ
     staging buffers; five mbarriers; 1 KB to align the base."""
-    panels = head_dim // 64
+    panels = hopper_compute_dim(head_dim) // 64
     k_tile = panels * HOPPER_BWD_BLOCK_N * 128
     q_tile = panels * HOPPER_BWD_BLOCK_M * 128
     ds = HOPPER_BWD_BLOCK_N * HOPPER_BWD_BLOCK_M * 2

@@ -16,7 +16,7 @@ import re
 import threading
 from dataclasses import dataclass
 
-from .capability import VARLEN_PHASES, TileConfig
+from .capability import VARLEN_PHASES, TileConfig, hopper_compute_dim
 from .kernel_sources import kernel_dir
 
 #: kernel file per phase; the delta pre-pass lives with the backward kernels.
@@ -99,8 +99,12 @@ class Variant:
             if self.varlen:
                 if self.phase not in HOPPER_VARLEN_PHASES:
                     raise ValueError(f"phase {self.phase!r} has no packed-batch kernel")
-                flags += ", true"
-            return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}{flags}>"
+            dim = hopper_compute_dim(self.head_dim)
+            if self.varlen or dim != self.head_dim:
+                flags += ", true" if self.varlen else ", false"
+            if dim != self.head_dim:  # DV: the tensors' columns, zero-padded to dim
+                flags += f", {self.head_dim}"
+            return f"{_TEMPLATE[self.phase]}<{elem}, {dim}{flags}>"
         if self.phase in ROW_KERNELS:
             return f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}>"
         t = self.tiles

@@ -461,7 +461,7 @@ class HopperLaunches:
         P, w = _clamped(p)
         self._template = _HOPPER_PARAMS.pack(0, so[0], so[1], so[2], 0, p.H, p.H // p.Hkv, p.M,
                                              p.N, w, P, p.sm_scale * _LOG2E, p.sm_scale, 0, 0)
-        bn = capability.HOPPER_BLOCK_N[p.D]
+        bn = capability.HOPPER_BLOCK_N[capability.hopper_compute_dim(p.D)]
         q_shape, k_shape = (p.B, p.H, p.M, p.D), (p.B, p.Hkv, p.N, p.D)
         names = ("q1", "k1", "q2", "k2", "v")
         # the kernel takes the maps in the order q1, q2, k1, k2, v
@@ -591,7 +591,9 @@ class HopperBackward:
             dims, mpad = p, rows_q
         rows = dims.B * p.H * mpad
         self._offsets = (0, 4 * rows, 8 * rows)  # lse2, delta, dq accumulator
-        self.workspace_bytes = 8 * rows + (0 if deterministic else 2 * 4 * rows * p.D)
+        # the dQ accumulator has the kernel's compute head dim of columns (80, 96: 128)
+        dq_cols = capability.hopper_compute_dim(p.D)
+        self.workspace_bytes = 8 * rows + (0 if deterministic else 2 * 4 * rows * dq_cols)
         prep = Variant("bwd_sm90_prep", p.dtype, p.D, None, False, varlen)
         main = Variant("bwd_sm90_det" if deterministic else "bwd_sm90", p.dtype, p.D, None,
                        p.causal, varlen)

@@ -71,23 +71,28 @@ def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatc
     assert {(v.phase, v.head_dim, v.dtype, v.causal) for v in hopper if v.varlen} == {
         (v.phase, v.head_dim, v.dtype, v.causal) for v in hopper if not v.varlen}
     assert {v.phase for v in hopper if v.varlen} == set(HOPPER_KERNELS)
-    for phase, dims in (("fwd_sm90", (64, 128, 256)), ("bwd_sm90", (64, 128)),
-                        ("bwd_sm90_det", (64, 128))):
+    bwd_dims = (64, 80, 96, 128)
+    for phase, dims in (("fwd_sm90", (64, 80, 96, 128, 256)), ("bwd_sm90", bwd_dims),
+                        ("bwd_sm90_det", bwd_dims)):
         assert {(v.head_dim, v.dtype, v.causal) for v in hopper if v.phase == phase} == set(
             itertools.product(dims, capability.TABLE_DTYPES, (False, True))), phase
-    assert {v.head_dim for v in hopper if v.phase in ("bwd_sm90_prep", "bwd_sm90_dq")} == {64, 128}
+    assert {v.head_dim for v in hopper if v.phase in ("bwd_sm90_prep", "bwd_sm90_dq")} == set(bwd_dims)
     assert all(v.tiles is None for v in variants if v.phase in ROW_KERNELS)
 
 
 def test_hopper_kernels_build_for_sm90a(capsys, nvrtc):
     """--arch sm_90a compiles every Hopper variant the launch layer can select (the names
     launch.HopperLaunches, varlen_launch.HopperVarlenLaunches and launch.HopperBackward ask
-    for), with no spills: 12 forward (D 64, 128, 256), 16 backward (fused dQ or
-    deterministic), 4 prep and 4 dQ-convert kernels, each dense and packed (VARLEN)."""
+    for), with no spills: 20 forward (D 64, 80, 96, 128, 256), 32 backward (D 64, 80, 96,
+    128; fused dQ or deterministic), 8 prep and 8 dQ-convert kernels, each dense and packed
+    (VARLEN). 80 and 96 are the D = 128 kernels with DV columns stored."""
     assert build_check.main(["--arch", "sm_90a"]) == 0
     out = capsys.readouterr().out
-    assert "72 variants compiled for sm_90a" in out and "pw90_forward<pw90::f16, 256, true, true>" in out
-    assert "72 variants compiled for sm_90a" in out and "pw90_forward<pw90::bf16, 128, true>" in out
+    assert "136 variants compiled for sm_90a" in out
+    for name in ("pw90_forward<pw90::f16, 256, true, true>", "pw90_forward<pw90::bf16, 128, false, false, 96>",
+                 "pw90_bwd<pw90::f16, 128, true, true, true, 80>", "pw90_bwd_prep<pw90::bf16, 128, false, 96>",
+                 "pw90_bwd_dq_convert<pw90::f16, 128, true, 80>"):
+        assert name in out, name and "pw90_forward<pw90::bf16, 128, true>" in out
     assert "pw90_forward<pw90::f16, 64, false, true>" in out
     for name in ("pw90_bwd<pw90::f16, 128, true, true>", "pw90_bwd<pw90::bf16, 64, false, false>",
                  "pw90_bwd_prep<pw90::bf16, 64>", "pw90_bwd_dq_convert<pw90::f16, 128>",

@@ -129,7 +129,7 @@ def test_kernels_match_reference(kernel_path, case):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("w", [-1000, 127, 128, 129, 500, 5000])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 96, 128])
 def test_w_on_and_off_tile_edges(kernel_path, dtype, causal, w, D):
     run_case(D=D, dtype=dtype, causal=causal, M=700, N=900, w=w, group=2, transposed=False)
 

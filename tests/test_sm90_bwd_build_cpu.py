@@ -25,20 +25,24 @@ ROOT = Path(__file__).resolve().parents[1]
 ELEM = {"bfloat16": "pw90::bf16", "float16": "pw90::f16"}
 
 
-def _main(t, d, c, q, varlen=False):
+def _main(t, d, c, q, varlen=False, dv=None):
     flags = ", true" if varlen else ""  # the packed-batch build (VARLEN)
+    if dv is not None:  # head dims 80/96: the D = 128 kernel storing DV columns
+        flags = f", {'true' if varlen else 'false'}, {dv}"
     return f"pw90_bwd<{ELEM[t]}, {d}, {'true' if c else 'false'}, {'true' if q else 'false'}{flags}>"
 
 
-MAIN = [(t, d, c, q, vl) for t in ELEM for d in (64, 128) for c in (False, True)
-        for q in (True, False) for vl in (False, True)]
+MAIN = ([(t, d, c, q, vl, None) for t in ELEM for d in (64, 128) for c in (False, True)
+         for q in (True, False) for vl in (False, True)]
+        + [(t, 128, c, q, vl, dv) for t in ELEM for c in (False, True) for q in (True, False)
+           for vl in (False, True) for dv in (80, 96)])
 HELPERS = ([f"pw90_bwd_prep<{ELEM[t]}, {d}{vl}>" for t in ELEM for d in (64, 128) for vl in ("", ", true")]
            + [f"pw90_bwd_dq_convert<{ELEM[t]}, {d}{vl}>" for t in ELEM for d in (64, 128)
               for vl in ("", ", true")])
 NAMES = [_main(*k) for k in MAIN] + HELPERS
 
 
-def _known_gap(t, d, c, q, varlen):
+def _known_gap(t, d, c, q, varlen, dv):
     """Instantiations allowed to spill or serialise wgmma (xfail): none at present."""
     return False
 

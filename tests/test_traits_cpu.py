@@ -119,11 +119,12 @@ def test_a_wrong_figure_fails_to_compile_and_names_the_variant(nvrtc):
 ])
 def test_hopper_shared_bytes_match_the_kernel(nvrtc, filename, struct, figure):
     """capability.hopper_shared_bytes / hopper_bwd_shared_bytes (what the launch asks for)
-    equal the Hopper kernels' own Smem<D>::BYTES for every head dim they are built for."""
+    equal the Hopper kernels' own Smem<D>::BYTES for every head dim they are built for (80
+    and 96: the D = 128 kernel's)."""
     fn = getattr(capability, figure)
     src = source(filename) + "".join(
-        f"\nstatic_assert({struct}<{d}>::BYTES == {fn(d)}, "
-        f"\"{struct}<{d}>::BYTES != capability.{figure}({d})\");"
+        f"\nstatic_assert({struct}<{capability.hopper_compute_dim(d)}>::BYTES == {fn(d)}, "
+        f"\"{struct}<{capability.hopper_compute_dim(d)}>::BYTES != capability.{figure}({d})\");"
         for d in (capability.HOPPER_HEAD_DIMS if figure == "hopper_shared_bytes"
                   else capability.HOPPER_BWD_HEAD_DIMS))
     prog = nvrtc.createProgram(src, "sm90_traits.cu", [], [])

@@ -137,7 +137,7 @@ def test_packed_batches_match_reference(kernel_path, lq, lk, causal, dtype, D):
 
 @pytest.mark.parametrize("lq,lk", LENS[3:], ids=[f"case{i}" for i in range(3, len(LENS))])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype,D", [("float16", 64), ("bfloat16", 128)])
+@pytest.mark.parametrize("dtype,D", [("float16", 64), ("bfloat16", 128), ("float16", 80)])
 def test_packed_deterministic_backward(kernel_path, lq, lk, causal, dtype, D):
     """deterministic=True: the reference by the rule and equal bits on a second run (on the
     Hopper path dK/dV from pw90_bwd without dQ, dQ from the packed mma.sync dq kernel)."""
@@ -216,11 +216,15 @@ def test_one_packed_sequence_equals_the_dense_call():
 @pytest.mark.parametrize("causal", [False, True])
 def test_new_head_dims_dense(kernel_path, D, dtype, causal):
     """Head dims 80, 96, 256 on the dense entry points, grouped heads, a transposed layout:
-    the mma.sync kernels, and (hopper, on an H100/H200) the Hopper forward at D = 256."""
+    the mma.sync kernels, and (hopper, on an H100/H200) the Hopper kernels (80 and 96 on
+    the D = 128 kernels with zero-padded columns; the forward only at 256), both backward
+    modes."""
     from test_kernels_gpu import run_case
 
     run_case(D=D, dtype=dtype, causal=causal, M=300, N=517, w=130, group=2, transposed=True)
     run_case(D=D, dtype=dtype, causal=causal, M=5, N=3000, w=1000, group=1, transposed=False)
+    run_case(D=D, dtype=dtype, causal=causal, M=700, N=450, w=-3, group=4, transposed=False,
+             deterministic=True)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -303,7 +303,7 @@ PW90 void gemm_rs(float (&acc)[D / 2], const u32 (&a)[BM / 16][4], u32 b) {
     Wgmma<T, D>::template rs<1>(acc, a[kk], smem_desc(b + kk * 2048, Q_PANEL, 1024), 1);
 }
 
-template <typename T, int D, bool CAUSAL, bool DQ, bool VARLEN>
+template <typename T, int D, bool CAUSAL, bool DQ, bool VARLEN, int DV>
 PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0, int n0, int hk,
                    int b, const BwdSeq sq) {
   using S = Smem<D>;
@@ -347,7 +347,7 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
       if (r < N) {
         u16* dst = ptr + (i64)b * sb + (i64)hk * sh + (i64)(k0 + r) * sr + 2 * (lid % 4);
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j)
+        for (int j = 0; j < DV / 8; ++j)  // the stored columns (DV < D: zero padding computed)
           *reinterpret_cast<u32*>(dst + 8 * j) =
               Cvt<T>::pack(acc[4 * j + 2 * hh] * scale, acc[4 * j + 2 * hh + 1] * scale);
       }
@@ -628,7 +628,7 @@ static_assert(sizeof(ConvertParams) == 128, "ConvertParams layout");
 
 // Grid (ceil(H * rows / 8), B); 256 threads: one warp per padded row (rows = Mpad). VARLEN:
 // rows = the longest sequence rounded up to 64; a warp past its sequence's padded rows leaves.
-template <typename T, int D, bool VARLEN = false>
+template <typename T, int D, bool VARLEN = false, int DV = D>
 __global__ void __launch_bounds__(256) pw90_bwd_prep(const pw90::bwd::PrepParams p) {
   using namespace pw90;
   const i64 row = (i64)blockIdx.x * 8 + threadIdx.x / 32;
@@ -642,7 +642,7 @@ __global__ void __launch_bounds__(256) pw90_bwd_prep(const pw90::bwd::PrepParams
   if (i < M) {
     const u16* o = p.o + b * p.o_sb + h * p.o_sh + (sq.q0 + i) * p.o_sr;
     const u16* d = p.dout + b * p.do_sb + h * p.do_sh + (sq.q0 + i) * p.do_sr;
-    for (int c = 2 * lane; c < D; c += 64) {
+    for (int c = 2 * lane; c < DV; c += 64) {  // the tensors' DV columns
       const u32 ov = *reinterpret_cast<const u32*>(o + c), dv = *reinterpret_cast<const u32*>(d + c);
       acc += bwd::ToF<T>::f((u16)(ov & 0xffff)) * bwd::ToF<T>::f((u16)(dv & 0xffff));
       acc += bwd::ToF<T>::f((u16)(ov >> 16)) * bwd::ToF<T>::f((u16)(dv >> 16));
@@ -672,7 +672,7 @@ __global__ void __launch_bounds__(256) pw90_bwd_prep(const pw90::bwd::PrepParams
 
 // Grid (ceil(H * rows / 8), B); 256 threads: one warp per row (rows = M, or with VARLEN the
 // longest sequence: a warp past its sequence's end leaves).
-template <typename T, int D, bool VARLEN = false>
+template <typename T, int D, bool VARLEN = false, int DV = D>
 __global__ void __launch_bounds__(256) pw90_bwd_dq_convert(const pw90::bwd::ConvertParams p) {
   using namespace pw90;
   const i64 row = (i64)blockIdx.x * 8 + threadIdx.x / 32;
@@ -686,7 +686,7 @@ __global__ void __launch_bounds__(256) pw90_bwd_dq_convert(const pw90::bwd::Conv
     const float* src = p.dq_acc + (((i64)pair * p.B + b) * p.H + h) * p.Mpad * D + (sq.row0 + (i / 64) * 64) * D;
     u16* dst = pair == 0 ? p.dq1 + b * p.dq1_sb + h * p.dq1_sh + r * p.dq1_sr
                          : p.dq2 + b * p.dq2_sb + h * p.dq2_sh + r * p.dq2_sr;
-    for (int c = 2 * lane; c < D; c += 64) {
+    for (int c = 2 * lane; c < DV; c += 64) {  // the tensors' DV columns
       const float2 v = *reinterpret_cast<const float2*>(src + bwd::dq_index<D>((int)(i % 64), c));
       *reinterpret_cast<u32*>(dst + c) = Cvt<T>::pack(v.x * p.sm_scale, v.y * p.sm_scale);
     }
@@ -701,7 +701,10 @@ __global__ void __launch_bounds__(256) pw90_bwd_dq_convert(const pw90::bwd::Conv
 // grid is (ceil(longest key sequence / 128), Hkv, B), and a CTA whose key tile starts past its
 // sequence's end leaves at once. Query rows of the next sequence that a tile's box reaches
 // get P = 0 from the +inf padding of lse2 (BwdSeq); key rows of it are masked and not stored.
-template <typename T, int D, bool CAUSAL, bool DQ, bool VARLEN = false>
+// DV < D (head dims 80 and 96 on the D = 128 kernel): as in pw90_forward, the TMA boxes fill
+// the columns past DV with zeros, the products carry them (dK, dV, dQ zero there), and the
+// stores and the helper kernels touch DV columns only.
+template <typename T, int D, bool CAUSAL, bool DQ, bool VARLEN = false, int DV = D>
 __global__ void __launch_bounds__(pw90::bwd::THREADS, 1)
     pw90_bwd(const __grid_constant__ pw90::TmaDesc tq1, const __grid_constant__ pw90::TmaDesc tq2,
              const __grid_constant__ pw90::TmaDesc tdo, const __grid_constant__ pw90::TmaDesc tk1,
@@ -739,6 +742,6 @@ __global__ void __launch_bounds__(pw90::bwd::THREADS, 1)
     }
   } else {  // ------------------------------------------------------------------------ consumers
     regs_inc<CONSUMER_REGS>();
-    consumer<T, D, CAUSAL, DQ, VARLEN>(p, base, kbar, full0, empty0, n0, hk, b, sq);
+    consumer<T, D, CAUSAL, DQ, VARLEN, DV>(p, base, kbar, full0, empty0, n0, hk, b, sq);
   }
 }

@@ -155,7 +155,7 @@ PW90 void qk(float (&s)[NC / 2], u32 qa, u32 ka) {
   }
 }
 
-template <typename T, int D, bool CAUSAL>
+template <typename T, int D, bool CAUSAL, int DV>
 PW90 void consumer(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 empty0, int m0, int h,
                    int b, int ntiles) {
   using S = FwdSmem<D>;
@@ -310,7 +310,7 @@ PW90 void consumer(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 empty0
             l > 0.f ? (mrow[hh] * sl2 + log2f_approx(l)) * PW90_LN2 : PW90_NEG_INF;
       u16* dst = p.o + (i64)b * p.o_sb + (i64)h * p.o_sh + (i64)r * p.o_sr + 2 * (lane % 4);
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j)
+      for (int j = 0; j < DV / 8; ++j)  // the stored columns (DV < D: zero padding computed)
         *reinterpret_cast<u32*>(dst + 8 * j) =
             Cvt<T>::pack(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
     }
@@ -355,7 +355,7 @@ PW90 void pv(float (&o)[D / 2], const u32 (&a)[BN / 16][4], u32 va) {
 //   wait_group 0; release V of tile t-1 (emptyV[t-1]); rescale O; pack P_t to registers.
 // After the loop the last P·V. Register cost over the default loop: P of the previous tile
 // (BN/4 registers) lives across the S product.
-template <typename T, int D, bool CAUSAL>
+template <typename T, int D, bool CAUSAL, int DV>
 // kg: ring index of this work tile's first key tile (key tiles are counted across the work
 // tiles of a persistent CTA); qpar: parity of this work tile's Q load on qbar; qempty: where
 // the consumers tell the producer that Q is no longer read (PW90_PERSIST).
@@ -553,7 +553,7 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
       u16* dst = p.o + (i64)sr.tb * p.o_sb + (i64)h * p.o_sh + (i64)(sr.q0 + r) * p.o_sr +
                  2 * (lane % 4);
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j)
+      for (int j = 0; j < DV / 8; ++j)  // the stored columns (DV < D: zero padding computed)
         *reinterpret_cast<u32*>(dst + 8 * j) =
             Cvt<T>::pack(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
     }
@@ -613,7 +613,10 @@ PW90 void produce_pipe(const TmaDesc* tq1, const TmaDesc* tq2, const TmaDesc* tk
 // (N, Hkv).
 // VARLEN (a packed variable-length batch): the grid is (ceil(longest sequence / 128), H, B)
 // and a CTA whose query tile starts past its sequence's end leaves at once.
-template <typename T, int D, bool CAUSAL, bool VARLEN = false>
+// DV < D (head dims 80 and 96 on the D = 128 kernel): the tensors have DV columns; the TMA
+// boxes that reach past them fill zeros, so the products see D columns of which the last
+// D - DV are zero (S unchanged, O's padding columns zero), and only DV columns are stored.
+template <typename T, int D, bool CAUSAL, bool VARLEN = false, int DV = D>
 __global__ void __launch_bounds__(pw90::THREADS, 1)
     pw90_forward(const __grid_constant__ pw90::TmaDesc tq1, const __grid_constant__ pw90::TmaDesc tq2,
                  const __grid_constant__ pw90::TmaDesc tk1, const __grid_constant__ pw90::TmaDesc tk2,
@@ -621,6 +624,7 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
   using namespace pw90;
   using S = FwdSmem<D>;
   constexpr int BN = S::BN;
+  static_assert(DV % 16 == 0 && DV <= D && (DV > D / 2 || D == 64), "stored head dim");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const u32 qbar = base + S::BARS, full0 = qbar + 8, empty0 = qbar + 8 + 8 * STAGES;
@@ -706,7 +710,7 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
     PW90_WORK_LOOP
       const SeqRows sw = seq_rows<VARLEN>(p, bw);
       const int nt = (CAUSAL ? max(0, min(sw.N, m0w + BM + sw.P)) + BN - 1 : sw.N + BN - 1) / BN;
-      consumer_pipe<T, D, CAUSAL>(p, base, qbar, full0, empty0, fullv0, emptyv0, m0w, hw, sw, nt,
+      consumer_pipe<T, D, CAUSAL, DV>(p, base, qbar, full0, empty0, fullv0, emptyv0, m0w, hw, sw, nt,
                                   kg, (u32)(qn & 1), qempty);
       if (nt > 0) {
         kg += nt;
@@ -746,7 +750,7 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
     }
   } else {  // ------------------------------------------------------------------------ consumers
     regs_inc<CONSUMER_REGS>();
-    consumer<T, D, CAUSAL>(p, base, qbar, full0, empty0, m0, h, b, ntiles);
+    consumer<T, D, CAUSAL, DV>(p, base, qbar, full0, empty0, m0, h, b, ntiles);
   }
 #endif
 }
