@@ -160,7 +160,7 @@ def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=
         lse: the ``lse`` of :func:`attention` (``return_lse=True``), shape
             ``(B, H, M)``, float32 (float64 accepted for CPU arrays).
         deterministic: bitwise-identical gradients from run to run (default
-            False). Only the Hopper backward (sm_90, head dims 64 and 128) is
+            False). Only the Hopper backward (sm_90, head dims 64 to 128) is
             otherwise not: it adds dQ contributions with float32 atomics, whose
             order varies; with True it computes dQ in a separate kernel instead
             (slower: see README, "Kernel paths"). Every other path is

@@ -123,8 +123,8 @@ def attention_varlen(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, dist_thresho
     must then bound every sequence and the totals must be valid (start at 0,
     non-decreasing, end at the packed lengths), or results are undefined. A ``max_seqlen``
     left None is found by reading the totals on the host, which checks them too. On an
-    H100/H200 the packed forward and backward run the Hopper kernels (head dims 64 and 128,
-    and the forward at 256; the others run the mma.sync kernels). Neither splits the keys of decode-like batches (one
+    H100/H200 the packed forward and backward run the Hopper kernels (head dims 64, 80, 96
+    and 128, and the forward at 256; the others run the mma.sync kernels). Neither splits the keys of decode-like batches (one
     query per sequence): use :func:`cupy_piecewise.attention_with_kvcache` for those.
 
     Raises:
