@@ -456,3 +456,64 @@ def test_packed_batch_launch_parameters(fake_gpu):
     f = dkv["params"]
     assert (f["cu_q"], f["cu_k"], f["delta"], f["dlse"]) == (ptrs[15], ptrs[16], ptrs[13], ptrs[14])
     assert (f["dv.sb"], f["dv.sh"], f["dv.sr"]) == (0, D, Hkv * D)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_hopper_packed_backward_launches(fake_gpu, fake_maps, monkeypatch, deterministic):
+    """A packed batch's backward on sm_90 (head dim 96: the D = 128 kernels storing 96
+    columns): HopperBackward with the VARLEN builds, tensor maps over the packed arrays as
+    one batch, statistics of total_q + 64 B rows rounded up to 64 per head, grids over
+    (tile of the longest sequence, head, sequence), and cu_q / cu_k in every parameter
+    struct that reads them; deterministic: the packed mma.sync delta + dq kernels first."""
+    from cupy_piecewise import varlen_launch
+
+    drv, _ = fake_gpu
+    monkeypatch.delenv(capability.PATH_VAR)
+    capability.refresh_env_override()
+    encoded = fake_maps
+    B, H, Hkv, D = 3, 4, 2, 96
+    total_q, total_k, max_q, max_k = 500, 700, 300, 400
+    p = Problem("torch", B, H, Hkv, max_q, max_k, D, "bfloat16", 50, True, 0.125, 0)
+    shape = varlen_launch.VarlenShape(total_q, total_k)
+    q3, k3 = (H * D, D, 1), (Hkv * D, D, 1)  # packed (total, heads, D), contiguous
+    strides = (q3, k3, q3, k3, k3, q3, q3, q3, k3, q3, k3, k3)
+    run = varlen_launch.backward_launches(p, shape, strides, deterministic=deterministic)
+    assert isinstance(run, launch.HopperBackward) and run.arrays == varlen_launch.BACKWARD_ARRAYS
+    mpad = math.ceil((total_q + 64 * B) / 64) * 64
+    rows = H * mpad
+    # the dQ accumulator has the compute head dim's columns (96 -> 128)
+    assert run.workspace_bytes == 8 * rows + (0 if deterministic else 2 * 4 * rows * 128)
+    ptrs = tuple(0x10000 * (i + 1) for i in range(len(run.arrays)))
+    named = dict(zip(run.arrays, ptrs))
+    ws = 0x9000000
+    run.run(ptrs, stream=5, workspace=ws)
+    assert [e[0] for e in encoded] == [named[n] for n in ("q1", "q2", "dout", "k1", "k2", "v")]
+    assert [e[1] for e in encoded] == [(1, H, total_q, D)] * 3 + [(1, Hkv, total_k, D)] * 3
+    assert encoded[0][2] == (0, D, H * D, 1) and [e[4] for e in encoded] == [64] * 3 + [128] * 3
+    calls = drv.launches
+    phases = [c["fn"].phase for c in calls]
+    if deterministic:
+        assert phases == ["bwd_delta", "bwd_dq", "bwd_sm90_prep", "bwd_sm90_det"]
+        assert calls[1]["fn"].varlen and calls[1]["grid"][1:] == (H, B)
+        assert calls[1]["params"]["cu_q"] == named["cu_q"]
+        calls = calls[2:]
+    else:
+        assert phases == ["bwd_sm90_prep", "bwd_sm90", "bwd_sm90_dq"]
+    assert all(c["fn"].varlen and c["fn"].head_dim == D for c in calls)
+    prep, main = calls[0], calls[1]
+    rows_q = math.ceil(max_q / 64) * 64
+    assert prep["grid"] == (math.ceil(H * rows_q / 8), B, 1)
+    assert main["grid"] == (math.ceil(max_k / 128), Hkv, B)
+    acc = 0 if deterministic else ws + 8 * rows
+    f = launch._BWD_PREP.unpack(prep["params"])
+    assert f[1:4] == (0, D, H * D) and f[8:12] == (named["lse"], ws, ws + 4 * rows, acc)
+    assert f[12:16] == (1, H, total_q, mpad) and f[17:] == (rows_q, named["cu_q"])
+    f = launch._BWD_MAIN.unpack(main["params"])
+    assert f[1:4] == (0, D, Hkv * D) and f[12:15] == (acc, ws, ws + 4 * rows)
+    assert f[15:21] == (1, H, H // Hkv, total_q, total_k, mpad)
+    assert f[25:] == (named["cu_q"], named["cu_k"])
+    if not deterministic:
+        conv = calls[2]
+        assert conv["grid"] == (math.ceil(H * max_q / 8), B, 1)
+        f = launch._BWD_CONV.unpack(conv["params"])
+        assert f[8:13] == (acc, 1, H, total_q, mpad) and f[14:] == (max_q, named["cu_q"])
