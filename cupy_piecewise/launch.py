@@ -420,7 +420,10 @@ class _TensorMaps:
         self._lock = threading.Lock()
 
     def addresses(self, ptrs) -> tuple:
-        """Host addresses of the 128-byte maps of ``ptrs`` (one per shape), in ``order``."""
+        """``(addresses, keepalive)``: host addresses of the 128-byte maps of ``ptrs`` (one
+        per shape), in ``order``, and the objects that own them. Hold ``keepalive`` until the
+        launches that read the addresses are issued: another thread's call may drop the
+        cache entry meanwhile."""
         key = tuple(ptrs)
         hit = self._maps.get(key)
         if hit is None:
@@ -433,7 +436,7 @@ class _TensorMaps:
                 if len(self._maps) >= _HOPPER_MAPS_MAX:
                     self._maps.clear()
                 self._maps[key] = hit
-        return hit[0]
+        return hit
 
 
 class HopperLaunches:
@@ -479,8 +482,10 @@ class HopperLaunches:
         struct.pack_into("<Q", params, 32, ptrs[6])
         if len(ptrs) > 7:
             struct.pack_into("<QQ", params, _HOPPER_PARAMS.size - 16, ptrs[7], ptrs[8])
-        args = (ctypes.c_void_p * 6)(*self._maps.addresses(ptrs[:5]), ctypes.addressof(params))
+        maps, keep = self._maps.addresses(ptrs[:5])
+        args = (ctypes.c_void_p * 6)(*maps, ctypes.addressof(params))
         _launch_all(self.device, self._steps, stream, ctypes.addressof(args))
+        del keep  # the launch has copied the maps
 
 
 def backward_launches(problem, strides, *, deterministic: bool = False):
@@ -553,7 +558,9 @@ class HopperBackward:
     computes only dK1, dK2, dV.
 
     Its workspace (``workspace_bytes``, passed to :meth:`run`): lse2 and delta of
-    (B, H, Mpad) float32, then (fused dQ only) the (2, B, H, Mpad, D) float32 accumulator.
+    (B, H, Mpad) float32, then (fused dQ only) the (2, B, H, Mpad, Dc) float32 accumulator,
+    Dc the kernel's compute head dim (:func:`capability.hopper_compute_dim`: 128 for 80 and
+    96); a packed batch has B = 1 and Mpad its padded total (below).
     Tensor maps of q1, q2, dout (64-row boxes) and k1, k2, v (128-row boxes) are cached per
     pointer tuple like :class:`HopperLaunches`'.
 
@@ -633,7 +640,7 @@ class HopperBackward:
         cu_q, cu_k = ptrs[15:17] if len(ptrs) > 15 else (0, 0)
         if self._mma is not None:
             self._mma.run(ptrs, stream)
-        maps = self._maps.addresses((q1, q2, do, k1, k2, v))
+        maps, keep = self._maps.addresses((q1, q2, do, k1, k2, v))  # keep: until launched
         lse2, dlt = workspace + self._offsets[0], workspace + self._offsets[1]
         acc = 0 if self.deterministic else workspace + self._offsets[2]
         prep = ctypes.create_string_buffer(self._prep, _BWD_PREP.size)
@@ -659,6 +666,7 @@ class HopperBackward:
             struct.pack_into("<Q", conv, 120, cu_q)
             a_conv = (ctypes.c_void_p * 1)(ctypes.addressof(conv))
             _launch_all(self.device, self._steps[2:], stream, ctypes.addressof(a_conv))
+        del keep
 
 
 _launches: dict[tuple, Launches] = {}

@@ -67,7 +67,8 @@ def _template(problem, shape: VarlenShape, views: dict) -> bytes:
 def use_hopper(problem) -> bool:
     """True when a packed forward runs the Hopper kernel (``pw90_forward`` built with VARLEN):
     the dense rule of :func:`cupy_piecewise.launch.use_hopper` with ``M`` the longest
-    sequence (compute capability 9.0, head dim 64 or 128, more than 16 query rows, a grid of
+    sequence (compute capability 9.0, a head dim in :data:`capability.HOPPER_HEAD_DIMS`,
+    more than 16 query rows, a grid of
     at least one CTA per SM unless ``CUPY_PIECEWISE_PATH=hopper``)."""
     return launch.use_hopper(problem, split=True)
 

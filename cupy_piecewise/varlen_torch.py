@@ -53,8 +53,8 @@ def _fwd_fake(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, w, max_seqlen_q, ma
 def varlen_bwd_op(
     do: Tensor, q1: Tensor, k1: Tensor, q2: Tensor, k2: Tensor, v: Tensor, o: Tensor,
     lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, w: int, max_seqlen_q: int,
-    max_seqlen_k: int, causal: bool, sm_scale: float, deterministic: bool = False,
-    dlse: Optional[Tensor] = None,
+    max_seqlen_k: int, causal: bool, sm_scale: float, dlse: Optional[Tensor] = None,
+    deterministic: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Packed backward -> (dq1, dk1, dq2, dk2, dv); see
     :func:`cupy_piecewise.attention_varlen_backward`. ``deterministic`` or
@@ -68,7 +68,7 @@ def varlen_bwd_op(
 
 @varlen_bwd_op.register_fake
 def _bwd_fake(do, q1, k1, q2, k2, v, o, lse, cu_seqlens_q, cu_seqlens_k, w, max_seqlen_q,
-              max_seqlen_k, causal, sm_scale, deterministic=False, dlse=None):
+              max_seqlen_k, causal, sm_scale, dlse=None, deterministic=False):
     return (q1.new_empty(q1.shape), k1.new_empty(k1.shape), q2.new_empty(q2.shape),
             k2.new_empty(k2.shape), v.new_empty(v.shape))
 
@@ -88,7 +88,9 @@ def _backward(ctx, do, dlse):
         return (None,) * 5 + tail
     if do is None:  # only lse reached the loss
         do = torch.zeros_like(o)
-    grads = varlen_bwd_op(do, q1, k1, q2, k2, v, o, lse, cu_q, cu_k, *ctx.scalars, dlse=dlse)
+    # ctx.scalars: w, max_seqlen_q, max_seqlen_k, causal, sm_scale, deterministic
+    grads = varlen_bwd_op(do, q1, k1, q2, k2, v, o, lse, cu_q, cu_k, *ctx.scalars[:5], dlse,
+                          ctx.scalars[5])
     return tuple(g if n else None for g, n in zip(grads, need)) + tail
 
 
@@ -128,5 +130,5 @@ def attention_varlen_backward(do, q1, k1, q2, k2, v, o, lse, cu_q, cu_k, w, max_
                               causal, sm_scale, dlse, deterministic=False):
     """``attention_varlen_backward`` for torch CUDA tensors."""
     args = _scalars(q1, k1, q2, k2, v, cu_q, cu_k, w, max_q, max_k, causal, sm_scale)
-    return varlen_bwd_op(do, q1, k1, q2, k2, v, o, lse, cu_q, cu_k, *args,
-                         validate.check_deterministic(deterministic), dlse=dlse)
+    return varlen_bwd_op(do, q1, k1, q2, k2, v, o, lse, cu_q, cu_k, *args, dlse,
+                         validate.check_deterministic(deterministic))

@@ -131,3 +131,38 @@ def test_varlen_new_head_dims_numpy_and_torch_cpu(D):
                                              ck, 2, causal=True, dlse=dl)
     for g, x in zip(grads, leaves):
         np.testing.assert_allclose(x.grad.numpy(), g, rtol=1e-8, atol=1e-10)
+
+
+def test_torch_varlen_backward_formula_binds_its_arguments(monkeypatch):
+    """The packed autograd formula (varlen_torch._backward) calls cupy_piecewise::varlen_bwd
+    with the forward's scalars (w, max_seqlen_q, max_seqlen_k, causal, sm_scale,
+    deterministic) and the incoming gradient of lse in their schema places; dlse and
+    deterministic come last in the schema, after the arguments the operator had before."""
+    import inspect
+    import types
+
+    torch = pytest.importorskip("torch")
+    from cupy_piecewise import varlen_torch
+
+    schema = str(torch.ops.cupy_piecewise.varlen_bwd.default._schema)
+    assert schema.index("float sm_scale") < schema.index("Tensor? dlse=None") < schema.index(
+        "bool deterministic=False")
+    assert "bool deterministic=False" in str(torch.ops.cupy_piecewise.varlen_fwd.default._schema)
+    seen = {}
+
+    def record(*args, **kwargs):
+        seen["args"], seen["kwargs"] = args, kwargs
+        return tuple(torch.zeros(1) for _ in range(5))
+
+    real = varlen_torch.varlen_bwd_op
+    monkeypatch.setattr(varlen_torch, "varlen_bwd_op", record)
+    ctx = types.SimpleNamespace(saved_tensors=[torch.zeros(1)] * 9,
+                                needs_input_grad=[True] * 5 + [False] * 8,
+                                scalars=(7, 10, 12, True, 0.5, True))
+    dlse = torch.ones(2)
+    grads = varlen_torch._backward(ctx, torch.ones(1), dlse)
+    assert len(grads) == 13 and all(g is None for g in grads[5:])
+    bound = inspect.signature(getattr(real, "_init_fn", real)).bind(*seen["args"], **seen["kwargs"]).arguments
+    assert (bound["w"], bound["max_seqlen_q"], bound["max_seqlen_k"], bound["causal"],
+            bound["sm_scale"], bound["deterministic"]) == (7, 10, 12, True, 0.5, True)
+    assert bound["dlse"] is dlse
