@@ -42,7 +42,6 @@ import ctypes
 import math
 import os
 import re
-import struct
 import subprocess
 import sys
 import tempfile
@@ -64,13 +63,15 @@ PHASES = {"build": (70, 60), "check": (95, 30), "time": (70, 45)}
 
 #: set by main() when --opt -DPW90_BWD_DQ_BULK=1 is given (dQ staging buffers in shared memory)
 DQ_BULK = False
+#: set by main() from --opt -DPW90_BWD_STAGES=n (ring stages)
+STAGES = 2
 
 
 def smem_bytes(D: int) -> int:
     """Dynamic shared memory of pw90_bwd<T, D, *, *> (pw90::bwd::Smem<D>::BYTES)."""
     from cupy_piecewise import capability
 
-    return capability.hopper_bwd_shared_bytes(D, DQ_BULK)
+    return capability.hopper_bwd_shared_bytes(D, DQ_BULK, STAGES)
 
 
 def main_name(dtype, D, causal, dq):
@@ -640,8 +641,12 @@ def main():
     ap.add_argument("--opt", action="append", default=[], help="extra NVRTC option (repeatable)")
     ap.add_argument("--phases", default="build,check,time")
     args = ap.parse_args()
-    global DQ_BULK
+    global DQ_BULK, STAGES
     DQ_BULK = any("PW90_BWD_DQ_BULK=1" in o for o in args.opt)
+    for o in args.opt:
+        m = re.search(r"PW90_BWD_STAGES=(\d+)", o)
+        if m:
+            STAGES = int(m.group(1))
 
     if args.worker:
         try:

@@ -102,7 +102,7 @@ def test_ptx_uses_hopper_instructions(build):
     for needle in ("wgmma.mma_async.sync.aligned.m64n", "wgmma.fence.sync.aligned",
                    "cp.async.bulk.tensor.4d", "cp.async.bulk.shared::cluster.global.mbarrier",
                    "mbarrier.try_wait.parity", "setmaxnreg.inc", "setmaxnreg.dec",
-                   "red.global.add.v2.f32", "fence.proxy.async", ".tensormap"):
+                   "red.global.add.v4.f32", "fence.proxy.async", ".tensormap"):
         assert needle in ptx, needle
     # dV += Pᵀ·dO and dK += dSᵀ·Q: A from registers, B MN-major (imm-trans-b = 1)
     assert re.search(r"wgmma\.mma_async[^;]*\{%r\d+, ?%r\d+, ?%r\d+, ?%r\d+\}, %rd\d+, p, 1, 1, 1;", ptx)
@@ -235,3 +235,35 @@ def test_packed_statistics_layout_gives_each_sequence_its_own_tiles(seed):
     ends = [r + math.ceil(int(m) / bm) * bm for r, m in zip(row0, lens)]
     assert all(r % bm == 0 for r in row0)
     assert all(e <= n for e, n in zip(ends, row0[1:] + [mpad])), (lens, row0, ends, mpad)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_dq_accumulator_order_is_a_permutation_fed_by_v4_reductions(D):
+    """The dQ accumulator's order inside a 64-row query tile (dq_index, PW90_BWD_DQ_V4 = 1, the
+    default), mirrored: it must be a permutation of the tile's 64 x D floats (prep zeroes every
+    element once, convert reads each once); a column pair (c, c + 1) must be adjacent and
+    8-byte aligned (their float2 loads and stores); and the four accumulator-fragment elements
+    (hh, e) that a consumer thread holds for column block j of panel pn must be one 16-byte
+    aligned run in fragment order dq[4 j + 2 hh + e] (one red.global.add.v4.f32), with a warp's
+    32 runs for one j contiguous (512 bytes per instruction)."""
+    def dq_index(r, c):
+        pn, cc = c // 64, c % 64
+        wl, hh, lane, j = r // 16, (r % 16) // 8, (r % 8) * 4 + (cc % 8) // 2, cc // 8
+        return pn * 4096 + ((j * 4 + wl) * 32 + lane) * 4 + 2 * hh + (cc % 2)
+
+    seen = sorted(dq_index(r, c) for r in range(64) for c in range(D))
+    assert seen == list(range(64 * D))
+    for r in range(64):
+        for c in range(0, D, 2):
+            assert dq_index(r, c) % 2 == 0 and dq_index(r, c + 1) == dq_index(r, c) + 1
+    for pn in range(D // 64):
+        for wl in range(4):
+            for j in range(8):
+                starts = []
+                for lane in range(32):
+                    # element (hh, e) of the thread: row 16 wl + lane / 4 + 8 hh, column 8 j + 2 (lane % 4) + e
+                    run = [dq_index(16 * wl + lane // 4 + 8 * hh, 64 * pn + 8 * j + 2 * (lane % 4) + e)
+                           for hh in range(2) for e in range(2)]
+                    assert run == list(range(run[0], run[0] + 4)) and run[0] % 4 == 0
+                    starts.append(run[0])
+                assert starts == list(range(starts[0], starts[0] + 128, 4))

@@ -34,9 +34,11 @@
 //                                 barrier, and each computes dQ over all 128 keys for its
 //                                 64-column panel(s) (MN-major A = dSᵀ, B = K): D = 128 one
 //                                 panel each, D = 64 every other tile; the float32 result is
-//                                 added to the global accumulator with red.global.add.v2.f32
-//                                 (or, with PW90_BWD_DQ_BULK=1, one bulk reduce-add per panel
-//                                 from a shared staging buffer).
+//                                 added to the global accumulator with red.global.add.v4.f32,
+//                                 in the accumulator fragments' order (dq_index), so that a
+//                                 warp's instruction covers 512 contiguous bytes (or, with
+//                                 PW90_BWD_DQ_BULK=1, one bulk reduce-add per panel from a
+//                                 shared staging buffer).
 //                (Sᵀ and dPᵀ can be computed in QH chunks of NC = 64/QH query columns: QH = 1
 //                at D = 64; PW90_BWD_QH128 at D = 128, default 1, the only clean build.)
 //
@@ -77,12 +79,22 @@
 #ifndef PW90_BWD_QH128
 #define PW90_BWD_QH128 1
 #endif
-// dQ partial products reach the float32 accumulator by (0) red.global.add.v2.f32 from the
-// consumers' registers, or (1) a store to a shared-memory staging buffer and one bulk
-// reduce-add (cp.reduce.async.bulk ... .add.f32) of 16 KB per (tile, 64-column panel), which
-// the consumers do not wait for. The accumulator layout differs (dq_index below).
+// dQ partial products reach the float32 accumulator by (0) red.global.add from the
+// consumers' registers (PW90_BWD_DQ_V4 below), or (1) a store to a shared-memory staging
+// buffer and one bulk reduce-add (cp.reduce.async.bulk ... .add.f32) of 16 KB per (tile,
+// 64-column panel), which the consumers do not wait for. The accumulator layout differs (dq_index below).
 #ifndef PW90_BWD_DQ_BULK
 #define PW90_BWD_DQ_BULK 0
+#endif
+// dQ accumulator order for the red.global path: the fragment order of dq_index with one
+// red.global.add.v4.f32 per column block (1, default: the backward 1.07-1.23x faster than
+// with 0 on an H200, bench/NOTES.md), or row-major with red.global.add.v2.f32 (0), whose
+// warp instructions each touch 8 rows.
+#ifndef PW90_BWD_DQ_V4
+#define PW90_BWD_DQ_V4 (!PW90_BWD_DQ_BULK)
+#endif
+#if PW90_BWD_DQ_V4 && PW90_BWD_DQ_BULK
+#error "PW90_BWD_DQ_V4 and PW90_BWD_DQ_BULK choose different accumulator orders"
 #endif
 
 namespace pw90 {
@@ -91,7 +103,11 @@ namespace bwd {
 constexpr int BM = 64;        // query rows per streamed tile
 constexpr int BN = 128;       // key rows per CTA: two consumer warpgroups x 64
 constexpr int THREADS = 384;  // producer warpgroup + 2 consumer warpgroups
-constexpr int STAGES = 2;
+// Ring stages of (Q, dO, lse2, delta): 2, or 3 (fits at D = 128 only without DQ_BULK).
+#ifndef PW90_BWD_STAGES
+#define PW90_BWD_STAGES 2
+#endif
+constexpr int STAGES = PW90_BWD_STAGES;
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;  // 128*24 + 256*240 <= 65536
 constexpr int CONSUMERS = 256;
 // Sᵀ/dPᵀ are computed in QH chunks of NC query columns (register budget at D = 128).
@@ -197,6 +213,10 @@ PW90 void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
 PW90 void red_add_f2(float* gptr, float x, float y) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(gptr), "f"(x), "f"(y) : "memory");
 }
+PW90 void red_add_f4(float* gptr, float x, float y, float z, float u) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(gptr), "f"(x), "f"(y), "f"(z), "f"(u)
+               : "memory");
+}
 PW90 void sts_f2(u32 addr, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
@@ -214,19 +234,43 @@ PW90 void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;" ::
 PW90 void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 // Position of dQ element (query row r of its 64-row tile, column c of D) inside the tile's
-// D x 64 floats of the accumulator. Row-major (i * D + c over the padded rows) for the
-// red.global path; for DQ_BULK, 64-column panels of 4096 floats each in the order the
-// consumers' accumulator fragments are stored (conflict-free st.shared.v2): element (hh, j,
-// e) of thread `lane` of warp `wl` of a warpgroup's m64n64 fragment at
-// ((j * 2 + hh) * 4 + wl) * 64 + 2 * lane + e, with r = 16 wl + lane / 4 + 8 hh and
-// c = 8 j + 2 (lane % 4) + e. The helper kernels below use this function too.
+// D x 64 floats of the accumulator. Row-major (i * D + c over the padded rows) for the plain
+// red.global path. The other two orders follow the consumers' m64n64 accumulator fragments,
+// 64-column panels of 4096 floats each: element (hh, j, e) of thread `lane` of warp `wl` of a
+// warpgroup (row r = 16 wl + lane / 4 + 8 hh, column c = 8 j + 2 (lane % 4) + e of the panel)
+//   DQ_BULK: at ((j * 2 + hh) * 4 + wl) * 64 + 2 * lane + e (conflict-free st.shared.v2);
+//   DQ_V4:   at ((j * 4 + wl) * 32 + lane) * 4 + 2 * hh + e, so that a thread's four elements
+//            of column block j are one red.global.add.v4.f32 and a warp's instruction covers
+//            512 contiguous bytes (the row-major order scatters a v2 instruction over 8 rows).
+// The helper kernels below use this function too.
 template <int D> PW90 i64 dq_index(int r, int c) {
-#if PW90_BWD_DQ_BULK
+#if PW90_BWD_DQ_BULK || PW90_BWD_DQ_V4
   const int pn = c / 64, cc = c % 64;
   const int wl = r / 16, hh = (r % 16) / 8, lane = (r % 8) * 4 + (cc % 8) / 2, j = cc / 8;
+#if PW90_BWD_DQ_V4
+  return (i64)pn * 4096 + ((j * 4 + wl) * 32 + lane) * 4 + 2 * hh + (cc % 2);
+#else
   return (i64)pn * 4096 + ((j * 2 + hh) * 4 + wl) * 64 + 2 * lane + (cc % 2);
+#endif
 #else
   return (i64)r * D + c;
+#endif
+}
+
+// Adds a warpgroup's 64 x 64 dQ panel pn (accumulator fragments dq) to the accumulator
+// block `tile` of its 64-row query tile (dq_index order).
+template <int D> PW90 void dq_red_panel(float* tile, int pn, const float (&dq)[32], int wl, int lane) {
+#if PW90_BWD_DQ_V4
+  float* at = tile + pn * 4096 + (wl * 32 + lane) * 4;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) red_add_f4(at + j * 512, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+#else
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float* row = tile + (i64)(16 * wl + lane / 4 + 8 * hh) * D + 64 * pn + 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) red_add_f2(row + 8 * j, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
+  }
 #endif
 }
 
@@ -369,8 +413,8 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
       (void)h;  // (used by the dQ accumulator address only)
       for (int t = walk.lo(PAIR); t < walk.hi(PAIR); ++t) {
         if (!walk.template visit<CAUSAL>(PAIR, t)) continue;
-        const int stage = g & 1, slot = g & 1;  // ring stage; dSᵀ buffer (DQ)
-        mbar_wait(full0 + 8 * stage, (g >> 1) & 1);
+        const int stage = g % STAGES, slot = g & 1;  // ring stage; dSᵀ buffer (DQ)
+        mbar_wait(full0 + 8 * stage, (g / STAGES) & 1);
         ++g;
         const int m0 = t * BM;
         const u32 st = base + S::RING + stage * S::STAGE;
@@ -527,12 +571,7 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
               bulk_commit();
             }
 #else
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              float* row = dst + (i64)(16 * wl + lane / 4 + 8 * hh) * D + 64 * pn + 2 * (lane % 4);
-#pragma unroll
-              for (int j = 0; j < 8; ++j) red_add_f2(row + 8 * j, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
-            }
+            dq_red_panel<D>(dst, pn, dq, wl, lane);
 #endif
           }
         }
@@ -574,8 +613,8 @@ PW90 void producer(const BwdParams& p, const TmaDesc* tq1, const TmaDesc* tq2, c
       const float* delta = p.delta + ((i64)b * p.H + h) * p.Mpad + sq.row0;
       for (int t = walk.lo(pair); t < walk.hi(pair); ++t) {
         if (!walk.template visit<CAUSAL>(pair, t)) continue;
-        const int stage = g & 1;
-        mbar_wait(empty0 + 8 * stage, ((g >> 1) & 1) ^ 1);
+        const int stage = g % STAGES;
+        mbar_wait(empty0 + 8 * stage, ((g / STAGES) & 1) ^ 1);
         ++g;
         const int m0 = t * BM;
         const u32 st = base + S::RING + stage * S::STAGE, fb = full0 + 8 * stage;
