@@ -25,8 +25,9 @@ resumes after the case that hung or lost the CUDA context):
    5000} with GQA 2, plus M != N, tiny, tile-edge, GQA 4 and (B, L, H, D)-layout cases.
 3. time: bf16, L = 2048 and 8192 (B = 16384 / L, H = 2048 / D, w = L / 4), D 64/128, causal
    or not: backward alone and forward + backward for this prototype (fused; nodq alone as a
-   dK/dV-only lower bound), the package's current backward (cupy_piecewise.attention_backward,
-   mma.sync kernels), SDPA flash and SDPA cuDNN (standard attention on q1/k1/v, autograd).
+   dK/dV-only lower bound), the package's default backward ("package default":
+   cupy_piecewise.attention_backward, the Hopper kernels on an H100/H200), SDPA flash and
+   SDPA cuDNN (standard attention on q1/k1/v, autograd).
    TFLOP/s with forward FLOPs 4 B H M N D (half when causal), backward 2.5x forward.
    AGREE lines compare this prototype's gradients with the package's at full scale.
 
@@ -564,13 +565,13 @@ def _time_config(torch, kern, cpw, L, D, causal):
             say(f"AGREE {tag}: ERROR {type(e).__name__}: {str(e)[:300]}")
             torch.cuda.synchronize()
         del outs, ws, ws2
-    report("package (mma)", "bwd", lambda: cpw.attention_backward(do, q1, k1, q2, k2, v, o, lse, w,
+    report("package default", "bwd", lambda: cpw.attention_backward(do, q1, k1, q2, k2, v, o, lse, w,
                                                                  causal=causal), 2.5 * fwd)
 
     def pk_fb():
         oo, ll = cpw.attention(q1, k1, q2, k2, v, w, causal=causal, return_lse=True)
         cpw.attention_backward(do, q1, k1, q2, k2, v, oo, ll, w, causal=causal)
-    report("package (mma)", "fwd_bwd", pk_fb, 3.5 * fwd)
+    report("package default", "fwd_bwd", pk_fb, 3.5 * fwd)
     for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
         qq, kk, vv = (t.detach().requires_grad_() for t in (q1, k1, v))
         try:
@@ -622,7 +623,7 @@ def summarise(lines, log):
         head = "".join("{:>11s}".format(f"L{L // 1024}k D{D}" + ("c" if c else "")) for L, D, c in cols)
         log("=" * 20 + " TFLOP/s (bf16, B = 16384/L, H = 2048/D, w = L/4; bwd = 2.5x fwd FLOPs)")
         log(f"{'provider / phase':28s}{head}")
-        for prov in ("pw90 fused", "pw90 nodq(dKdV)", "package (mma)", "sdpa_flash", "sdpa_cudnn"):
+        for prov in ("pw90 fused", "pw90 nodq(dKdV)", "package default", "sdpa_flash", "sdpa_cudnn"):
             for ph in ("bwd", "fwd_bwd"):
                 vals = [times.get((prov, ph, L, D, int(c))) for L, D, c in cols]
                 if any(vals):
