@@ -62,17 +62,17 @@ LOG2E = 1.4426950408889634
 PHASES = {"build": (70, 60), "check": (95, 30), "time": (70, 45)}
 
 
-#: set by main() when --opt -DPW90_BWD_DQ_BULK=1 is given (dQ staging buffers in shared memory)
-DQ_BULK = False
 #: set by main() from --opt -DPW90_BWD_STAGES=n (ring stages)
 STAGES = 2
+#: set by main() when --opt -DPW90_BWD_DQ_WRITER=1 is given (dQ staging buffers, writer warp)
+DQ_WRITER = False
 
 
 def smem_bytes(D: int) -> int:
     """Dynamic shared memory of pw90_bwd<T, D, *, *> (pw90::bwd::Smem<D>::BYTES)."""
     from cupy_piecewise import capability
 
-    return capability.hopper_bwd_shared_bytes(D, DQ_BULK, STAGES)
+    return capability.hopper_bwd_shared_bytes(D, STAGES, DQ_WRITER)
 
 
 def main_name(dtype, D, causal, dq):
@@ -642,8 +642,8 @@ def main():
     ap.add_argument("--opt", action="append", default=[], help="extra NVRTC option (repeatable)")
     ap.add_argument("--phases", default="build,check,time")
     args = ap.parse_args()
-    global DQ_BULK, STAGES
-    DQ_BULK = any("PW90_BWD_DQ_BULK=1" in o for o in args.opt)
+    global STAGES, DQ_WRITER
+    DQ_WRITER = any("PW90_BWD_DQ_WRITER=1" in o for o in args.opt)
     for o in args.opt:
         m = re.search(r"PW90_BWD_STAGES=(\d+)", o)
         if m:

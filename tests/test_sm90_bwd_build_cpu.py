@@ -267,3 +267,25 @@ def test_dq_accumulator_order_is_a_permutation_fed_by_v4_reductions(D):
                     assert run == list(range(run[0], run[0] + 4)) and run[0] % 4 == 0
                     starts.append(run[0])
                 assert starts == list(range(starts[0], starts[0] + 128, 4))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_opt_in_dq_writer_build_compiles_with_its_shared_memory(d):
+    """The opt-in dQ writer warp (-DPW90_BWD_DQ_WRITER=1, timed by scripts/hopper_bwd_probe.py;
+    not a selectable variant) must keep compiling: Smem<D>::BYTES equal to
+    capability.hopper_bwd_shared_bytes(D, dq_writer=True) (what the probe launches with),
+    the kernel's setmaxnreg budget static_assert holding, the bulk reduce-add in the PTX and
+    no wgmma serialisation. Its writer thread spills at the producer warpgroup's 24
+    registers (bench/NOTES.md); the report is read, not asserted clean."""
+    from cupy_piecewise import capability
+
+    name = _main("bfloat16", d, True, True)
+    src = ("\nstatic_assert(pw90::bwd::Smem<%d>::BYTES == %d, \"hopper_bwd_shared_bytes(dq_writer)\");\n"
+           % (d, capability.hopper_bwd_shared_bytes(d, dq_writer=True)))
+    log, ptx, lowered, blocks = sm90_build.build("sm90/backward.cu", [name],
+                                                 defines=("PW90_BWD_DQ_WRITER=1",), extra_source=src)
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
+    assert "st.shared.v4.f32" in ptx
+    assert lowered[name] in blocks
+    serial = [ln for ln in log.splitlines() if "serialized" in ln or "C751" in ln]
+    assert not serial, "\n".join(serial)

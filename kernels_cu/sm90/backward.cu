@@ -37,8 +37,8 @@
 //                                 added to the global accumulator with red.global.add.v4.f32,
 //                                 in the accumulator fragments' order (dq_index), so that a
 //                                 warp's instruction covers 512 contiguous bytes (or, with
-//                                 PW90_BWD_DQ_BULK=1, one bulk reduce-add per panel from a
-//                                 shared staging buffer).
+//                                 PW90_BWD_DQ_WRITER=1, through a shared staging buffer that
+//                                 a writer warp adds by one bulk reduce-add per panel).
 //                (Sᵀ and dPᵀ can be computed in QH chunks of NC = 64/QH query columns: QH = 1
 //                at D = 64; PW90_BWD_QH128 at D = 128, default 1, the only clean build.)
 //
@@ -65,11 +65,11 @@
 // Shared memory (bytes), every tile stored as D/64 panels of rows x 128 bytes (TMA box 64 wide):
 //   K1, K2, V: 3 x BN x D x 2; ring: 2 stages x (Q, dO: 2 x BM x D x 2);
 //   dSᵀ: 2 buffers x BN x BM x 2 (each two 64 x 64 halves, one per consumer warpgroup);
-//   lse2/delta: 2 x 2 x BM x 4; [PW90_BWD_DQ_BULK: 2 x 64 x 64 x 4 dQ staging];
-//   mbarriers (kbar, full[2], empty[2]); 1 KB to align the base to 1024 bytes.
+//   lse2/delta: 2 x 2 x BM x 4; [PW90_BWD_DQ_WRITER: 2 x 64 x 64 x 4 dQ staging];
+//   mbarriers (kbar, full[2], empty[2] [, dq_full[2], dq_empty[2]]); 1 KB to align the base.
 //   D = 64:  48 KB + 32 KB + 32 KB + 1 KB + 40 + 1024 = 116,776 bytes
-//   D = 128: 96 KB + 64 KB + 32 KB + 1 KB + 40 + 1024 = 198,696 bytes (of 227 KB; 231,464 with
-//   the dQ staging buffers). capability.hopper_bwd_shared_bytes mirrors this (checked by
+//   D = 128: 96 KB + 64 KB + 32 KB + 1 KB + 40 + 1024 = 198,696 bytes (of 227 KB; 231,496 with
+//   the DQ_WRITER staging buffers and mbarriers). capability.hopper_bwd_shared_bytes mirrors this (checked by
 //   tests/test_traits_cpu.py).
 #include "sm90/hopper.cuh"
 #include "sm90/wgmma.cuh"
@@ -79,22 +79,25 @@
 #ifndef PW90_BWD_QH128
 #define PW90_BWD_QH128 1
 #endif
-// dQ partial products reach the float32 accumulator by (0) red.global.add from the
-// consumers' registers (PW90_BWD_DQ_V4 below), or (1) a store to a shared-memory staging
-// buffer and one bulk reduce-add (cp.reduce.async.bulk ... .add.f32) of 16 KB per (tile,
-// 64-column panel), which the consumers do not wait for. The accumulator layout differs (dq_index below).
-#ifndef PW90_BWD_DQ_BULK
-#define PW90_BWD_DQ_BULK 0
-#endif
-// dQ accumulator order for the red.global path: the fragment order of dq_index with one
-// red.global.add.v4.f32 per column block (1, default: the backward 1.07-1.23x faster than
-// with 0 on an H200, bench/NOTES.md), or row-major with red.global.add.v2.f32 (0), whose
-// warp instructions each touch 8 rows.
+// dQ accumulator order (dq_index below): the fragment order, each thread's four elements of
+// a column block added by one red.global.add.v4.f32 (1, default: the backward 1.07-1.23x
+// faster than with 0 on an H200, bench/NOTES.md), or row-major with red.global.add.v2.f32
+// (0), whose warp instructions each touch 8 rows.
 #ifndef PW90_BWD_DQ_V4
-#define PW90_BWD_DQ_V4 (!PW90_BWD_DQ_BULK)
+#define PW90_BWD_DQ_V4 1
 #endif
-#if PW90_BWD_DQ_V4 && PW90_BWD_DQ_BULK
-#error "PW90_BWD_DQ_V4 and PW90_BWD_DQ_BULK choose different accumulator orders"
+// dQ through a writer warp (1, opt-in): each consumer warpgroup stores its 64 x 64 dQ panel,
+// in the accumulator's order, to its shared staging buffer and goes on; one thread of warp 1
+// of the producer warpgroup adds the buffer to the accumulator with one bulk reduce-add
+// (cp.reduce.async.bulk .add.f32, 16 KB) and frees it (an mbarrier pair per buffer). Measured
+// at 0.97-1.09x the default backward (bench/NOTES.md); its thread spills at 24 registers.
+// Needs the DQ_V4 order. (An earlier variant, in which a consumer thread issued the bulk
+// reduce behind two warpgroup barriers, was slower than the v4 reductions and is gone.)
+#ifndef PW90_BWD_DQ_WRITER
+#define PW90_BWD_DQ_WRITER 0
+#endif
+#if PW90_BWD_DQ_WRITER && !PW90_BWD_DQ_V4
+#error "PW90_BWD_DQ_WRITER stages dQ in the DQ_V4 order"
 #endif
 
 namespace pw90 {
@@ -103,12 +106,16 @@ namespace bwd {
 constexpr int BM = 64;        // query rows per streamed tile
 constexpr int BN = 128;       // key rows per CTA: two consumer warpgroups x 64
 constexpr int THREADS = 384;  // producer warpgroup + 2 consumer warpgroups
-// Ring stages of (Q, dO, lse2, delta): 2, or 3 (fits at D = 128 only without DQ_BULK).
+// Ring stages of (Q, dO, lse2, delta): 2, or 3 (fits at D = 128 only without DQ_WRITER).
 #ifndef PW90_BWD_STAGES
 #define PW90_BWD_STAGES 2
 #endif
 constexpr int STAGES = PW90_BWD_STAGES;
-constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;  // 128*24 + 256*240 <= 65536
+// setmaxnreg moves registers inside the CTA's own allocation (3 warpgroups x 168 at launch):
+// PRODUCER_REGS + 2 * CONSUMER_REGS must stay <= 3 * 168 = 504, or the consumers' increase
+// waits forever (a DQ_WRITER build with a 32-register producer hung this way).
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "setmaxnreg budget of the CTA");
 constexpr int CONSUMERS = 256;
 // Sᵀ/dPᵀ are computed in QH chunks of NC query columns (register budget at D = 128).
 template <int D> struct Chunks {
@@ -181,10 +188,12 @@ template <int D> struct Smem {
   static constexpr int DS_BYTES = BN * BM * 2;
   static constexpr int STATS = DS + 2 * DS_BYTES;  // stage s: lse2[BM] then delta[BM], float32
   static constexpr int STATS_STAGE = 2 * BM * 4;
-  // DQ_BULK: a 64 x 64 float32 dQ staging buffer per consumer warpgroup
+  // DQ_WRITER: a 64 x 64 float32 dQ staging buffer per consumer warpgroup
   static constexpr int DQBUF = STATS + STAGES * STATS_STAGE, DQBUF_BYTES = 64 * 64 * 4;
-  static constexpr int BARS = DQBUF + (PW90_BWD_DQ_BULK ? 2 * DQBUF_BYTES : 0);  // kbar, full[STAGES], empty[STAGES]
-  static constexpr int NBARS = 1 + 2 * STAGES;
+  static constexpr int BARS = DQBUF + (PW90_BWD_DQ_WRITER ? 2 * DQBUF_BYTES : 0);
+  // kbar, full[STAGES], empty[STAGES]; DQ_WRITER: dq_full[2], dq_empty[2] (one per buffer)
+  static constexpr int DQBARS = BARS + 8 * (1 + 2 * STAGES);
+  static constexpr int NBARS = 1 + 2 * STAGES + (PW90_BWD_DQ_WRITER ? 4 : 0);
   static constexpr int BYTES = BARS + 8 * NBARS + 1024;  // + base alignment slack
   static_assert(K_PANEL % 1024 == 0 && Q_PANEL % 1024 == 0 && DS % 1024 == 0 && STATS % 16 == 0,
                 "swizzle atoms are 1024 bytes");
@@ -217,8 +226,9 @@ PW90 void red_add_f4(float* gptr, float x, float y, float z, float u) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(gptr), "f"(x), "f"(y), "f"(z), "f"(u)
                : "memory");
 }
-PW90 void sts_f2(u32 addr, float x, float y) {
-  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
+PW90 void sts_f4(u32 addr, float x, float y, float z, float u) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(x), "f"(y), "f"(z), "f"(u)
+               : "memory");
 }
 // Bulk reduce-add of `bytes` (multiple of 16, both addresses 16-byte aligned) of float32 from
 // shared memory into global memory, in this thread's bulk async-group.
@@ -234,24 +244,19 @@ PW90 void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;" ::
 PW90 void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 // Position of dQ element (query row r of its 64-row tile, column c of D) inside the tile's
-// D x 64 floats of the accumulator. Row-major (i * D + c over the padded rows) for the plain
-// red.global path. The other two orders follow the consumers' m64n64 accumulator fragments,
-// 64-column panels of 4096 floats each: element (hh, j, e) of thread `lane` of warp `wl` of a
-// warpgroup (row r = 16 wl + lane / 4 + 8 hh, column c = 8 j + 2 (lane % 4) + e of the panel)
-//   DQ_BULK: at ((j * 2 + hh) * 4 + wl) * 64 + 2 * lane + e (conflict-free st.shared.v2);
-//   DQ_V4:   at ((j * 4 + wl) * 32 + lane) * 4 + 2 * hh + e, so that a thread's four elements
-//            of column block j are one red.global.add.v4.f32 and a warp's instruction covers
-//            512 contiguous bytes (the row-major order scatters a v2 instruction over 8 rows).
-// The helper kernels below use this function too.
+// D x 64 floats of the accumulator. DQ_V4 (default): the order of the consumers' m64n64
+// accumulator fragments, in 64-column panels of 4096 floats each: element (hh, j, e) of
+// thread `lane` of warp `wl` of a warpgroup (row r = 16 wl + lane / 4 + 8 hh, column
+// c = 8 j + 2 (lane % 4) + e of the panel) at ((j * 4 + wl) * 32 + lane) * 4 + 2 * hh + e, so
+// that a thread's four elements of column block j are one red.global.add.v4.f32 (or one
+// st.shared.v4 into the DQ_WRITER staging buffer) and a warp's instruction covers 512
+// contiguous bytes. Otherwise row-major (i * D + c over the padded rows), which scatters a
+// v2 instruction over 8 rows. The helper kernels below use this function too.
 template <int D> PW90 i64 dq_index(int r, int c) {
-#if PW90_BWD_DQ_BULK || PW90_BWD_DQ_V4
+#if PW90_BWD_DQ_V4
   const int pn = c / 64, cc = c % 64;
   const int wl = r / 16, hh = (r % 16) / 8, lane = (r % 8) * 4 + (cc % 8) / 2, j = cc / 8;
-#if PW90_BWD_DQ_V4
   return (i64)pn * 4096 + ((j * 4 + wl) * 32 + lane) * 4 + 2 * hh + (cc % 2);
-#else
-  return (i64)pn * 4096 + ((j * 2 + hh) * 4 + wl) * 64 + 2 * lane + (cc % 2);
-#endif
 #else
   return (i64)r * D + c;
 #endif
@@ -531,7 +536,7 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
           // per tile, at D = 64 they alternate tiles. Summing the two warpgroups' keys on chip
           // halves the float32 atomic traffic (the bound of this kernel: 4 B x M x D per key
           // tile and pass) against each adding its own 64 keys.
-#if !PW90_BWD_DQ_BULK
+#if !PW90_BWD_DQ_WRITER
           float* dst = p.dq_acc + ((((i64)(PAIR - 1) * p.B + sq.tb) * p.H + h) * p.Mpad + sq.row0 + m0) * D;  // tile block
 #endif
           const u32 dsb = base + S::DS + slot * S::DS_BYTES;
@@ -549,27 +554,19 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
             wg_commit();
             wg_wait<0>();
             reg_fence(dq);
-#if PW90_BWD_DQ_BULK
-            // Stage the 64 x 64 panel in this warpgroup's buffer and let one thread add it
-            // to the accumulator by a bulk reduce. The buffer is free once that thread's
-            // previous bulk group has been read (wait_group.read, then the barrier).
+#if PW90_BWD_DQ_WRITER
+            // Stage the panel (accumulator order: a thread's column block j is 16 contiguous
+            // bytes, conflict-free) once the writer warp has read the previous one, and go on.
             const u32 buf = base + S::DQBUF + wg * S::DQBUF_BYTES;
-            const bool issuer = wl == 0 && lane == 0;
-            if (issuer) bulk_wait_read0();
-            named_bar_sync(3 + wg, 128);
+            const u32 dqf = base + S::DQBARS + 8 * wg, dqe = dqf + 16;
+            // this warpgroup's k-th panel, k = tile index (D = 128) or half of it (D = 64,
+            // where it stages the tiles with slot == wg); g was advanced past this tile
+            mbar_wait(dqe, (((D == 128 ? g - 1 : (g - 1) >> 1)) & 1) ^ 1);
 #pragma unroll
             for (int j = 0; j < 8; ++j)
-#pragma unroll
-              for (int hh = 0; hh < 2; ++hh)
-                sts_f2(buf + (((j * 2 + hh) * 4 + wl) * 64 + 2 * lane) * 4, dq[4 * j + 2 * hh],
-                       dq[4 * j + 2 * hh + 1]);
-            fence_proxy_async();
-            named_bar_sync(3 + wg, 128);
-            if (issuer) {  // the tile's block of the accumulator, computed here (registers)
-              float* dst = p.dq_acc + ((((i64)(PAIR - 1) * p.B + sq.tb) * p.H + h) * p.Mpad + sq.row0 + m0) * D;
-              bulk_reduce_add_f32(dst + pn * 4096, buf, S::DQBUF_BYTES);
-              bulk_commit();
-            }
+              sts_f4(buf + ((j * 4 + wl) * 32 + lane) * 16, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+            fence_proxy_async();  // the generic-proxy stores, before the async-proxy bulk read
+            mbar_arrive(dqf);
 #else
             dq_red_panel<D>(dst, pn, dq, wl, lane);
 #endif
@@ -581,9 +578,6 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
     else store_rows(dk, p.dk2, p.dk2_sb, p.dk2_sh, p.dk2_sr, p.sm_scale);
   }
   store_rows(dv, p.dv, p.dv_sb, p.dv_sh, p.dv_sr, 1.f);
-#if PW90_BWD_DQ_BULK
-  if (DQ && warp % 4 == 0 && lane == 0) bulk_wait0();  // staging buffer read before exit
-#endif
 }
 
 template <int D, bool CAUSAL>
@@ -629,6 +623,42 @@ PW90 void producer(const BwdParams& p, const TmaDesc* tq1, const TmaDesc* tq2, c
         bulk_load(stats + BM * 4, delta + m0, BM * 4, fb);
       }
     }
+}
+
+// DQ_WRITER: one thread of warp 1 walks the tiles the consumers visit, in the same order, and
+// adds each staged dQ panel to the accumulator by a bulk reduce-add: D = 128, both warpgroups'
+// panels of every tile (warpgroup w holds panel w ^ slot); D = 64, the panel of warpgroup slot.
+template <int D, bool CAUSAL>
+PW90 void dq_writer(const BwdParams& p, u32 base, int n0, int hk, const BwdSeq sq) {
+  using S = Smem<D>;
+  Walk walk;
+  walk.template init<CAUSAL>(sq.M, sq.P, p.w, n0);
+  const u32 dqf0 = base + S::DQBARS, dqe0 = dqf0 + 16;
+  const int group = (int)p.group;
+  int g = 0;
+#pragma unroll 1
+  for (int pair = 1; pair <= 2; ++pair)
+    for (int hq = 0; hq < group; ++hq) {
+      const int h = hk * group + hq;
+      for (int t = walk.lo(pair); t < walk.hi(pair); ++t) {
+        if (!walk.template visit<CAUSAL>(pair, t)) continue;
+        const int slot = g & 1;
+        float* tile = p.dq_acc + ((((i64)(pair - 1) * p.B + sq.tb) * p.H + h) * p.Mpad + sq.row0 + t * BM) * D;
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+          if (D == 64 && w != slot) continue;
+          // warpgroup w's k-th panel: k = g (D = 128) or g / 2 (D = 64: tiles with slot == w)
+          mbar_wait(dqf0 + 8 * w, (D == 128 ? g : g >> 1) & 1);
+          bulk_reduce_add_f32(tile + (D == 128 ? (w ^ slot) : 0) * 4096, base + S::DQBUF + w * S::DQBUF_BYTES,
+                              S::DQBUF_BYTES);
+          bulk_commit();
+          bulk_wait_read0();  // the buffer has been read: the warpgroup may stage its next panel
+          mbar_arrive(dqe0 + 8 * w);
+        }
+        ++g;
+      }
+    }
+  bulk_wait0();  // every reduce-add complete before the CTA's shared memory goes away
 }
 
 // ---------------------------------------------------------------- helper kernels' arguments
@@ -769,6 +799,12 @@ __global__ void __launch_bounds__(pw90::bwd::THREADS, 1)
       mbar_init(full0 + 8 * s, 1);           // the producer's arrive.expect_tx
       mbar_init(empty0 + 8 * s, CONSUMERS);  // every consumer thread
     }
+#if PW90_BWD_DQ_WRITER
+    for (int w = 0; w < 2; ++w) {
+      mbar_init(base + S::DQBARS + 8 * w, CONSUMERS / 2);  // dq_full: the warpgroup's threads
+      mbar_init(base + S::DQBARS + 16 + 8 * w, 1);         // dq_empty: the writer
+    }
+#endif
     mbar_init_fence();
   }
   __syncthreads();
@@ -781,6 +817,9 @@ __global__ void __launch_bounds__(pw90::bwd::THREADS, 1)
       tma_prefetch_desc(&tdo);
       producer<D, CAUSAL>(p, &tq1, &tq2, &tdo, &tk1, &tk2, &tv, base, kbar, full0, empty0, n0, hk, sq);
     }
+#if PW90_BWD_DQ_WRITER
+    if (DQ && warp == 1 && lane == 0) dq_writer<D, CAUSAL>(p, base, n0, hk, sq);
+#endif
   } else {  // ------------------------------------------------------------------------ consumers
     regs_inc<CONSUMER_REGS>();
     consumer<T, D, CAUSAL, DQ, VARLEN, DV>(p, base, kbar, full0, empty0, n0, hk, b, sq);
