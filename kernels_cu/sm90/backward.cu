@@ -328,6 +328,17 @@ struct Walk {
     if (CAUSAL && t * BM + BM - 1 + P - n0 < 0) return false;
     return (mode<CAUSAL>(t) & pair) != 0;
   }
+  // f(pair, hq, t) for every visited (pass, query head of the group, query tile), in the
+  // order of the ring slots: the tiles the dQ writer adds. The producer and the consumers
+  // walk the same order in loops of their own (the consumers' also stores dK between the
+  // passes; moving the producer's onto each() reorders its PTX and awaits a GPU run).
+  template <bool CAUSAL, typename F> PW90 void each(int group, F&& f) const {
+#pragma unroll 1
+    for (int pair = 1; pair <= 2; ++pair)
+      for (int hq = 0; hq < group; ++hq)
+        for (int t = lo(pair); t < hi(pair); ++t)
+          if (visit<CAUSAL>(pair, t)) f(pair, hq, t);
+  }
 };
 
 // acc(64 x NC) = A(64 rows at a, K-major panels a_panel apart) · B(NC rows at b, K-major
@@ -634,30 +645,24 @@ PW90 void dq_writer(const BwdParams& p, u32 base, int n0, int hk, const BwdSeq s
   Walk walk;
   walk.template init<CAUSAL>(sq.M, sq.P, p.w, n0);
   const u32 dqf0 = base + S::DQBARS, dqe0 = dqf0 + 16;
-  const int group = (int)p.group;
   int g = 0;
-#pragma unroll 1
-  for (int pair = 1; pair <= 2; ++pair)
-    for (int hq = 0; hq < group; ++hq) {
-      const int h = hk * group + hq;
-      for (int t = walk.lo(pair); t < walk.hi(pair); ++t) {
-        if (!walk.template visit<CAUSAL>(pair, t)) continue;
-        const int slot = g & 1;
-        float* tile = p.dq_acc + ((((i64)(pair - 1) * p.B + sq.tb) * p.H + h) * p.Mpad + sq.row0 + t * BM) * D;
+  walk.template each<CAUSAL>((int)p.group, [&](int pair, int hq, int t) {
+    const int h = hk * (int)p.group + hq;
+    const int slot = g & 1;
+    float* tile = p.dq_acc + ((((i64)(pair - 1) * p.B + sq.tb) * p.H + h) * p.Mpad + sq.row0 + t * BM) * D;
 #pragma unroll
-        for (int w = 0; w < 2; ++w) {
-          if (D == 64 && w != slot) continue;
-          // warpgroup w's k-th panel: k = g (D = 128) or g / 2 (D = 64: tiles with slot == w)
-          mbar_wait(dqf0 + 8 * w, (D == 128 ? g : g >> 1) & 1);
-          bulk_reduce_add_f32(tile + (D == 128 ? (w ^ slot) : 0) * 4096, base + S::DQBUF + w * S::DQBUF_BYTES,
-                              S::DQBUF_BYTES);
-          bulk_commit();
-          bulk_wait_read0();  // the buffer has been read: the warpgroup may stage its next panel
-          mbar_arrive(dqe0 + 8 * w);
-        }
-        ++g;
-      }
+    for (int w = 0; w < 2; ++w) {
+      if (D == 64 && w != slot) continue;
+      // warpgroup w's k-th panel: k = g (D = 128) or g / 2 (D = 64: tiles with slot == w)
+      mbar_wait(dqf0 + 8 * w, (D == 128 ? g : g >> 1) & 1);
+      bulk_reduce_add_f32(tile + (D == 128 ? (w ^ slot) : 0) * 4096, base + S::DQBUF + w * S::DQBUF_BYTES,
+                          S::DQBUF_BYTES);
+      bulk_commit();
+      bulk_wait_read0();  // the buffer has been read: the warpgroup may stage its next panel
+      mbar_arrive(dqe0 + 8 * w);
     }
+    ++g;
+  });
   bulk_wait0();  // every reduce-add complete before the CTA's shared memory goes away
 }
 
