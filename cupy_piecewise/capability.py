@@ -71,6 +71,7 @@ __all__ = [
     "hopper_bwd_shared_bytes",
     "shared_bytes",
     "check_config",
+    "hopper_bwd_helper_grid",
     "lookup",
     "selectable_configs",
     "VARLEN_TABLE",
@@ -204,6 +205,16 @@ def plan_switches():
     """``(CUPY_PIECEWISE_TILES, CUPY_PIECEWISE_PATH)`` as in effect (see
     :func:`env_override`): what plan caches put in their keys. One global read."""
     return _switches
+#: Rows per block of the Hopper backward's helper kernels (``pw90_bwd_prep``,
+#: ``pw90_bwd_dq_convert``): 8 warps of 256 threads, each warp a row pair (i, i + 8).
+HOPPER_BWD_HELPER_ROWS = 16
+
+
+def hopper_bwd_helper_grid(heads: int, rows: int, batch: int) -> tuple:
+    """Grid of the Hopper backward's helper kernels over ``rows`` rows of each of ``heads``
+    heads and ``batch`` batch entries (mirrors ``pw90::bwd::row_pair``): each head's rows in
+    whole blocks of :data:`HOPPER_BWD_HELPER_ROWS`."""
+    return (heads * -(-rows // HOPPER_BWD_HELPER_ROWS), batch, 1)
 
 
 def path_override() -> str:

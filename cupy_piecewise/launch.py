@@ -604,11 +604,11 @@ class HopperBackward:
         prep = Variant("bwd_sm90_prep", p.dtype, p.D, None, False, varlen)
         main = Variant("bwd_sm90_det" if deterministic else "bwd_sm90", p.dtype, p.D, None,
                        p.causal, varlen)
-        steps = [_step(p, prep, (math.ceil(p.H * rows_q / 8), p.B, 1)),
+        steps = [_step(p, prep, capability.hopper_bwd_helper_grid(p.H, rows_q, p.B)),
                  _step(p, main, (math.ceil(p.N / bn), p.Hkv, p.B))]
         if not deterministic:
             conv = Variant("bwd_sm90_dq", p.dtype, p.D, None, False, varlen)
-            steps.append(_step(p, conv, (math.ceil(p.H * p.M / 8), p.B, 1)))
+            steps.append(_step(p, conv, capability.hopper_bwd_helper_grid(p.H, p.M, p.B)))
         self._steps = tuple(steps)
         # the mma.sync delta + dq kernels (deterministic dQ), sharing the call's Params block
         if deterministic and mma is None:

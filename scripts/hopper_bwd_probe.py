@@ -101,6 +101,7 @@ def nvrtc_cubin(names, options):
 # ============================================================================ launching
 
 # pw90::bwd::BwdParams, PrepParams, ConvertParams: the package's own packers' layouts
+from cupy_piecewise.capability import hopper_bwd_helper_grid  # noqa: E402
 from cupy_piecewise.launch import _BWD_CONV as _CONV_PARAMS  # noqa: E402
 from cupy_piecewise.launch import _BWD_MAIN as _BWD_PARAMS  # noqa: E402
 from cupy_piecewise.launch import _BWD_PREP as _PREP_PARAMS  # noqa: E402
@@ -171,7 +172,7 @@ class Kernels:
             o.data_ptr(), *o.stride()[:3], do.data_ptr(), *do.stride()[:3], lse.data_ptr(),
             lse2.data_ptr(), delta.data_ptr(), acc.data_ptr() if dq else 0, B, H, M, Mpad, 0,
             Mpad, 0))  # dlse none; rows = Mpad; cu_q none (dense)
-        keep.append(self._launch(self.fns[prep_name(dtype, D)], ((H * Mpad + 7) // 8, B, 1), 256, 0,
+        keep.append(self._launch(self.fns[prep_name(dtype, D)], hopper_bwd_helper_grid(H, Mpad, B), 256, 0,
                                  [ctypes.addressof(pp)], stream))
         # 2. main kernel
         maps = [tma.tensor_map_bhld(t.data_ptr(), t.shape, t.stride(), dtype, BM) for t in (q1, q2, do)]
@@ -190,7 +191,7 @@ class Kernels:
             cp = ctypes.create_string_buffer(_CONV_PARAMS.pack(
                 dq1.data_ptr(), *dq1.stride()[:3], dq2.data_ptr(), *dq2.stride()[:3],
                 acc.data_ptr(), B, H, M, Mpad, scale, M, 0))
-            keep.append(self._launch(self.fns[conv_name(dtype, D)], ((H * M + 7) // 8, B, 1), 256, 0,
+            keep.append(self._launch(self.fns[conv_name(dtype, D)], hopper_bwd_helper_grid(H, M, B), 256, 0,
                                      [ctypes.addressof(cp)], stream))
         self._keep = (keep, maps, pp, bp)  # alive until the launches have copied them (they have)
 

@@ -284,7 +284,8 @@ def test_hopper_backward_launches(fake_gpu, fake_maps, monkeypatch, deterministi
     else:
         assert phases == ["bwd_sm90_prep", "bwd_sm90", "bwd_sm90_dq"]
     prep, main = calls[0], calls[1]
-    assert prep["grid"] == (math.ceil(H * mpad / 8), B, 1) and prep["block"] == (256, 1, 1)
+    # 16 rows (8 row pairs) a block
+    assert prep["grid"] == (H * math.ceil(mpad / 16), B, 1) and prep["block"] == (256, 1, 1)
     assert main["grid"] == (math.ceil(N / 128), Hkv, B) and main["block"] == (384, 1, 1)
     assert main["fn"].causal and main["stream"] == 5
     acc = 0 if deterministic else ws + 8 * rows
@@ -300,7 +301,7 @@ def test_hopper_backward_launches(fake_gpu, fake_maps, monkeypatch, deterministi
     assert main["args"][:6] == [named[n] + 1 for n in ("q1", "q2", "dout", "k1", "k2", "v")]
     if not deterministic:
         conv = calls[2]
-        assert conv["grid"] == (math.ceil(H * M / 8), B, 1)
+        assert conv["grid"] == (H * math.ceil(M / 16), B, 1)
         f = launch._BWD_CONV.unpack(conv["params"])
         assert (f[0], f[4], f[8]) == (named["dq1"], named["dq2"], acc) and f[1:4] == q[:3]
         assert f[9:13] == (B, H, M, mpad) and f[13] == 0.125
@@ -502,7 +503,7 @@ def test_hopper_packed_backward_launches(fake_gpu, fake_maps, monkeypatch, deter
     assert all(c["fn"].varlen and c["fn"].head_dim == D for c in calls)
     prep, main = calls[0], calls[1]
     rows_q = math.ceil(max_q / 64) * 64
-    assert prep["grid"] == (math.ceil(H * rows_q / 8), B, 1)
+    assert prep["grid"] == (H * math.ceil(rows_q / 16), B, 1)
     assert main["grid"] == (math.ceil(max_k / 128), Hkv, B)
     acc = 0 if deterministic else ws + 8 * rows
     f = launch._BWD_PREP.unpack(prep["params"])
@@ -514,6 +515,6 @@ def test_hopper_packed_backward_launches(fake_gpu, fake_maps, monkeypatch, deter
     assert f[25:] == (named["cu_q"], named["cu_k"])
     if not deterministic:
         conv = calls[2]
-        assert conv["grid"] == (math.ceil(H * max_q / 8), B, 1)
+        assert conv["grid"] == (H * math.ceil(max_q / 16), B, 1)
         f = launch._BWD_CONV.unpack(conv["params"])
         assert f[8:13] == (acc, 1, H, total_q, mpad) and f[14:] == (max_q, named["cu_q"])

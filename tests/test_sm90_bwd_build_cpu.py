@@ -239,13 +239,13 @@ def test_packed_statistics_layout_gives_each_sequence_its_own_tiles(seed):
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_dq_accumulator_order_is_a_permutation_fed_by_v4_reductions(D):
-    """The dQ accumulator's order inside a 64-row query tile (dq_index, PW90_BWD_DQ_V4 = 1, the
-    default), mirrored: it must be a permutation of the tile's 64 x D floats (prep zeroes every
-    element once, convert reads each once); a column pair (c, c + 1) must be adjacent and
-    8-byte aligned (their float2 loads and stores); and the four accumulator-fragment elements
-    (hh, e) that a consumer thread holds for column block j of panel pn must be one 16-byte
-    aligned run in fragment order dq[4 j + 2 hh + e] (one red.global.add.v4.f32), with a warp's
-    32 runs for one j contiguous (512 bytes per instruction)."""
+    """The dQ accumulator's order inside a 64-row query tile (dq_run in the kernel), mirrored:
+    it must be a permutation of the tile's 64 x D floats; a column pair (c, c + 1) must be
+    adjacent and 8-byte aligned; the four accumulator-fragment elements (hh, e) that a
+    consumer thread holds for column block j of panel pn must be one 16-byte aligned run in
+    fragment order dq[4 j + 2 hh + e] (one red.global.add.v4.f32), with a warp's 32 runs for
+    one j contiguous (512 bytes per instruction); and the run that pw90_bwd_dq_convert's lane
+    reads for row pair (i, i + 8) must hold rows i and i + 8 of columns 64 pn + 2 lane, + 1."""
     def dq_index(r, c):
         pn, cc = c // 64, c % 64
         wl, hh, lane, j = r // 16, (r % 16) // 8, (r % 8) * 4 + (cc % 8) // 2, cc // 8
@@ -268,6 +268,17 @@ def test_dq_accumulator_order_is_a_permutation_fed_by_v4_reductions(D):
                     starts.append(run[0])
                 assert starts == list(range(starts[0], starts[0] + 128, 4))
 
+    def dq_run(pn, wl, j, lane):  # the kernel's bwd::dq_run
+        return pn * 4096 + ((j * 4 + wl) * 32 + lane) * 4
+
+    for i in [r for r in range(64) if r % 16 < 8]:  # convert: warp i % 8 of the row pair's block
+        for pn in range(D // 64):
+            for lane in range(32):
+                at = dq_run(pn, (i % 64) // 16, lane // 4, 4 * (i % 8) + lane % 4)
+                c = 64 * pn + 2 * lane
+                assert [at, at + 1, at + 2, at + 3] == [dq_index(i, c), dq_index(i, c + 1),
+                                                         dq_index(i + 8, c), dq_index(i + 8, c + 1)]
+
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_opt_in_dq_writer_build_compiles_with_its_shared_memory(d):
@@ -289,3 +300,4 @@ def test_opt_in_dq_writer_build_compiles_with_its_shared_memory(d):
     assert lowered[name] in blocks
     serial = [ln for ln in log.splitlines() if "serialized" in ln or "C751" in ln]
     assert not serial, "\n".join(serial)
+

@@ -35,7 +35,7 @@
 //                                 64-column panel(s) (MN-major A = dSᵀ, B = K): D = 128 one
 //                                 panel each, D = 64 every other tile; the float32 result is
 //                                 added to the global accumulator with red.global.add.v4.f32,
-//                                 in the accumulator fragments' order (dq_index), so that a
+//                                 in the accumulator fragments' order (dq_run), so that a
 //                                 warp's instruction covers 512 contiguous bytes (or, with
 //                                 PW90_BWD_DQ_WRITER=1, through a shared staging buffer that
 //                                 a writer warp adds by one bulk reduce-add per panel).
@@ -79,25 +79,15 @@
 #ifndef PW90_BWD_QH128
 #define PW90_BWD_QH128 1
 #endif
-// dQ accumulator order (dq_index below): the fragment order, each thread's four elements of
-// a column block added by one red.global.add.v4.f32 (1, default: the backward 1.07-1.23x
-// faster than with 0 on an H200, bench/NOTES.md), or row-major with red.global.add.v2.f32
-// (0), whose warp instructions each touch 8 rows.
-#ifndef PW90_BWD_DQ_V4
-#define PW90_BWD_DQ_V4 1
-#endif
 // dQ through a writer warp (1, opt-in): each consumer warpgroup stores its 64 x 64 dQ panel,
 // in the accumulator's order, to its shared staging buffer and goes on; one thread of warp 1
 // of the producer warpgroup adds the buffer to the accumulator with one bulk reduce-add
 // (cp.reduce.async.bulk .add.f32, 16 KB) and frees it (an mbarrier pair per buffer). Measured
 // at 0.97-1.09x the default backward (bench/NOTES.md); its thread spills at 24 registers.
-// Needs the DQ_V4 order. (An earlier variant, in which a consumer thread issued the bulk
+// (An earlier variant, in which a consumer thread issued the bulk
 // reduce behind two warpgroup barriers, was slower than the v4 reductions and is gone.)
 #ifndef PW90_BWD_DQ_WRITER
 #define PW90_BWD_DQ_WRITER 0
-#endif
-#if PW90_BWD_DQ_WRITER && !PW90_BWD_DQ_V4
-#error "PW90_BWD_DQ_WRITER stages dQ in the DQ_V4 order"
 #endif
 
 namespace pw90 {
@@ -131,7 +121,7 @@ struct BwdParams {
   i64 dk2_sb, dk2_sh, dk2_sr;
   u16* dv;
   i64 dv_sb, dv_sh, dv_sr;
-  float* dq_acc;        // (2, B, H, Mpad, D) float32, zero on entry (DQ only); order inside a 64-row tile: dq_index
+  float* dq_acc;        // (2, B, H, Mpad, D) float32, zero on entry (DQ only); order inside a 64-row tile: dq_run
   const float* lse2;    // (B, H, Mpad)
   const float* delta;   // (B, H, Mpad)
   i64 B, H, group, M, N, Mpad, w;  // w clamped to [shift - N, shift + M]; lengths < 2^30
@@ -219,9 +209,6 @@ PW90 void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
       "l"(src), "r"(bytes), "r"(bar)
       : "memory");
 }
-PW90 void red_add_f2(float* gptr, float x, float y) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(gptr), "f"(x), "f"(y) : "memory");
-}
 PW90 void red_add_f4(float* gptr, float x, float y, float z, float u) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(gptr), "f"(x), "f"(y), "f"(z), "f"(u)
                : "memory");
@@ -243,40 +230,21 @@ PW90 void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory
 PW90 void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 PW90 void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
-// Position of dQ element (query row r of its 64-row tile, column c of D) inside the tile's
-// D x 64 floats of the accumulator. DQ_V4 (default): the order of the consumers' m64n64
-// accumulator fragments, in 64-column panels of 4096 floats each: element (hh, j, e) of
-// thread `lane` of warp `wl` of a warpgroup (row r = 16 wl + lane / 4 + 8 hh, column
-// c = 8 j + 2 (lane % 4) + e of the panel) at ((j * 4 + wl) * 32 + lane) * 4 + 2 * hh + e, so
-// that a thread's four elements of column block j are one red.global.add.v4.f32 (or one
-// st.shared.v4 into the DQ_WRITER staging buffer) and a warp's instruction covers 512
-// contiguous bytes. Otherwise row-major (i * D + c over the padded rows), which scatters a
-// v2 instruction over 8 rows. The helper kernels below use this function too.
-template <int D> PW90 i64 dq_index(int r, int c) {
-#if PW90_BWD_DQ_V4
-  const int pn = c / 64, cc = c % 64;
-  const int wl = r / 16, hh = (r % 16) / 8, lane = (r % 8) * 4 + (cc % 8) / 2, j = cc / 8;
-  return (i64)pn * 4096 + ((j * 4 + wl) * 32 + lane) * 4 + 2 * hh + (cc % 2);
-#else
-  return (i64)r * D + c;
-#endif
-}
-
+// The dQ accumulator's order inside a 64-row query tile (D x 64 floats): the order of the
+// consumers' m64n64 accumulator fragments, in 64-column panels of 4096 floats each. Thread
+// `lane` of warp `wl` of a warpgroup holds, for column block j of panel pn, the elements
+// (hh, e) at row r = 16 wl + lane / 4 + 8 hh, column c = 8 j + 2 (lane % 4) + e of the panel;
+// they are the four floats at dq_run(pn, wl, j, lane) + 2 hh + e, so that they are one
+// red.global.add.v4.f32 (or one st.shared.v4 into the DQ_WRITER staging buffer) and a warp's
+// instruction covers 512 contiguous bytes. (A row-major order, whose v2 reductions each
+// touched 8 rows, made the backward 1.07-1.23x slower on an H200: bench/NOTES.md.)
+PW90 int dq_run(int pn, int wl, int j, int lane) { return pn * 4096 + ((j * 4 + wl) * 32 + lane) * 4; }
 // Adds a warpgroup's 64 x 64 dQ panel pn (accumulator fragments dq) to the accumulator
-// block `tile` of its 64-row query tile (dq_index order).
-template <int D> PW90 void dq_red_panel(float* tile, int pn, const float (&dq)[32], int wl, int lane) {
-#if PW90_BWD_DQ_V4
-  float* at = tile + pn * 4096 + (wl * 32 + lane) * 4;
+// block `tile` of its 64-row query tile.
+PW90 void dq_red_panel(float* tile, int pn, const float (&dq)[32], int wl, int lane) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) red_add_f4(at + j * 512, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
-#else
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    float* row = tile + (i64)(16 * wl + lane / 4 + 8 * hh) * D + 64 * pn + 2 * (lane % 4);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) red_add_f2(row + 8 * j, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
-  }
-#endif
+  for (int j = 0; j < 8; ++j)
+    red_add_f4(tile + dq_run(pn, wl, j, lane), dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
 }
 
 template <typename T> struct ToF;
@@ -575,11 +543,11 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
             mbar_wait(dqe, (((D == 128 ? g - 1 : (g - 1) >> 1)) & 1) ^ 1);
 #pragma unroll
             for (int j = 0; j < 8; ++j)
-              sts_f4(buf + ((j * 4 + wl) * 32 + lane) * 16, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+              sts_f4(buf + 4 * dq_run(0, wl, j, lane), dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
             fence_proxy_async();  // the generic-proxy stores, before the async-proxy bulk read
             mbar_arrive(dqf);
 #else
-            dq_red_panel<D>(dst, pn, dq, wl, lane);
+            dq_red_panel(dst, pn, dq, wl, lane);
 #endif
           }
         }
@@ -702,69 +670,112 @@ static_assert(sizeof(ConvertParams) == 128, "ConvertParams layout");
 }  // namespace bwd
 }  // namespace pw90
 
-// Grid (ceil(H * rows / 8), B); 256 threads: one warp per padded row (rows = Mpad). VARLEN:
-// rows = the longest sequence rounded up to 64; a warp past its sequence's padded rows leaves.
+// The helper kernels' grid: (H * ceil(rows / 16), B), 256 threads; block x covers 16 rows
+// (group g = x % ceil(rows / 16)) of head x / ceil(rows / 16), and warp k of it the row pair
+// (16 g + k, 16 g + k + 8): the two rows whose dQ share the float4 runs of the accumulator
+// (dq_run), so that the convert kernel reads whole runs, and each warp has twice the loads in
+// flight of a warp per row. rows_of: the rows of one (batch entry, head) the grid covers.
+namespace pw90 {
+namespace bwd {
+struct RowPair {
+  i64 h;
+  int i;  // the pair's first row: i and i + 8, both in one 64-row tile
+};
+PW90 RowPair row_pair(i64 rows) {
+  const i64 groups = (rows + 15) / 16;
+  RowPair r;
+  r.h = blockIdx.x / groups;
+  r.i = (int)(blockIdx.x % groups) * 16 + threadIdx.x / 32;
+  return r;
+}
+}  // namespace bwd
+}  // namespace pw90
+
+// rows = Mpad (dense) or the longest sequence rounded up to 64 (VARLEN). Zeroes the float32
+// dQ accumulator (when given) in linear order with float4 stores across the whole grid (zeros
+// need no particular order: the old per-row zeroing in dq_run order wrote half-sectors), then
+// lse2 and delta of every padded row; a VARLEN row past its sequence's padded rows is skipped.
 template <typename T, int D, bool VARLEN = false, int DV = D>
 __global__ void __launch_bounds__(256) pw90_bwd_prep(const pw90::bwd::PrepParams p) {
   using namespace pw90;
-  const i64 row = (i64)blockIdx.x * 8 + threadIdx.x / 32;
+  if (p.dq_acc) {
+    const i64 n4 = 2 * p.B * p.H * p.Mpad * (D / 4);
+    const i64 stride = (i64)gridDim.x * gridDim.y * blockDim.x;
+    float4* acc = reinterpret_cast<float4*>(p.dq_acc);
+    for (i64 k = ((i64)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x; k < n4; k += stride)
+      acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   const int lane = threadIdx.x % 32;
-  if (row >= p.H * p.rows) return;
+  const bwd::RowPair rp = bwd::row_pair(p.rows);
   const bwd::BwdSeq sq = bwd::bwd_seq<VARLEN>(p, blockIdx.y);
-  const i64 b = sq.tb, h = row / p.rows, i = row % p.rows, M = sq.M;
-  if (VARLEN && i >= (M + 63) / 64 * 64) return;
-  const i64 idx = (b * p.H + h) * p.Mpad + sq.row0 + i;
-  float acc = 0.f;
-  if (i < M) {
+  const i64 b = sq.tb, h = rp.h, M = sq.M;
+  if (h >= p.H || rp.i >= (VARLEN ? (M + 63) / 64 * 64 : p.rows)) return;
+  // both rows' loads first, then the two sums (the loads of a row pair in flight together)
+  constexpr int NC = (DV + 63) / 64;
+  u32 ov[2][NC], dv[2][NC];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const i64 i = rp.i + 8 * hh;
     const u16* o = p.o + b * p.o_sb + h * p.o_sh + (sq.q0 + i) * p.o_sr;
     const u16* d = p.dout + b * p.do_sb + h * p.do_sh + (sq.q0 + i) * p.do_sr;
-    for (int c = 2 * lane; c < DV; c += 64) {  // the tensors' DV columns
-      const u32 ov = *reinterpret_cast<const u32*>(o + c), dv = *reinterpret_cast<const u32*>(d + c);
-      acc += bwd::ToF<T>::f((u16)(ov & 0xffff)) * bwd::ToF<T>::f((u16)(dv & 0xffff));
-      acc += bwd::ToF<T>::f((u16)(ov >> 16)) * bwd::ToF<T>::f((u16)(dv >> 16));
+#pragma unroll
+    for (int k = 0; k < NC; ++k) {
+      const int c = 64 * k + 2 * lane;
+      const bool in = i < M && c < DV;  // the tensors' DV columns of the real rows
+      ov[hh][k] = in ? *reinterpret_cast<const u32*>(o + c) : 0u;
+      dv[hh][k] = in ? *reinterpret_cast<const u32*>(d + c) : 0u;
     }
   }
 #pragma unroll
-  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane == 0) {
-    const i64 li = (b * p.H + h) * p.M + sq.q0 + i;  // lse: (B, H, M) or (H, total_q)
-    const float l = i < M ? p.lse[li] : PW90_NEG_INF;
-    // lse = -inf: no admissible key; lse2 = +inf makes P = exp2(s - lse2) = 0 for the row
-    p.lse2[idx] = l == PW90_NEG_INF ? -PW90_NEG_INF : l * PW90_LOG2E;
-    // a gradient into lse: ds = p * (dp - delta + dlse); none on rows without keys
-    if (p.dlse != nullptr && l != PW90_NEG_INF) acc -= p.dlse[li];
-    p.delta[idx] = acc;
-  }
-  if (p.dq_acc) {
+  for (int hh = 0; hh < 2; ++hh) {
+    const i64 i = rp.i + 8 * hh;
+    float acc = 0.f;
 #pragma unroll
-    for (int pair = 0; pair < 2; ++pair) {
-      // row i of the tile's D x 64 block: zero its D elements wherever dq_index puts them
-      float* z = p.dq_acc + (((i64)pair * p.B + b) * p.H + h) * p.Mpad * D + (sq.row0 + (i / 64) * 64) * D;
-      for (int c = 2 * lane; c < D; c += 64)
-        *reinterpret_cast<float2*>(z + bwd::dq_index<D>((int)(i % 64), c)) = make_float2(0.f, 0.f);
+    for (int k = 0; k < NC; ++k) {
+      acc += bwd::ToF<T>::f((u16)(ov[hh][k] & 0xffff)) * bwd::ToF<T>::f((u16)(dv[hh][k] & 0xffff));
+      acc += bwd::ToF<T>::f((u16)(ov[hh][k] >> 16)) * bwd::ToF<T>::f((u16)(dv[hh][k] >> 16));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) {
+      const i64 idx = (b * p.H + h) * p.Mpad + sq.row0 + i;
+      const i64 li = (b * p.H + h) * p.M + sq.q0 + i;  // lse: (B, H, M) or (H, total_q)
+      const float l = i < M ? p.lse[li] : PW90_NEG_INF;
+      // lse = -inf: no admissible key; lse2 = +inf makes P = exp2(s - lse2) = 0 for the row
+      p.lse2[idx] = l == PW90_NEG_INF ? -PW90_NEG_INF : l * PW90_LOG2E;
+      // a gradient into lse: ds = p * (dp - delta + dlse); none on rows without keys
+      if (p.dlse != nullptr && l != PW90_NEG_INF) acc -= p.dlse[li];
+      p.delta[idx] = acc;
     }
   }
 }
 
-// Grid (ceil(H * rows / 8), B); 256 threads: one warp per row (rows = M, or with VARLEN the
-// longest sequence: a warp past its sequence's end leaves).
+// rows = M, or with VARLEN the longest sequence. Each lane reads one float4 run per 64-column
+// panel, (rows i, i + 8) x (columns 64 pn + 2 lane, + 1): a warp's load covers eight 64-byte
+// pieces, a row's store 128 contiguous bytes.
 template <typename T, int D, bool VARLEN = false, int DV = D>
 __global__ void __launch_bounds__(256) pw90_bwd_dq_convert(const pw90::bwd::ConvertParams p) {
   using namespace pw90;
-  const i64 row = (i64)blockIdx.x * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (row >= p.H * p.rows) return;
+  const bwd::RowPair rp = bwd::row_pair(p.rows);
   const bwd::BwdSeq sq = bwd::bwd_seq<VARLEN>(p, blockIdx.y);
-  const i64 b = sq.tb, h = row / p.rows, i = row % p.rows, r = sq.q0 + i;
-  if (VARLEN && i >= sq.M) return;
+  const i64 b = sq.tb, h = rp.h;
+  const int i = rp.i, wl = (i % 64) / 16, r8 = i % 8;
+  if (h >= p.H || i >= sq.M) return;
+  const bool second = i + 8 < sq.M;
 #pragma unroll
   for (int pair = 0; pair < 2; ++pair) {
-    const float* src = p.dq_acc + (((i64)pair * p.B + b) * p.H + h) * p.Mpad * D + (sq.row0 + (i / 64) * 64) * D;
-    u16* dst = pair == 0 ? p.dq1 + b * p.dq1_sb + h * p.dq1_sh + r * p.dq1_sr
-                         : p.dq2 + b * p.dq2_sb + h * p.dq2_sh + r * p.dq2_sr;
-    for (int c = 2 * lane; c < DV; c += 64) {  // the tensors' DV columns
-      const float2 v = *reinterpret_cast<const float2*>(src + bwd::dq_index<D>((int)(i % 64), c));
+    const float* tile = p.dq_acc + (((i64)pair * p.B + b) * p.H + h) * p.Mpad * D + (i64)(sq.row0 + i / 64 * 64) * D;
+    u16* dst = pair == 0 ? p.dq1 + b * p.dq1_sb + h * p.dq1_sh + (sq.q0 + i) * p.dq1_sr
+                         : p.dq2 + b * p.dq2_sb + h * p.dq2_sh + (sq.q0 + i) * p.dq2_sr;
+    const i64 next = 8 * (pair == 0 ? p.dq1_sr : p.dq2_sr);  // row i + 8
+#pragma unroll
+    for (int pn = 0; pn < D / 64; ++pn) {
+      const int c = 64 * pn + 2 * lane;
+      if (c >= DV) continue;  // the tensors' DV columns
+      const float4 v = *reinterpret_cast<const float4*>(tile + bwd::dq_run(pn, wl, lane / 4, 4 * r8 + lane % 4));
       *reinterpret_cast<u32*>(dst + c) = Cvt<T>::pack(v.x * p.sm_scale, v.y * p.sm_scale);
+      if (second) *reinterpret_cast<u32*>(dst + next + c) = Cvt<T>::pack(v.z * p.sm_scale, v.w * p.sm_scale);
     }
   }
 }
