@@ -61,6 +61,8 @@ __all__ = [
     "set_tile_override",
     "plan_switches",
     "PATH_VAR",
+    "PERSIST_VAR",
+    "persist_ctas",
     "KV_PHASES",
     "path_override",
     "HOPPER_HEAD_DIMS",
@@ -69,6 +71,7 @@ __all__ = [
     "hopper_compute_dim",
     "hopper_shared_bytes",
     "hopper_bwd_shared_bytes",
+    "hopper_bwd_helper_grid",
     "shared_bytes",
     "check_config",
     "hopper_bwd_helper_grid",
@@ -119,10 +122,11 @@ def env_override():
 def refresh_env_override():
     """Re-read ``CUPY_PIECEWISE_TILES`` (and ``CUPY_PIECEWISE_PATH``) from ``os.environ``
     after changing them in this process, and return the tile override. Later calls plan with it (plans are cached per value)."""
-    global _override, _path, _switches
+    global _override, _path, _persist, _switches
     _override = os.environ.get(ENV_VAR)
     _path = os.environ.get(PATH_VAR)
-    _switches = (_override, _path)
+    _persist = os.environ.get(PERSIST_VAR)
+    _switches = (_override, _path, _persist)
     return _override
 
 
@@ -134,6 +138,27 @@ def refresh_env_override():
 PATH_VAR = "CUPY_PIECEWISE_PATH"
 PATHS = ("auto", "mma", "hopper")
 _path = os.environ.get(PATH_VAR)
+
+#: Most CTAs of the persistent Hopper forward's grid (README, "Kernel paths"); unset: one
+#: per SM. A testing knob: with a handful of CTAs even a small problem makes each CTA walk
+#: several work tiles, which the production grid does only on large ones. Read at import
+#: and by :func:`refresh_env_override`.
+PERSIST_VAR = "CUPY_PIECEWISE_PERSIST_CTAS"
+_persist = os.environ.get(PERSIST_VAR)
+
+
+def persist_ctas():
+    """The value of ``CUPY_PIECEWISE_PERSIST_CTAS`` as an int, or ``None`` when unset.
+    Raises ValueError (naming the variable) for anything but a positive integer."""
+    if _persist is None or not _persist.strip():
+        return None
+    try:
+        n = int(_persist)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{PERSIST_VAR}={_persist!r}: expected a positive integer")
+    return n
 
 #: Head dims of the Hopper (sm_90a: wgmma + TMA) forward; others take the mma.sync path.
 #: 80 and 96 run the D = 128 kernels on zero-padded columns (hopper_compute_dim).
@@ -167,19 +192,30 @@ def hopper_compute_dim(head_dim: int) -> int:
 def hopper_shared_bytes(head_dim: int) -> int:
     """Dynamic shared memory of the Hopper forward (mirrors ``pw90::FwdSmem<D>::BYTES`` of
     the default build, the pipelined loop; checked by tests/test_traits_cpu.py): Q1 and Q2
-    tiles, two stages of K1, K2 and V as 64-column, 128-byte-swizzled panels, nine mbarriers
-    (Q; full and empty of K and of V per stage) and 1 KB to align the base."""
+    tiles, two stages of K1, K2 and V as 64-column, 128-byte-swizzled panels, ten mbarriers
+    (Q; full and empty of K and of V per stage; Q released, for the persistent grid) and
+    1 KB to align the base."""
     head_dim = hopper_compute_dim(head_dim)
     panels = head_dim // 64
     q_tile = panels * HOPPER_BLOCK_M * 128
     k_tile = panels * HOPPER_BLOCK_N[head_dim] * 128
-    return 2 * q_tile + 2 * 3 * k_tile + 8 * (1 + 4 * 2) + 1024
+    return 2 * q_tile + 2 * 3 * k_tile + 8 * (1 + 4 * 2 + 1) + 1024
 
 
 #: Query rows per streamed tile and key rows per block of the Hopper backward
 #: (kernels_cu/sm90/backward.cu, pw90::bwd::BM / BN).
 HOPPER_BWD_BLOCK_M = 64
 HOPPER_BWD_BLOCK_N = 128
+#: Rows per block of the Hopper backward's helper kernels (``pw90_bwd_prep``,
+#: ``pw90_bwd_dq_convert``): 8 warps of 256 threads, each warp a row pair (i, i + 8).
+HOPPER_BWD_HELPER_ROWS = 16
+
+
+def hopper_bwd_helper_grid(heads: int, rows: int, batch: int) -> tuple:
+    """Grid of the Hopper backward's helper kernels over ``rows`` rows of each of ``heads``
+    heads and ``batch`` batch entries (mirrors ``pw90::bwd::row_pair``): each head's rows in
+    whole blocks of :data:`HOPPER_BWD_HELPER_ROWS`."""
+    return (heads * -(-rows // HOPPER_BWD_HELPER_ROWS), batch, 1)
 
 
 def hopper_bwd_shared_bytes(head_dim: int, stages: int = 2, dq_writer: bool = False) -> int:
@@ -198,11 +234,11 @@ def hopper_bwd_shared_bytes(head_dim: int, stages: int = 2, dq_writer: bool = Fa
             + staging + 8 * (1 + 2 * stages + (4 if dq_writer else 0)) + 1024)
 
 
-_switches = (_override, _path)
+_switches = (_override, _path, _persist)
 
 
 def plan_switches():
-    """``(CUPY_PIECEWISE_TILES, CUPY_PIECEWISE_PATH)`` as in effect (see
+    """``(CUPY_PIECEWISE_TILES, CUPY_PIECEWISE_PATH, CUPY_PIECEWISE_PERSIST_CTAS)`` as in effect (see
     :func:`env_override`): what plan caches put in their keys. One global read."""
     return _switches
 #: Rows per block of the Hopper backward's helper kernels (``pw90_bwd_prep``,
@@ -237,7 +273,7 @@ def set_tile_override(text):
     else:
         os.environ.pop(ENV_VAR, None)
     old, _override = _override, text
-    _switches = (_override, _path)
+    _switches = (_override, _path, _persist)
     return old
 
 

@@ -399,9 +399,10 @@ def _tma_describable(problem, strides, dout=None) -> bool:
 
 
 #: FwdParams of kernels_cu/sm90/forward.cu: o, its batch/head/row strides, lse, H, group,
-#: M, N, w, shift (8 bytes each), scale_log2 and sm_scale as float32, then the running totals
-#: cu_q and cu_k of a packed batch (0 for a dense call).
-_HOPPER_PARAMS = struct.Struct("<Qqqq Q qqqqqq ff QQ")
+#: M, N, w, shift (8 bytes each), scale_log2 and sm_scale as float32, the batch size (the
+#: persistent grid walks the work tiles itself), then the running totals cu_q and cu_k of a
+#: packed batch (0 for a dense call).
+_HOPPER_PARAMS = struct.Struct("<Qqqq Q qqqqqq ff q QQ")
 _HOPPER_MAPS_MAX = 64
 
 
@@ -445,7 +446,10 @@ class HopperLaunches:
     The kernel takes five TMA tensor maps by value (q1, q2, k1, k2, v) and a parameter
     struct; maps are built from the data pointers at :meth:`run` and cached per pointer
     tuple (the shapes and strides are fixed for this object), so repeated calls on the same
-    buffers encode nothing.
+    buffers encode nothing. A dense non-causal batch runs the persistent grid: one CTA per
+    SM (at most one per work tile) walking the (128-row query tile, head, batch) work tiles;
+    a causal one (tiles of unequal length, balanced by the hardware's block scheduling) and a
+    packed one (``grid`` given) one CTA per work tile.
     """
 
     __slots__ = ("device", "arrays", "strides", "workspace_bytes", "_steps", "_template",
@@ -458,12 +462,17 @@ class HopperLaunches:
         self.strides = dict(zip(("q1", "k1", "q2", "k2", "v", "o"), map(tuple, strides)))
         self.workspace_bytes = 0
         variant = variant or Variant("fwd_sm90", p.dtype, p.D, None, p.causal)
-        grid = grid or (math.ceil(p.M / capability.HOPPER_BLOCK_M), p.H, p.B)
+        if grid is None and p.causal:
+            grid = (math.ceil(p.M / capability.HOPPER_BLOCK_M), p.H, p.B)
+        elif grid is None:  # the persistent kernel (kernels_cu/sm90/forward.cu, PW90_PERSIST)
+            tiles = math.ceil(p.M / capability.HOPPER_BLOCK_M) * p.H * p.B
+            grid = (min(tiles, capability.persist_ctas() or _multiprocessors(p.device)), 1, 1)
         self._steps = (_step(p, variant, grid),)
         so = self.strides["o"]
         P, w = _clamped(p)
         self._template = _HOPPER_PARAMS.pack(0, so[0], so[1], so[2], 0, p.H, p.H // p.Hkv, p.M,
-                                             p.N, w, P, p.sm_scale * _LOG2E, p.sm_scale, 0, 0)
+                                             p.N, w, P, p.sm_scale * _LOG2E, p.sm_scale, p.B,
+                                             0, 0)
         bn = capability.HOPPER_BLOCK_N[capability.hopper_compute_dim(p.D)]
         q_shape, k_shape = (p.B, p.H, p.M, p.D), (p.B, p.Hkv, p.N, p.D)
         names = ("q1", "k1", "q2", "k2", "v")

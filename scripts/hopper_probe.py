@@ -75,8 +75,15 @@ def macro_on(options, names) -> bool:
     return False
 
 
+def macro_off(options, name) -> bool:
+    """True when the NVRTC options set macro ``name`` to 0 (-DNAME=0)."""
+    return any(re.match(rf"-D{name}=\s*0\s*$", o) for o in options)
+
+
 def is_pipe(options=()) -> bool:
-    return macro_on(options, PIPE_MACROS)
+    """The pipelined loop: PW90_OVERLAP and PW90_PERSIST are on unless set to 0."""
+    return (macro_on(options, PIPE_MACROS) or not macro_off(options, "PW90_OVERLAP")
+            or not macro_off(options, "PW90_PERSIST"))
 
 
 def smem_bytes(D: int, pipe: bool = False, persist: bool = False) -> int:
@@ -85,7 +92,7 @@ def smem_bytes(D: int, pipe: bool = False, persist: bool = False) -> int:
     q_tile = panels * BM * 128
     k_tile = panels * BN[D] * 128
     bars = 2 * q_tile + 2 * 3 * k_tile
-    return bars + 8 * (1 + (4 if pipe else 2) * 2 + (1 if persist else 0)) + 1024
+    return bars + 8 * (1 + (4 if pipe else 2) * 2 + (1 if persist else 0)) + 1024  # FwdSmem::NBARS
 
 
 def name_expr(dtype: str, D: int, causal: bool) -> str:
@@ -122,8 +129,9 @@ class Kernels:
             self.mod = cupy.RawModule(path=path)
             get = lambda n: self.mod.get_function(lowered[n])  # noqa: E731
         pipe = is_pipe(opts)
-        #: PW90_PERSIST: FwdParams gains the batch size; grid of at most one CTA per SM
-        self.persist = macro_on(opts, ("PW90_PERSIST",))
+        #: PW90_PERSIST (default on; -DPW90_PERSIST=0 turns it off): non-causal launches get a
+        #: grid of at most one CTA per SM
+        self.persist = not macro_off(opts, "PW90_PERSIST")
         self.sms = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
         for n in NAMES:
             k = get(n)
@@ -152,16 +160,14 @@ class Kernels:
         nd = M + N + 1
         wc = max(-nd, min(nd, int(w)))
         # FwdParams: o and its strides, lse, H, group, M, N, w, shift (P = N - M), the two
-        # float32 scales, (PW90_PERSIST) the batch, then the packed batch's cu_q, cu_k (0)
+        # float32 scales, the batch, then the packed batch's cu_q, cu_k (0)
         fields = (o.data_ptr(), o.stride(0), o.stride(1), o.stride(2),
                   lse.data_ptr() if lse is not None else 0, H, H // Hkv, M, N, wc, N - M,
                   scale * LOG2E, scale)
         grid = ((M + BM - 1) // BM, H, B)
-        if self.persist:
-            params = ctypes.create_string_buffer(struct.pack("<Qqqq Q qqqqqq ff q QQ", *fields, B, 0, 0))
+        params = ctypes.create_string_buffer(struct.pack("<Qqqq Q qqqqqq ff q QQ", *fields, B, 0, 0))
+        if self.persist and not causal:  # the kernel's PERSIST: dense, non-causal
             grid = (min(grid[0] * H * B, self.sms), 1, 1)
-        else:
-            params = ctypes.create_string_buffer(struct.pack("<Qqqq Q qqqqqq ff QQ", *fields, 0, 0))
         ptrs = [m.address() for m in (maps[0], maps[1], maps[2], maps[3], maps[4])]
         ptrs.append(ctypes.addressof(params))
         args = (ctypes.c_void_p * 6)(*ptrs)

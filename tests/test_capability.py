@@ -267,6 +267,29 @@ def test_info_names_the_forward_path(monkeypatch):
     assert "CUPY_PIECEWISE_PATH" in info._forward_path((9, 0))
 
 
+def test_persist_ctas_knob(monkeypatch):
+    """CUPY_PIECEWISE_PERSIST_CTAS: unset or blank is None, a positive integer caps the
+    persistent grid, anything else is a ValueError naming the variable; plan caches key on
+    it (plan_switches)."""
+    try:
+        for text, want in ((None, None), ("", None), ("5", 5), (" 12 ", 12)):
+            if text is None:
+                monkeypatch.delenv(cap.PERSIST_VAR, raising=False)
+            else:
+                monkeypatch.setenv(cap.PERSIST_VAR, text)
+            cap.refresh_env_override()
+            assert cap.persist_ctas() == want
+            assert cap.plan_switches()[-1] == text
+        for bad in ("0", "-3", "many", "2.5"):
+            monkeypatch.setenv(cap.PERSIST_VAR, bad)
+            cap.refresh_env_override()
+            with pytest.raises(ValueError, match="CUPY_PIECEWISE_PERSIST_CTAS"):
+                cap.persist_ctas()
+    finally:
+        monkeypatch.delenv(cap.PERSIST_VAR, raising=False)
+        cap.refresh_env_override()
+
+
 #: Head dims of the attention kernels (issue 12 added 80, 96, 256); the KV-cache phases
 #: keep the first four.
 ATTENTION_PHASES = ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv")

@@ -113,10 +113,14 @@ def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1, deterministic=
 def kernel_path(request, monkeypatch):
     """Each case on the mma.sync kernels and on the Hopper forward and backward
     (CUPY_PIECEWISE_PATH; where the GPU or the case has no Hopper kernel both runs take the
-    mma.sync path)."""
+    mma.sync path). The Hopper forward's persistent grid is capped at 5 CTAs
+    (CUPY_PIECEWISE_PERSIST_CTAS), so that a case of more than 5 work tiles makes each CTA
+    walk several: the production grid (one CTA per SM) does that only on large problems."""
     from cupy_piecewise import capability
 
     monkeypatch.setenv(capability.PATH_VAR, request.param)
+    if request.param == "hopper":
+        monkeypatch.setenv(capability.PERSIST_VAR, "5")
     capability.refresh_env_override()
     return request.param
 

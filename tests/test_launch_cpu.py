@@ -389,6 +389,7 @@ def test_hopper_launch(fake_gpu, fake_maps, monkeypatch):
     assert encoded[1][1] == (B, Hkv, N, D) and encoded[0][2] == q
     call = drv.launches[-1]
     assert call["fn"].phase == "fwd_sm90" and call["fn"].causal and call["block"] == (384, 1, 1)
+    # causal: one CTA per (query tile, head, batch), as the hardware balances unequal tiles
     assert call["grid"] == (math.ceil(M / 128), H, B) and call["stream"] == 9
     assert call["smem"] == 1000  # the fake _kernel's answer
     maps = call["args"][:5]
@@ -398,6 +399,23 @@ def test_hopper_launch(fake_gpu, fake_maps, monkeypatch):
     assert fields[:5] == (ptrs[5], o[0], o[1], o[2], ptrs[6])
     assert fields[5:11] == (H, H // Hkv, M, N, 300, N - M)  # ..., w, shift
     assert fields[11] == pytest.approx(0.125 * 1.4426950408889634) and fields[12] == 0.125
+    assert fields[13:] == (B, 0, 0)  # the batch the persistent grid walks; no packed totals
+    # not causal: the persistent grid, one CTA per SM (132 here), at most one per work tile;
+    # CUPY_PIECEWISE_PERSIST_CTAS caps it (a new plan: caches key on it)
+    pn = dataclasses.replace(p, causal=False)
+    launch.forward_launches(pn, (q, k, q, k, k, o), split=True).run(ptrs, stream=9)
+    assert drv.launches[-1]["grid"] == (min(math.ceil(M / 128) * H * B, 132), 1, 1)
+    assert launch._HOPPER_PARAMS.unpack(drv.launches[-1]["params"])[13] == B
+    monkeypatch.setenv(capability.PERSIST_VAR, "5")
+    capability.refresh_env_override()
+    try:
+        launch.forward_launches(pn, (q, k, q, k, k, o), split=True).run(ptrs, stream=9)
+        assert drv.launches[-1]["grid"] == (5, 1, 1)
+        launch.forward_launches(p, (q, k, q, k, k, o), split=True).run(ptrs, stream=9)
+        assert drv.launches[-1]["grid"] == (math.ceil(M / 128), H, B)  # causal: not capped
+    finally:
+        monkeypatch.delenv(capability.PERSIST_VAR)
+        capability.refresh_env_override()
     # a broadcast (stride 0) head axis cannot be a tensor map: the mma.sync kernels take it
     kb = (k[0], 0, k[2], 1)
     assert isinstance(launch.forward_launches(p, (q, kb, q, k, k, o), split=True), launch.Launches)

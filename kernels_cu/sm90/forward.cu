@@ -49,13 +49,24 @@
 #ifndef PW90_PINGPONG
 #define PW90_PINGPONG 0
 #endif
-//   PW90_PERSIST=1   (implies the pipelined loop) persistent grid: gridDim.x CTAs walk all
-//                    (query tile, head, batch) work tiles with stride gridDim.x; the producer
-//                    loads the next tile's Q and first K while the consumers finish the last
-//                    P·V and the epilogue of the current one. FwdParams gains `batch`, the
-//                    launcher picks the grid (e.g. one CTA per SM).
+//   PW90_PERSIST=1   (default; implies the pipelined loop) persistent grid for dense,
+//                    non-causal batches: gridDim.x CTAs (the launcher: at most one per SM)
+//                    walk the (query tile, head, batch) work tiles with stride gridDim.x;
+//                    the producer loads the next tile's Q (once the consumers have issued
+//                    their last S = Q·Kᵀ) and first K/V tiles while the consumers finish the
+//                    last P·V and the epilogue of the current one. Causal batches keep one
+//                    CTA per work tile: their tiles differ in length, and the hardware's
+//                    dynamic block scheduling balances them better than a static stride
+//                    (which lost 2-13% on an H200, bench/NOTES.md); packed batches too.
 #ifndef PW90_PERSIST
-#define PW90_PERSIST 0
+#define PW90_PERSIST 1
+#endif
+// Ping-pong counts arrivals on two named barriers per key tile. Across the work tiles of a
+// persistent CTA, warpgroup 1 can arrive on barrier 1 for its next work tile before warpgroup 0
+// has synced on it for the current one; two arrivals of warpgroup 1 then complete the barrier
+// without warpgroup 0 (the probe hung on a causal case with empty work tiles).
+#if PW90_PINGPONG && PW90_PERSIST
+#error "PW90_PINGPONG needs -DPW90_PERSIST=0 (named-barrier arrivals can cross work tiles)"
 #endif
 #define PW90_PIPE (PW90_DEFER || PW90_OVERLAP || PW90_PINGPONG || PW90_PERSIST)
 
@@ -72,9 +83,7 @@ struct FwdParams {
   i64 shift;             // P of d(i, j) = i + P - j: N - M, or within [-M, N] (offsets)
   float scale_log2;      // sm_scale * log2(e)
   float sm_scale;
-#if PW90_PERSIST
   i64 batch;             // B: the persistent kernel walks (query tile, head, batch) itself
-#endif
   // Packed variable-length batch (kernel built with VARLEN; else unused): B + 1 int32
   // running totals of the query and key rows. The tensor maps then describe the packed
   // (total, heads, D) arrays as batch 1, o has batch stride 0, M holds total_q (the row
@@ -82,6 +91,8 @@ struct FwdParams {
   const int* cu_q;
   const int* cu_k;
 };
+// The host packer (cupy_piecewise/launch.py _HOPPER_PARAMS) relies on this layout.
+static_assert(sizeof(FwdParams) == 120, "FwdParams layout");
 
 // The rows of one CTA's sequence: batch entry b (dense) or packed sequence b (VARLEN). q0/k0
 // are its first query/key rows in the arrays the tensor maps describe; tb the batch
@@ -634,18 +645,17 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
   const u32 qempty = qbar + 8 + 32 * STAGES;  // (PW90_PERSIST only)
 #endif
 
-#if PW90_PERSIST
-  static_assert(!VARLEN, "packed batches take the non-persistent grid");
-  const int M = (int)p.M, N = (int)p.N, P = (int)p.shift, w = (int)p.w;
-#else
-  // Heavier causal tiles (later queries) launch first, evening out the tail of the grid.
+  // Dense non-causal batches walk work tiles in a persistent grid (PW90_PERSIST); causal and
+  // packed ones, and every build without it, take one work tile per CTA from blockIdx:
+  // heavier causal tiles (later queries) launch first, evening out the tail of the grid.
+  constexpr bool PERSIST = PW90_PERSIST && !VARLEN && !CAUSAL;
   const int mt = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
   const int m0 = mt * BM, h = blockIdx.y, b = blockIdx.z;
-  const SeqRows sr = seq_rows<VARLEN>(p, b);
-  const int M = sr.M, N = sr.N, P = sr.P, w = (int)p.w;
-  if (VARLEN && m0 >= M) return;  // uniform over the CTA, before any barrier is used
-#endif
+  const int w = (int)p.w;
+  if (VARLEN && m0 >= seq_rows<VARLEN>(p, b).M) return;  // uniform, before any barrier is used
 #if !PW90_PIPE
+  const SeqRows sr = seq_rows<VARLEN>(p, b);
+  const int N = sr.N, P = sr.P;
   const int hk = h / (int)p.group;
   // Keys past the last query's diagonal are masked for every row of the tile.
   const int n_end = CAUSAL ? max(0, min(N, m0 + BM + P)) : N;
@@ -671,20 +681,20 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
   __syncthreads();
 
 #if PW90_PIPE
-  // Work tiles: (query tile, head, batch), query tile fastest (CTAs running together share K/V
-  // in L2), heavier causal tiles first. Without PW90_PERSIST one per CTA, from blockIdx.
-#if PW90_PERSIST
-  const int nmt = (M + BM - 1) / BM, H = (int)p.H;
-  const int total = nmt * H * (int)p.batch;
-#define PW90_WORK_LOOP                                                          \
-  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {                \
-    const int r = tile % nmt, hb = tile / nmt;                                  \
-    const int m0w = (CAUSAL ? nmt - 1 - r : r) * BM, hw = hb % H, bw = hb / H;
-#else
-#define PW90_WORK_LOOP \
-  {                    \
-    const int m0w = m0, hw = h, bw = b;
-#endif
+  // This CTA's work tiles (query tile, head, batch): fn(m0, h, b) for each. Persistent: query
+  // tile fastest (CTAs running together share K/V in L2), with stride gridDim.x (int: B * H * ceil(M / 128) < 2^31 for any tensors that fit in memory).
+  auto each_work = [&](auto&& fn) {
+    if constexpr (PERSIST) {
+      const int nmt = ((int)p.M + BM - 1) / BM, H = (int)p.H;
+      const int total = nmt * H * (int)p.batch;
+      for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+        const int r = tile % nmt, hb = tile / nmt;
+        fn(r * BM, hb % H, hb / H);
+      }
+    } else {
+      fn(m0, h, b);
+    }
+  };
   if (warp < 4) {  // ---------------------------------------------------------------- producer
     regs_dec<PRODUCER_REGS>();
     if (warp == 0 && lane == 0) {
@@ -692,7 +702,7 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
       tma_prefetch_desc(&tk2);
       tma_prefetch_desc(&tv);
       int kg = 0, qn = 0;
-      PW90_WORK_LOOP
+      each_work([&](int m0w, int hw, int bw) {
         const SeqRows sw = seq_rows<VARLEN>(p, bw);
         const int nt = (CAUSAL ? max(0, min(sw.N, m0w + BM + sw.P)) + BN - 1 : sw.N + BN - 1) / BN;
         if (nt > 0) {
@@ -702,23 +712,22 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
           kg += nt;
           ++qn;
         }
-      }
+      });
     }
   } else {  // ------------------------------------------------------------------------ consumers
     regs_inc<CONSUMER_REGS>();
     int kg = 0, qn = 0;
-    PW90_WORK_LOOP
+    each_work([&](int m0w, int hw, int bw) {
       const SeqRows sw = seq_rows<VARLEN>(p, bw);
       const int nt = (CAUSAL ? max(0, min(sw.N, m0w + BM + sw.P)) + BN - 1 : sw.N + BN - 1) / BN;
       consumer_pipe<T, D, CAUSAL, DV>(p, base, qbar, full0, empty0, fullv0, emptyv0, m0w, hw, sw, nt,
-                                  kg, (u32)(qn & 1), qempty);
+                                      kg, (u32)(qn & 1), qempty);
       if (nt > 0) {
         kg += nt;
         ++qn;
       }
-    }
+    });
   }
-#undef PW90_WORK_LOOP
 #else
   static_assert(!VARLEN, "packed batches take the pipelined loop (the default build)");
   if (warp < 4) {  // ---------------------------------------------------------------- producer
