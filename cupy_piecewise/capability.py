@@ -74,7 +74,6 @@ __all__ = [
     "hopper_bwd_helper_grid",
     "shared_bytes",
     "check_config",
-    "hopper_bwd_helper_grid",
     "lookup",
     "selectable_configs",
     "VARLEN_TABLE",
@@ -120,8 +119,9 @@ def env_override():
 
 
 def refresh_env_override():
-    """Re-read ``CUPY_PIECEWISE_TILES`` (and ``CUPY_PIECEWISE_PATH``) from ``os.environ``
-    after changing them in this process, and return the tile override. Later calls plan with it (plans are cached per value)."""
+    """Re-read ``CUPY_PIECEWISE_TILES`` (and ``CUPY_PIECEWISE_PATH``,
+    ``CUPY_PIECEWISE_PERSIST_CTAS``) from ``os.environ`` after changing them in this process,
+    and return the tile override. Later calls plan with it (plans are cached per value)."""
     global _override, _path, _persist, _switches
     _override = os.environ.get(ENV_VAR)
     _path = os.environ.get(PATH_VAR)
@@ -159,6 +159,7 @@ def persist_ctas():
     if n < 1:
         raise ValueError(f"{PERSIST_VAR}={_persist!r}: expected a positive integer")
     return n
+
 
 #: Head dims of the Hopper (sm_90a: wgmma + TMA) forward; others take the mma.sync path.
 #: 80 and 96 run the D = 128 kernels on zero-padded columns (hopper_compute_dim).
@@ -238,19 +239,9 @@ _switches = (_override, _path, _persist)
 
 
 def plan_switches():
-    """``(CUPY_PIECEWISE_TILES, CUPY_PIECEWISE_PATH, CUPY_PIECEWISE_PERSIST_CTAS)`` as in effect (see
-    :func:`env_override`): what plan caches put in their keys. One global read."""
+    """``(CUPY_PIECEWISE_TILES, CUPY_PIECEWISE_PATH, CUPY_PIECEWISE_PERSIST_CTAS)`` as in
+    effect (see :func:`env_override`): what plan caches put in their keys. One global read."""
     return _switches
-#: Rows per block of the Hopper backward's helper kernels (``pw90_bwd_prep``,
-#: ``pw90_bwd_dq_convert``): 8 warps of 256 threads, each warp a row pair (i, i + 8).
-HOPPER_BWD_HELPER_ROWS = 16
-
-
-def hopper_bwd_helper_grid(heads: int, rows: int, batch: int) -> tuple:
-    """Grid of the Hopper backward's helper kernels over ``rows`` rows of each of ``heads``
-    heads and ``batch`` batch entries (mirrors ``pw90::bwd::row_pair``): each head's rows in
-    whole blocks of :data:`HOPPER_BWD_HELPER_ROWS`."""
-    return (heads * -(-rows // HOPPER_BWD_HELPER_ROWS), batch, 1)
 
 
 def path_override() -> str:

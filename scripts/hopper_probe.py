@@ -20,7 +20,7 @@ phase, restarts it after the case that hung):
    flash, SDPA cuDNN and the package's mma.sync path; CUDA events, median of 20 after
    warm-up; TFLOP/s with FLOPs = 4 B H M N D (half when causal).
 
-With ``--variants "PW90_PINGPONG=1;PW90_OVERLAP=1;PW90_PINGPONG=1 PW90_OVERLAP=1"`` it instead
+With ``--variants "PW90_PERSIST=0;PW90_PINGPONG=1 PW90_PERSIST=0"`` it instead
 A/B-tests compile-time variants of the kernel: the default build and each variant (its macros
 as -D options) in turn get a 128-case check (the 96 of phase 2 plus 32 more: both dtypes, D
 64/128, causal or not, ragged M/N, negative w, GQA, the blhd layout) and bf16 timings at L = 2048 and 8192 (B = 16384 / L, H =
@@ -471,7 +471,7 @@ def _time_config(torch, F, kern, SDPBackend, sdpa_kernel, cupy_piecewise, B, L, 
 #: timing grid of --variants: bf16, B = 16384 / L, H = 2048 / D, w = L / 4
 VT_CONFIGS = [(L, D, c) for L in (2048, 8192) for D in (64, 128) for c in (False, True)]
 #: (no -DPW90_WAIT_SPIN_LIMIT in --variants: it changes register allocation, e.g. spills in
-#: PW90_PINGPONG=1 PW90_OVERLAP=1, so the check would not run the timed code; a deadlock
+#: PW90_PINGPONG=1 PW90_OVERLAP=1 PW90_PERSIST=0, so the check would not run the timed code; a deadlock
 #: shows as a hung worker instead, killed after PHASES["vrun"][1] s of silence, its last
 #: "CASE i START" line naming the case)
 
@@ -497,7 +497,7 @@ def reduced_cases():
 
 
 def variant_options(spec: str):
-    """'PW90_PINGPONG=1 PW90_OVERLAP=1' -> ['-DPW90_PINGPONG=1', '-DPW90_OVERLAP=1']."""
+    """'PW90_PINGPONG=1 PW90_PERSIST=0' -> ['-DPW90_PINGPONG=1', '-DPW90_PERSIST=0']."""
     return [t if t.startswith("-") else f"-D{t}" for t in spec.split()]
 
 
@@ -695,8 +695,9 @@ def main():
     ap.add_argument("--phases", default="build,check,time")
     ap.add_argument("--variants", default=None,
                     help="A/B compile-time variants instead of the phases: ';'-separated specs, each "
-                         "space-separated NAME=VALUE macros, e.g. \"PW90_PINGPONG=1;PW90_OVERLAP=1;"
-                         "PW90_PINGPONG=1 PW90_OVERLAP=1\". The default build always runs first. Per "
+                         "space-separated NAME=VALUE macros, e.g. \"PW90_PERSIST=0;PW90_PINGPONG=1 "
+                         "PW90_PERSIST=0\" (ping-pong needs PW90_PERSIST=0). The default build always "
+                         "runs first. Per "
                          "build: 128-case check against float64, then bf16 timing at L 2048/8192, D "
                          "64/128, causal or not; SDPA cuDNN/flash once; a comparison table. < 4 min.")
     args = ap.parse_args()

@@ -99,8 +99,8 @@ def main() -> int:
                     from torch.nn.attention import SDPBackend, sdpa_kernel
                     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                         o = torch.nn.functional.scaled_dot_product_attention(
-                            ins[0], ins[2], ins[4], is_causal=causal)
-                    torch.autograd.grad(o, (ins[0], ins[2], ins[4]), do)
+                            ins[0], ins[1], ins[4], is_causal=causal)
+                    torch.autograd.grad(o, (ins[0], ins[1], ins[4]), do)
 
                 flops = 3.5 * 4 * B * H * L * L * D * (0.5 if causal else 1.0)
                 say(f"L={L} D={D} causal={int(causal)} B={B} H={H}")

@@ -292,7 +292,7 @@ def test_hopper_backward_launches(fake_gpu, fake_maps, monkeypatch, deterministi
     f = launch._BWD_PREP.unpack(prep["params"])
     assert f[0] == named["o"] and f[4] == named["dout"] and f[1:4] == q[:3]
     assert f[8:12] == (named["lse"], ws, ws + 4 * rows, acc) and f[12:16] == (B, H, M, mpad)
-    assert f[16] == named["dlse"]
+    assert f[16] == named["dlse"] and f[17] == mpad  # rows: what row_pair splits, as the grid
     f = launch._BWD_MAIN.unpack(main["params"])
     assert (f[0], f[4], f[8]) == (named["dk1"], named["dk2"], named["dv"]) and f[1:4] == k[:3]
     assert f[12:15] == (acc, ws, ws + 4 * rows)
@@ -305,6 +305,7 @@ def test_hopper_backward_launches(fake_gpu, fake_maps, monkeypatch, deterministi
         f = launch._BWD_CONV.unpack(conv["params"])
         assert (f[0], f[4], f[8]) == (named["dq1"], named["dq2"], acc) and f[1:4] == q[:3]
         assert f[9:13] == (B, H, M, mpad) and f[13] == 0.125
+        assert f[14] == M  # rows: what pw90::bwd::row_pair splits, as the grid above
     # what stays on the mma.sync kernels: other head dims, CUPY_PIECEWISE_PATH=mma, a
     # broadcast (stride 0) dout
     assert isinstance(launch.backward_launches(dataclasses.replace(p, D=32), strides), launch.Launches)
@@ -356,6 +357,30 @@ def test_cached_launches_follow_the_tile_override(fake_gpu, monkeypatch):
     launch.forward(*args, stream=0)
     tiles = [str(c["fn"].tiles) for c in drv.launches]
     assert tiles[1].startswith("64x32x2") and tiles[0] == tiles[2] != tiles[1]
+
+
+def test_cached_launches_follow_the_persist_cap(fake_gpu, fake_maps, monkeypatch):
+    """launch.forward's plan cache keys on CUPY_PIECEWISE_PERSIST_CTAS: the persistent
+    Hopper forward's grid follows the variable through the cache, both ways."""
+    drv, _ = fake_gpu
+    monkeypatch.delenv(capability.PATH_VAR, raising=False)
+    monkeypatch.delenv(capability.PERSIST_VAR, raising=False)
+    capability.refresh_env_override()
+    B, H, M, D = 4, 8, 1000, 128  # 8 x 8 x 4 = 256 work tiles
+    p = Problem("torch", B, H, H, M, M, D, "bfloat16", 300, False, 0.125, 0)
+    ref = launch.ArrayRef(0x10000, _contiguous((B, H, M, D)))
+    args = (p, ref, ref, ref, ref, ref, ref, 0x20000)
+    grids = []
+    for cap in (None, "5", None):
+        if cap is None:
+            monkeypatch.delenv(capability.PERSIST_VAR, raising=False)
+        else:
+            monkeypatch.setenv(capability.PERSIST_VAR, cap)
+        capability.refresh_env_override()
+        launch.forward(*args, stream=0)
+        grids.append(drv.launches[-1]["grid"])
+    capability.refresh_env_override()
+    assert grids == [(132, 1, 1), (5, 1, 1), (132, 1, 1)]
 
 
 def test_hopper_launch(fake_gpu, fake_maps, monkeypatch):

@@ -36,9 +36,11 @@ MAIN = ([(t, d, c, q, vl, None) for t in ELEM for d in (64, 128) for c in (False
          for q in (True, False) for vl in (False, True)]
         + [(t, 128, c, q, vl, dv) for t in ELEM for c in (False, True) for q in (True, False)
            for vl in (False, True) for dv in (80, 96)])
-HELPERS = ([f"pw90_bwd_prep<{ELEM[t]}, {d}{vl}>" for t in ELEM for d in (64, 128) for vl in ("", ", true")]
-           + [f"pw90_bwd_dq_convert<{ELEM[t]}, {d}{vl}>" for t in ELEM for d in (64, 128)
-              for vl in ("", ", true")])
+HELPERS = ([f"pw90_bwd_{k}<{ELEM[t]}, {d}{vl}>" for k in ("prep", "dq_convert") for t in ELEM
+            for d in (64, 128) for vl in ("", ", true")]
+           # head dims 80/96: the D = 128 helpers touching DV columns, as the package launches them
+           + [f"pw90_bwd_{k}<{ELEM[t]}, 128, {vl}, {dv}>" for k in ("prep", "dq_convert")
+              for t in ELEM for vl in ("false", "true") for dv in (80, 96)])
 NAMES = [_main(*k) for k in MAIN] + HELPERS
 
 

@@ -5,15 +5,18 @@
 // builds, checks and times the dense build standalone.
 //
 // Three kernels, launched in this order on one stream:
-//   pw90_bwd_prep<T, D>     one warp per (b, h, padded query row): delta = rowsum(dO * O),
+//   pw90_bwd_prep<T, D>     one warp per padded query row pair (i, i + 8) of a (b, h), 16
+//                           rows a block (capability.hopper_bwd_helper_grid): delta = rowsum(dO * O),
 //                           lse2 = lse * log2(e) (+inf for rows with no admissible key and for
 //                           padding rows, so that P = exp2(s * scale_log2 - lse2) = 0 there),
 //                           both float32 (B, H, Mpad) with Mpad = M rounded up to BM (packed
 //                           batches: B = 1 and per-sequence padding, see BwdSeq); zeroes the
-//                           float32 dQ accumulator rows (2, B, H, Mpad, D) when it is given
-//                           (D the compute head dim: 128 for tensors of DV = 80 or 96 columns).
+//                           float32 dQ accumulator (2, B, H, Mpad, D) when it is given, in
+//                           linear order over the whole grid (D the compute head dim: 128 for
+//                           tensors of DV = 80 or 96 columns).
 //   pw90_bwd<T, D, CAUSAL, DQ>  the main kernel below.
-//   pw90_bwd_dq_convert<T, D>   dq1/dq2 = sm_scale * accumulator, to the input dtype (DQ only).
+//   pw90_bwd_dq_convert<T, D>   dq1/dq2 = sm_scale * accumulator, to the input dtype (DQ
+//                           only); the same row-pair grid, over M rows.
 //
 // Main kernel: one CTA per (key tile of BN = 128 keys, kv head, batch), 384 threads:
 //   warpgroup 0  producer (setmaxnreg.dec 24): one thread loads, by TMA with 128-byte swizzle,

@@ -72,8 +72,8 @@
 
 namespace pw90 {
 
-// Kernel arguments besides the five tensor maps (all 8-byte fields, then two floats):
-// host side in scripts/hopper_probe.py (pack_fwd_params).
+// Kernel arguments besides the five tensor maps (8-byte fields, two floats, 8-byte fields):
+// host side cupy_piecewise/launch.py _HOPPER_PARAMS (and scripts/hopper_probe.py).
 struct FwdParams {
   u16* o;                // (B, H, M, D) output, unit stride along D
   i64 o_sb, o_sh, o_sr;  // its batch / head / row strides in elements
