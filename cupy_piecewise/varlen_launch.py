@@ -90,14 +90,6 @@ class HopperVarlenLaunches(launch.HopperLaunches):
         self.arrays = FORWARD_ARRAYS  # run() packs cu_q and cu_k after the dense pointers
 
 
-def _packed_tma_describable(problem, shape: VarlenShape, strides, dout: bool = False) -> bool:
-    """:func:`launch._tma_describable` for the packed arrays seen as one batch ((1, heads,
-    total, D) views of q1, k1, q2, k2, v, and, with ``dout``, of dout: ``strides[6]``)."""
-    return launch._tma_describable(replace(problem, B=1, M=shape.total_q, N=shape.total_k),
-                                   [_view4(st) for st in strides[:5]],
-                                   _view4(strides[6]) if dout else None)
-
-
 def forward_launches(problem, shape: VarlenShape, strides):
     """Prepare the packed forward (``problem.M > 0``, ``problem.B`` and ``problem.H`` > 0).
 
@@ -110,7 +102,9 @@ def forward_launches(problem, shape: VarlenShape, strides):
     """
     launch._check_grid(problem)
     launch._driver()
-    if shape.total_k and use_hopper(problem) and _packed_tma_describable(problem, shape, strides):
+    if shape.total_k and use_hopper(problem) and launch._tma_describable(
+            replace(problem, B=1, M=shape.total_q, N=shape.total_k),
+            [_view4(st) for st in strides[:5]]):
         return HopperVarlenLaunches(problem, shape, strides)
     variant = launch.plan(problem, "fwd", varlen=True)
     views = dict(zip(("q1", "k1", "q2", "k2", "v", "o"), map(_view, strides)))
@@ -160,8 +154,9 @@ def backward_launches(problem, shape: VarlenShape, strides, *, deterministic: bo
     launch._driver()
     names = ("q1", "k1", "q2", "k2", "v", "o", "dout", "dq1", "dk1", "dq2", "dk2", "dv")
     views = dict(zip(names, map(_view, strides)))
-    if (problem.M > 0 and use_hopper_backward(problem, shape)
-            and _packed_tma_describable(problem, shape, strides, dout=True)):
+    if problem.M > 0 and use_hopper_backward(problem, shape) and launch._tma_describable(
+            replace(problem, B=1, M=shape.total_q, N=shape.total_k),
+            [_view4(st) for st in strides[:5]], _view4(strides[6])):
         mma = None
         if deterministic:
             mma = launch.Launches(problem.device, BACKWARD_ARRAYS, views,
