@@ -677,7 +677,7 @@ static_assert(sizeof(ConvertParams) == 128, "ConvertParams layout");
 // (group g = x % ceil(rows / 16)) of head x / ceil(rows / 16), and warp k of it the row pair
 // (16 g + k, 16 g + k + 8): the two rows whose dQ share the float4 runs of the accumulator
 // (dq_run), so that the convert kernel reads whole runs, and each warp has twice the loads in
-// flight of a warp per row. rows_of: the rows of one (batch entry, head) the grid covers.
+// flight of a warp per row. `rows`: the rows of one (batch entry, head) the grid covers.
 namespace pw90 {
 namespace bwd {
 struct RowPair {

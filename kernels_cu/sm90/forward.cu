@@ -682,7 +682,8 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
 
 #if PW90_PIPE
   // This CTA's work tiles (query tile, head, batch): fn(m0, h, b) for each. Persistent: query
-  // tile fastest (CTAs running together share K/V in L2), with stride gridDim.x (int: B * H * ceil(M / 128) < 2^31 for any tensors that fit in memory).
+  // tile fastest (CTAs running together share K/V in L2), with stride gridDim.x (int:
+  // B * H * ceil(M / 128) < 2^31 for any tensors that fit in memory).
   auto each_work = [&](auto&& fn) {
     if constexpr (PERSIST) {
       const int nmt = ((int)p.M + BM - 1) / BM, H = (int)p.H;
