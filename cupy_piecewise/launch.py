@@ -584,8 +584,8 @@ class HopperBackward:
     mma.sync delta + dq launches of the deterministic mode.
     """
 
-    __slots__ = ("device", "arrays", "strides", "workspace_bytes", "deterministic", "_steps",
-                 "_mma", "_prep", "_main", "_conv", "_offsets", "_maps")
+    __slots__ = ("device", "arrays", "strides", "workspace_bytes", "dq_accumulator_bytes",
+                 "deterministic", "_steps", "_mma", "_prep", "_main", "_conv", "_offsets", "_maps")
 
     def __init__(self, problem, views, deterministic: bool = False, *, packed=None, mma=None):
         p = problem
@@ -609,7 +609,10 @@ class HopperBackward:
         self._offsets = (0, 4 * rows, 8 * rows)  # lse2, delta, dq accumulator
         # the dQ accumulator has the kernel's compute head dim of columns (80, 96: 128)
         dq_cols = capability.hopper_compute_dim(p.D)
-        self.workspace_bytes = 8 * rows + (0 if deterministic else 2 * 4 * rows * dq_cols)
+        #: bytes of the float32 dQ accumulator (0: deterministic, dQ computed without one);
+        #: a caller may hold it across calls (:meth:`run`'s ``dq_accumulator``)
+        self.dq_accumulator_bytes = 0 if deterministic else 2 * 4 * rows * dq_cols
+        self.workspace_bytes = 8 * rows + self.dq_accumulator_bytes
         prep = Variant("bwd_sm90_prep", p.dtype, p.D, None, False, varlen)
         main = Variant("bwd_sm90_det" if deterministic else "bwd_sm90", p.dtype, p.D, None,
                        p.causal, varlen)
@@ -640,22 +643,37 @@ class HopperBackward:
         self._maps = _TensorMaps((q_shape,) * 3 + (k_shape,) * 3, [views[n] for n in names],
                                  (bm,) * 3 + (bn,) * 3, p.dtype)
 
-    def run(self, ptrs, stream: int, workspace: int = 0) -> None:
+    def run(self, ptrs, stream: int, workspace: int = 0, dq_accumulator: int = 0,
+            statistics_ready: bool = False) -> None:
         """Launch on ``stream`` with the pointers of :attr:`arrays` (q1, k1, q2, k2, v, o,
         lse, dout, dq1, dk1, dq2, dk2, dv, delta, dlse, and cu_q, cu_k for a packed batch;
         dlse 0: none) and ``workspace`` (device pointer to :attr:`workspace_bytes` bytes,
-        valid on ``stream`` until the work ends)."""
+        valid on ``stream`` until the work ends).
+
+        ``dq_accumulator`` (not deterministic only): device pointer of a caller's float32
+        dQ accumulator of :attr:`dq_accumulator_bytes` bytes, zeroed by the caller before
+        its first call. This call then adds its dQ into it unscaled, in the kernel's order,
+        leaves dq1 and dq2 unwritten, and uses only the first ``workspace_bytes -
+        dq_accumulator_bytes`` bytes of workspace (lse2, delta); :meth:`convert` turns the sum into dq1
+        and dq2. Calls that share one accumulator must have the same query rows and
+        ``sm_scale`` (the keys may differ: context parallelism sums over key blocks).
+        ``statistics_ready``: ``workspace`` already holds these rows' lse2 and delta (an
+        earlier call with the same rows, o, dO, lse and dlse wrote them): the pre-pass is
+        skipped."""
         q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, delta, dlse = ptrs[:15]
         cu_q, cu_k = ptrs[15:17] if len(ptrs) > 15 else (0, 0)
+        if dq_accumulator and self.deterministic:
+            raise ValueError("the deterministic Hopper backward has no dQ accumulator")
         if self._mma is not None:
             self._mma.run(ptrs, stream)
         maps, keep = self._maps.addresses((q1, q2, do, k1, k2, v))  # keep: until launched
         lse2, dlt = workspace + self._offsets[0], workspace + self._offsets[1]
-        acc = 0 if self.deterministic else workspace + self._offsets[2]
+        acc = dq_accumulator or (0 if self.deterministic else workspace + self._offsets[2])
         prep = ctypes.create_string_buffer(self._prep, _BWD_PREP.size)
         struct.pack_into("<Q", prep, 0, o)
         struct.pack_into("<Q", prep, 32, do)
-        struct.pack_into("<QQQQ", prep, 64, lse, lse2, dlt, acc)
+        # a caller's accumulator keeps its sum: the pre-pass zeroes only the call's own
+        struct.pack_into("<QQQQ", prep, 64, lse, lse2, dlt, 0 if dq_accumulator else acc)
         struct.pack_into("<Q", prep, 128, dlse)
         struct.pack_into("<Q", prep, 144, cu_q)
         main = ctypes.create_string_buffer(self._main, _BWD_MAIN.size)
@@ -665,17 +683,23 @@ class HopperBackward:
         struct.pack_into("<QQ", main, 192, cu_q, cu_k)
         a_prep = (ctypes.c_void_p * 1)(ctypes.addressof(prep))
         a_main = (ctypes.c_void_p * 7)(*maps, ctypes.addressof(main))
-        _launch_all(self.device, self._steps[:1], stream, ctypes.addressof(a_prep))
+        if not statistics_ready:
+            _launch_all(self.device, self._steps[:1], stream, ctypes.addressof(a_prep))
         _launch_all(self.device, self._steps[1:2], stream, ctypes.addressof(a_main))
-        if not self.deterministic:
-            conv = ctypes.create_string_buffer(self._conv, _BWD_CONV.size)
-            struct.pack_into("<Q", conv, 0, dq1)
-            struct.pack_into("<Q", conv, 32, dq2)
-            struct.pack_into("<Q", conv, 64, acc)
-            struct.pack_into("<Q", conv, 120, cu_q)
-            a_conv = (ctypes.c_void_p * 1)(ctypes.addressof(conv))
-            _launch_all(self.device, self._steps[2:], stream, ctypes.addressof(a_conv))
+        if not (self.deterministic or dq_accumulator):
+            self.convert(dq1, dq2, acc, stream, cu_q)
         del keep
+
+    def convert(self, dq1: int, dq2: int, dq_accumulator: int, stream: int, cu_q: int = 0) -> None:
+        """Launch ``pw90_bwd_dq_convert`` on ``stream``: dq1, dq2 (this signature's views) =
+        ``sm_scale`` x the float32 accumulator at ``dq_accumulator``, in the input dtype."""
+        conv = ctypes.create_string_buffer(self._conv, _BWD_CONV.size)
+        struct.pack_into("<Q", conv, 0, dq1)
+        struct.pack_into("<Q", conv, 32, dq2)
+        struct.pack_into("<Q", conv, 64, dq_accumulator)
+        struct.pack_into("<Q", conv, 120, cu_q)
+        a_conv = (ctypes.c_void_p * 1)(ctypes.addressof(conv))
+        _launch_all(self.device, self._steps[2:], stream, ctypes.addressof(a_conv))
 
 
 _launches: dict[tuple, Launches] = {}
@@ -721,7 +745,8 @@ def forward(problem, q1, k1, q2, k2, v, o, lse, *, stream: int, workspace=None) 
 
 
 def backward(problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, delta, *,
-             stream: int, workspace=None, deterministic: bool = False, dlse: int = 0) -> None:
+             stream: int, workspace=None, deterministic: bool = False, dlse: int = 0,
+             dq_accumulator: int = 0, statistics: int = 0, statistics_ready: bool = False) -> None:
     """Launch the backward kernels: writes every element of the five gradients.
 
     Args: as :func:`forward`, plus ``do`` (ArrayRef, (B, H, M, D)), the gradient outputs
@@ -733,14 +758,49 @@ def backward(problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, del
     (without it the mma.sync kernels run). ``deterministic``: bitwise-reproducible
     gradients (see :func:`backward_launches`). ``dlse``: pointer of a contiguous float32
     (B, H, M) gradient of ``lse`` (0: none), subtracted from delta by the pre-pass.
+    ``dq_accumulator``, ``statistics``: pointers of a caller's float32 dQ accumulator and
+    statistics buffer (:func:`backward_shared_bytes`; 0: none); the call then adds its dQ
+    into the accumulator and leaves dq1, dq2 unwritten, and keeps lse2 and delta in
+    ``statistics``, computing them unless ``statistics_ready`` (:meth:`HopperBackward.run`,
+    :func:`backward_dq_convert`). Raises ValueError when the call's path has none.
     """
     views = (q1, k1, q2, k2, v, o, do, dq1, dk1, dq2, dk2, dv)
     launches = _cached("bwd", problem, views, bool(deterministic))
     keep, ws = None, 0
+    ptrs = (q1.ptr, k1.ptr, q2.ptr, k2.ptr, v.ptr, o.ptr, lse, do.ptr,
+            dq1.ptr, dk1.ptr, dq2.ptr, dk2.ptr, dv.ptr, delta, dlse)
+    if dq_accumulator:
+        if not (getattr(launches, "dq_accumulator_bytes", 0) and statistics):
+            raise ValueError("dq_accumulator: this backward path has no float32 dQ accumulator "
+                             "(backward_shared_bytes is 0), or no statistics buffer was given")
+        launches.run(ptrs, stream, statistics, dq_accumulator=dq_accumulator,
+                     statistics_ready=statistics_ready)
+        return
     if launches.workspace_bytes:
         if workspace is None:
             raise ValueError("the Hopper backward needs a workspace allocator")
         keep, ws = workspace(launches.workspace_bytes)
-    launches.run((q1.ptr, k1.ptr, q2.ptr, k2.ptr, v.ptr, o.ptr, lse, do.ptr,
-                  dq1.ptr, dk1.ptr, dq2.ptr, dk2.ptr, dv.ptr, delta, dlse), stream, ws)
+    launches.run(ptrs, stream, ws)
     del keep
+
+
+def backward_shared_bytes(problem, strides) -> tuple:
+    """``(accumulator bytes, statistics bytes)``: the float32 dQ accumulator and lse2/delta
+    buffer that :func:`backward` calls of ``problem`` (element ``strides`` of q1, k1, q2,
+    k2, v, o, dout, dq1, dk1, dq2, dk2, dv; not deterministic) over the same query rows can
+    share, or ``(0, 0)`` when its path has none (the mma.sync kernels). Context parallelism
+    sums dQ over key blocks there instead of in rounded per-block outputs."""
+    launches = _cached("bwd", problem, [ArrayRef(0, s) for s in strides], False)
+    acc = getattr(launches, "dq_accumulator_bytes", 0)
+    return (acc, launches.workspace_bytes - acc) if acc else (0, 0)
+
+
+def backward_dq_convert(problem, strides, dq_accumulator: int, dq1, dq2, *, stream: int) -> None:
+    """dq1, dq2 (ArrayRef, (B, H, M, D), input dtype) = ``sm_scale`` x the float32 dQ
+    accumulator at ``dq_accumulator`` that :func:`backward` calls of ``problem`` (same
+    ``strides``; dq1/dq2 strides as given here) added into. Raises ValueError when the
+    path has no accumulator."""
+    launches = _cached("bwd", problem, [ArrayRef(0, s) for s in strides], False)
+    if not getattr(launches, "dq_accumulator_bytes", 0):
+        raise ValueError("backward_dq_convert: this backward path has no float32 dQ accumulator")
+    launches.convert(dq1.ptr, dq2.ptr, dq_accumulator, stream)

@@ -463,3 +463,45 @@ def test_second_device():
         o_side = torch_ops.attention(*ins1, 30, causal=True)
     torch.cuda.synchronize(1)
     assert torch.equal(o_side, o1.detach())
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dq_accumulator_sums_key_blocks(nan_outputs, causal, D):
+    """core.run_backward with a caller's dQ accumulator (what context parallelism uses): the
+    keys of one call split into three blocks (placed by k_offset), each block's backward
+    adding dQ into one float32 accumulator and finish_dq rounding the sum once; dq1, dq2 and
+    every block's dk1, dk2, dv pass the tolerance rule against the float64 reference of the
+    whole call; the rows' statistics are computed by the first block only (core.SharedRows).
+    On a GPU whose backward has no accumulator (not the Hopper path) it skips."""
+    from cupy_piecewise import core
+
+    B, H, Hkv, M, N, w, dtype = 1, 4, 2, 300, 517, 90, torch.bfloat16
+    ins = make(B, H, Hkv, M, N, D, dtype, seed=5 + D, scale=1.5)
+    do = make(B, H, H, M, 1, D, dtype, seed=6)[0]
+    shift = N - M  # queries aligned to the end of the keys, as in the whole call
+    o, lse = torch_ops.attention(*ins, w, causal=causal, return_lse=True)
+    q1, k1, q2, k2, v = ins
+    shared, dk = None, [torch.full_like(k1, math.nan) for _ in range(3)]
+    for a, b in ((0, 130), (130, 389), (389, N)):
+        blk = (q1, k1[:, :, a:b], q2, k2[:, :, a:b], v[:, :, a:b])
+        call = torch_ops._call(*blk, w, causal, None, shift, a)
+        if shared is None:
+            shared = core.shared_rows(call, torch_adapter.OPS, do, *blk, o)
+            if shared is None:
+                pytest.skip("this GPU's backward path has no float32 dQ accumulator")
+        g = core.run_backward(call, torch_adapter.OPS, do, *blk, o, lse, shared=shared)
+        assert g[0] is None and g[2] is None and shared.ready
+        for d, x in zip(dk, (g[1], g[3], g[4])):
+            d[:, :, a:b] = x
+    dq1, dq2 = core.finish_dq(shared, torch_adapter.OPS)
+    torch.cuda.synchronize()
+    name = dtype_name(dtype)
+    args = [np64(t) for t in ins]
+    ro, rlse = reference.forward(*args, w, causal)
+    rg = reference.backward(*args, ro, rlse, np64(do), w, causal)
+    lo, llse = reference.lowp_forward(*args, w, causal, dtype=name)
+    lg = reference.lowp_backward(*args, lo, llse, np64(do), w, causal, dtype=name)
+    for n, got, r, lw in zip(NAMES, (dq1, dk[0], dq2, dk[1], dk[2]), rg, lg):
+        assert not torch.isnan(got).any(), n
+        tolerance.assert_close(n, np64(got), r, lw, name)

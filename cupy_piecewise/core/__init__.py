@@ -10,7 +10,8 @@ pointers, element strides, allocations and a stream; everything else lives here 
   fill (``o = 0``, ``lse = -inf``, zero gradients) and the clamping of ``w``.
 """
 from .memo import Memo
-from .plan import MEMO, ArrayOps, Call, clamp_w, prepare, run_backward, run_forward, signature
+from .plan import (MEMO, ArrayOps, Call, SharedRows, clamp_w, finish_dq, prepare, run_backward,
+                   run_forward, shared_rows, signature)
 
 __all__ = ["MEMO", "Memo", "ArrayOps", "Call", "clamp_w", "prepare", "run_forward", "run_backward",
-           "signature"]
+           "signature", "SharedRows", "shared_rows", "finish_dq"]

@@ -15,7 +15,7 @@ from .. import capability, launch, validate
 from .memo import Memo
 
 __all__ = ["ArrayOps", "Call", "prepare", "run_forward", "run_backward", "clamp_w", "signature",
-           "MEMO"]
+           "MEMO", "SharedRows", "shared_rows", "finish_dq"]
 
 
 class ArrayOps(NamedTuple):
@@ -220,7 +220,7 @@ def run_forward(call: Call, ops: ArrayOps, q1, k1, q2, k2, v, *, need_lse: bool 
 
 
 def run_backward(call: Call, ops: ArrayOps, do, q1, k1, q2, k2, v, o, lse, *,
-                 deterministic: bool = False, dlse=None):
+                 deterministic: bool = False, dlse=None, shared=None):
     """Gradients of a prepared call -> ``(dq1, dk1, dq2, dk2, dv)``, the inputs' dtype,
     contiguous: dq of shape (B, H, M, D), dk/dv (B, Hkv, N, D) summed over each group's
     query heads. ``o``, ``lse``: the forward's outputs (``lse`` float32 (B, H, M)); ``do``:
@@ -228,15 +228,23 @@ def run_backward(call: Call, ops: ArrayOps, do, q1, k1, q2, k2, v, o, lse, *,
     (:func:`~cupy_piecewise.validate.check_backward_inputs`). ``deterministic``: bitwise
     reproducible gradients (the Hopper backward then computes dQ without atomics).
     ``dlse``: (B, H, M) gradient of the loss with respect to ``lse``, or None (zero):
-    ``ds = p * (dp - delta + dlse)``, folded into the kernels' delta pre-pass."""
+    ``ds = p * (dp - delta + dlse)``, folded into the kernels' delta pre-pass.
+
+    ``shared``: a :class:`SharedRows` of these query rows (:func:`shared_rows`): dQ is then
+    added into its accumulator and ``dq1``, ``dq2`` come back as ``None``
+    (:func:`finish_dq` makes them), and the rows' statistics are computed only by the
+    first call that uses it."""
     p = call.problem
     dev, dt = p.device, p.dtype
     q_shape, k_shape = (p.B, p.H, p.M, p.D), (p.B, p.Hkv, p.N, p.D)
-    grads = (ops.empty(q_shape, dt, dev), ops.empty(k_shape, dt, dev), ops.empty(q_shape, dt, dev),
-             ops.empty(k_shape, dt, dev), ops.empty(k_shape, dt, dev))
-    if not _has_work(p):  # nothing attends: every gradient is zero
+    acc = shared is not None
+    grads = (None if acc else ops.empty(q_shape, dt, dev), ops.empty(k_shape, dt, dev),
+             None if acc else ops.empty(q_shape, dt, dev), ops.empty(k_shape, dt, dev),
+             ops.empty(k_shape, dt, dev))
+    if not _has_work(p):  # nothing attends: every gradient is zero (and dQ adds nothing)
         for g in grads:
-            ops.fill(g, 0.0)
+            if g is not None:
+                ops.fill(g, 0.0)
         return grads
     delta = ops.empty((p.B, p.H, p.M), "float32", dev)
     keep = [_readable(ops, a) for a in (q1, k1, q2, k2, v, o, do)]
@@ -248,8 +256,74 @@ def run_backward(call: Call, ops: ArrayOps, do, q1, k1, q2, k2, v, o, lse, *,
         buf = ops.scratch(nbytes, dev)
         return buf, ops.ptr(buf)
 
-    launch.backward(p, *refs[:6], ops.ptr(lse), refs[6], *[_ref(ops, g) for g in grads],
+    q_free = launch.ArrayRef(0, _contiguous(q_shape))  # dq1, dq2 unwritten with an accumulator
+    launch.backward(p, *refs[:6], ops.ptr(lse), refs[6],
+                    *[q_free if g is None else _ref(ops, g) for g in grads],
                     ops.ptr(delta), stream=ops.stream(dev), workspace=workspace,
-                    deterministic=deterministic, dlse=0 if dlse is None else ops.ptr(dlse))
+                    deterministic=deterministic, dlse=0 if dlse is None else ops.ptr(dlse),
+                    **({} if not acc else dict(dq_accumulator=ops.ptr(shared.dq_acc),
+                                               statistics=ops.ptr(shared.stats),
+                                               statistics_ready=shared.ready)))
+    if acc:
+        shared.ready = True
     del keep
     return grads
+
+
+def _all_contiguous(p) -> tuple:
+    """Strides of q1, k1, q2, k2, v, o, dout, dq1, dk1, dq2, dk2, dv, all contiguous."""
+    q, k = _contiguous((p.B, p.H, p.M, p.D)), _contiguous((p.B, p.Hkv, p.N, p.D))
+    return (q, k, q, k, k, q, q, q, k, q, k, k)
+
+
+class SharedRows:
+    """What backward calls over the same query rows share when a caller splits the keys into
+    blocks (context parallelism): the Hopper backward's float32 dQ accumulator, which every
+    call adds into and :func:`finish_dq` rounds once (instead of once per block), and the
+    rows' statistics (lse in base 2, delta), which the first call computes and the others
+    reuse (the pre-pass reads all of o and dO: once per block it would cost as much as a
+    small block's main kernel). Made by :func:`shared_rows`. Every call given one must have
+    the same query rows, ``o``, ``dO``, ``lse``, ``dlse`` and ``sm_scale``."""
+
+    __slots__ = ("call", "dq_acc", "stats", "ready")
+
+    def __init__(self, call, dq_acc, stats):
+        self.call, self.dq_acc, self.stats, self.ready = call, dq_acc, stats, False
+
+
+def shared_rows(call: Call, ops: ArrayOps, do, q1, k1, q2, k2, v, o) -> Optional[SharedRows]:
+    """A new :class:`SharedRows` for :func:`run_backward` calls like ``call`` (these
+    arrays' strides, not deterministic), its accumulator zeroed; None when the call's path
+    has no dQ accumulator (CPU arrays, the mma.sync kernels, no work)."""
+    p = call.problem
+    if p.device is None or not _has_work(p):
+        return None
+
+    def st(a):  # the strides run_backward's kernels see (non-ready arrays are copied)
+        ready = launch.kernel_ready(ops.shape(a), ops.strides(a), ops.ptr(a), ops.itemsize(a))
+        return tuple(ops.strides(a)) if ready else _contiguous(ops.shape(a))
+
+    c = _all_contiguous(p)
+    strides = tuple(st(a) for a in (q1, k1, q2, k2, v, o, do)) + c[7:]
+    acc_bytes, stats_bytes = launch.backward_shared_bytes(p, strides)
+    if not acc_bytes:
+        return None
+    acc = ops.empty((acc_bytes // 4,), "float32", p.device)
+    ops.fill(acc, 0.0)
+    return SharedRows(call, acc, ops.empty((stats_bytes // 4,), "float32", p.device))
+
+
+def finish_dq(shared: SharedRows, ops: ArrayOps, out=None):
+    """``(dq1, dq2)`` of the sum that :func:`run_backward` calls added into ``shared``'s
+    accumulator, in the inputs' dtype: new contiguous arrays, or written into ``out`` (two
+    (B, H, M, D) arrays of that dtype with 16-byte aligned rows, e.g. views of larger ones)."""
+    p = shared.call.problem
+    if out is None:
+        q_shape = (p.B, p.H, p.M, p.D)
+        out = (ops.empty(q_shape, p.dtype, p.device), ops.empty(q_shape, p.dtype, p.device))
+    dq1, dq2 = out
+    strides = list(_all_contiguous(p))
+    strides[7], strides[9] = tuple(ops.strides(dq1)), tuple(ops.strides(dq2))
+    launch.backward_dq_convert(p, tuple(strides), ops.ptr(shared.dq_acc), _ref(ops, dq1),
+                               _ref(ops, dq2), stream=ops.stream(p.device))
+    return dq1, dq2
