@@ -70,10 +70,11 @@ def forward(q1, k1, q2, k2, v, w, causal, sm_scale, shift=None):
     (:func:`cupy_piecewise.validate.check_inputs`) and ``w``/``shift`` clamped
     (:func:`cupy_piecewise.core.clamp_w`)."""
     B, H, M, D = q1.shape
+    dev = q1.device  # CPU tensors in the package; tests also run it on CUDA in float64
     _, Hkv, N, _ = k1.shape
     ct = _compute_dtype(q1.dtype)
-    o = torch.empty((B, H, M, D), dtype=q1.dtype)
-    lse = torch.empty((B, H, M), dtype=lse_dtype(q1.dtype, q1.device))
+    o = torch.empty((B, H, M, D), dtype=q1.dtype, device=dev)
+    lse = torch.empty((B, H, M), dtype=lse_dtype(q1.dtype, q1.device), device=dev)
     if o.numel() == 0:
         return o, lse
     G = H // Hkv
@@ -102,23 +103,26 @@ def backward(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale, shift=None, dls
     ``dlse`` (B, H, M) or None: gradient of the loss with respect to ``lse`` (``ds = p * (dp
     - delta + dlse)``). Arguments must be checked."""
     B, H, M, D = q1.shape
+    dev = q1.device  # CPU tensors in the package; tests also run it on CUDA in float64
     _, Hkv, N, _ = k1.shape
     ct = _compute_dtype(q1.dtype)
     dt = q1.dtype
     if B * Hkv == 0 or M == 0 or N == 0:
         return (
-            torch.zeros((B, H, M, D), dtype=dt), torch.zeros((B, Hkv, N, D), dtype=dt),
-            torch.zeros((B, H, M, D), dtype=dt), torch.zeros((B, Hkv, N, D), dtype=dt),
-            torch.zeros((B, Hkv, N, D), dtype=dt),
+            torch.zeros((B, H, M, D), dtype=dt, device=dev),
+            torch.zeros((B, Hkv, N, D), dtype=dt, device=dev),
+            torch.zeros((B, H, M, D), dtype=dt, device=dev),
+            torch.zeros((B, Hkv, N, D), dtype=dt, device=dev),
+            torch.zeros((B, Hkv, N, D), dtype=dt, device=dev),
         )
     G = H // Hkv
     P = N - M if shift is None else shift
     k1c, k2c, vc = k1.to(ct), k2.to(ct), v.to(ct)
-    dq1 = torch.empty((B, H, M, D), dtype=dt)
-    dq2 = torch.empty((B, H, M, D), dtype=dt)
-    dk1 = torch.zeros((B, Hkv, N, D), dtype=ct)
-    dk2 = torch.zeros((B, Hkv, N, D), dtype=ct)
-    dv = torch.zeros((B, Hkv, N, D), dtype=ct)
+    dq1 = torch.empty((B, H, M, D), dtype=dt, device=dev)
+    dq2 = torch.empty((B, H, M, D), dtype=dt, device=dev)
+    dk1 = torch.zeros((B, Hkv, N, D), dtype=ct, device=dev)
+    dk2 = torch.zeros((B, Hkv, N, D), dtype=ct, device=dev)
+    dv = torch.zeros((B, Hkv, N, D), dtype=ct, device=dev)
     step = _chunk_rows(B, H, N)
     for r0 in range(0, M, step):
         r1 = min(M, r0 + step)
@@ -135,7 +139,7 @@ def backward(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale, shift=None, dls
             delta = delta - torch.where(torch.isinf(m), torch.zeros_like(dl), dl)
         dp = torch.matmul(doc, vc.transpose(-1, -2))
         ds = (p * (dp - delta)).view(B, Hkv, G, rows, N)
-        zero = torch.zeros((), dtype=ct)
+        zero = torch.zeros((), dtype=ct, device=dev)
         ds1 = torch.where(use2, zero, ds).view(B, Hkv, G * rows, N)
         ds2 = torch.where(use2, ds, zero).view(B, Hkv, G * rows, N)
         dv += torch.matmul(p.transpose(-1, -2), doc)
