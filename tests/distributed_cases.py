@@ -17,18 +17,34 @@ def run_and_check(world: int, tmp_path, backend: str, local_len: int, dtype_name
                   B: int, H: int, Hkv: int, D: int, piece: int) -> None:
     """Spawn ``world`` ranks of :func:`worker` and assert that every case passed
     (:func:`cases`; ``piece``: the ring's small ``ring_piece``)."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    mp.spawn(worker, args=(world, init, str(tmp_path), backend, local_len, dtype_name, B, H, Hkv, D,
-                           piece), nprocs=world, join=True)
+    _spawn(worker, world, str(tmp_path), backend, local_len, dtype_name, B, H, Hkv, D, piece)
     with open(os.path.join(str(tmp_path), f"report_{world}.json")) as f:
         report = json.load(f)
     assert len(report) == len(cases(world, local_len, piece))
     bad = [r for r in report if "error" in r or not r["passed"]]
     assert not bad, json.dumps(bad[:3], indent=1)
+
+
+def _spawn(fn, world: int, *args) -> None:
+    """Run ``fn(rank, world, init, *args)`` in ``world`` processes (a fresh TCP rendezvous)."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    mp.spawn(fn, args=(world, init, *args), nprocs=world, join=True)
+
+
+def _join(rank: int, world: int, init: str, backend: str):
+    """Join the process group; returns this rank's device (its GPU with NCCL, else the CPU)."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = backend == "nccl"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    return torch.device("cuda", rank) if cuda else torch.device("cpu")
 
 
 def cases(world: int, local_len: int, piece: int):
@@ -53,11 +69,8 @@ def worker(rank: int, world: int, init: str, out: str, backend: str, local_len: 
     import cupy_piecewise
     from cupy_piecewise import distributed as cpd
 
-    cuda = backend == "nccl"
-    if cuda:
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
-    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dev = _join(rank, world, init, backend)
+    cuda = dev.type == "cuda"
     dtype = getattr(torch, dtype_name)
     report = []
     default_fwd_pieces = cpd.FWD_PIECES
@@ -222,15 +235,9 @@ def run_and_check_long(world: int, tmp_path, L: int, B: int, H: int, Hkv: int, D
     bound). The reference runs in float64 on the GPU through the torch implementation, which
     keeps lse in float32 on CUDA: a relative error near 1e-6 in the recomputed
     probabilities, far below the bfloat16 bounds."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     path = os.path.join(str(tmp_path), "report_long.json")
     try:
-        mp.spawn(long_worker, args=(world, init, str(tmp_path), L, B, H, Hkv, D, dtype_name, w,
-                                    backend), nprocs=world, join=True)
+        _spawn(long_worker, world, str(tmp_path), L, B, H, Hkv, D, dtype_name, w, backend)
     except Exception as e:  # a rank died: rank 0's report says why when it got that far
         detail = open(path).read() if os.path.exists(path) else "(no report from rank 0)"
         raise AssertionError(f"{e}\nrank 0 report: {detail}") from None
@@ -249,11 +256,7 @@ def long_worker(rank, world, init, out, L, B, H, Hkv, D, dtype_name, w, backend)
     from cupy_piecewise import distributed as cpd
     from cupy_piecewise import tolerance, torch_cpu
 
-    cuda = backend == "nccl"
-    if cuda:
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
-    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dev = _join(rank, world, init, backend)
     dtype = getattr(torch, dtype_name)
     report = []
     try:
