@@ -499,11 +499,12 @@ def attention(q1, k1, q2, k2, v, dist_threshold, *, group=None, causal=False,
         causal, sm_scale: as in :func:`cupy_piecewise.attention`.
         layout: ``"zigzag"`` (default) or ``"contiguous"`` (see the module doc and
             :func:`shard`).
-        method: ``"ring"`` (default) or ``"allgather"``. On two H200s (B = 1, H = 16,
-            D = 128, bf16, causal) both ran forward+backward 1.3x faster than one GPU at
-            L = 32k and 1.8x at 128k, and ring used half of allgather's memory
-            (bench/results/2026-11-30-h200-context-parallel).
-
+        method: ``"ring"`` (default) or ``"allgather"``. On two H200s (2026-12-01; B = 1,
+            H = Hkv = 16, D = 128, bf16, causal, L = 128k) forward+backward ran 1.41x
+            faster than one GPU with the ring's default packets and 1.78x with allgather,
+            and their peak memory per GPU was 0.52x and 2.19x that of one GPU
+            (bench/results/2026-12-01-h200x2-cp-packets): the ring for memory, allgather for
+            speed where the whole sequence's K/V and float32 dK/dV fit on every rank.
         ring_piece: keys per message of ``method="ring"``'s backward (the forward sends
             :data:`FWD_PIECES` = 16 times as many): each rank's keys are cut into pieces of
             at most this many and only the piece being computed on, the one arriving and
