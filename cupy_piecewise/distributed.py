@@ -24,11 +24,11 @@ Methods:
 - ``"ring"``: each rank's keys are cut into packets of ``ring_piece`` keys
   (:data:`FWD_PIECES` times that in the forward) that travel around the ring by
   point-to-point messages, each packet's transfer overlapping the kernels of the one before
-  (:class:`_Ring`); partial outputs merge by their log-sum-exp. In the backward a float32 dK/dV accumulator follows each packet and
-  arrives back at its owner complete, and dQ of every packet is added into the Hopper
-  backward's float32 accumulator (one rounding at the end) where that path runs. A rank
-  holds only about two packets and their accumulators at a time, so the memory in flight
-  does not grow with the sequence.
+  (:class:`_Ring`); partial outputs merge by their log-sum-exp. In the backward a float32
+  dK/dV accumulator follows each packet and arrives back at its owner complete, and dQ of
+  every packet is added into the Hopper backward's float32 accumulator (one rounding at the
+  end) where that path runs. A rank holds only about two packets and their accumulators at
+  a time, so the memory in flight does not grow with the sequence.
 
 Runs on NCCL with CUDA tensors (the CUDA kernels) and on gloo with CPU tensors (the torch
 CPU implementation), so the CPU tests run it with several processes.
@@ -330,8 +330,8 @@ class _DqSums:
     (:class:`cupy_piecewise.core.SharedRows`); otherwise each block's dq (input dtype) is
     summed in float32."""
 
-    def __init__(self, q1, qcs):
-        self.q1, self.qcs = q1, qcs
+    def __init__(self, q1):
+        self.q1 = q1
         self.shared = {}  # query chunk -> core.SharedRows
         self.sums = None  # float32 (float64) sums of the rounded per-block dq1, dq2
 
@@ -385,7 +385,7 @@ def _ring_bwd(do, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale, group, layout,
     W, n = ring.world, ring.n
     qcs = chunks(ring.rank, W, q1.shape[2], layout)
     acc = _acc_dtype(q1.dtype)
-    dq = _DqSums(q1, qcs)
+    dq = _DqSums(q1)
     grads = [torch.empty_like(x) for x in (k1, k2, v)]  # dk1, dk2, dv, filled packet by packet
 
     def sums_for(t):
