@@ -7,15 +7,20 @@ projection is not read), the queries and the output (bench/common.decode_bytes; 
 one query). Every call is captured in a CUDA graph (20 calls per graph) and the graph
 replayed: what a serving engine does, and what makes the figure the kernels' and not
 Python's. Medians of CUDA-event timings after warm-up; the device copy bandwidth
-(``dst.copy_(src)`` of 2 GiB) is measured in the same run.
+(``dst.copy_(src)`` of 2 GiB) is measured in the same run. ``piecewise_kvcache_mma`` is the
+same call with ``CUPY_PIECEWISE_PATH=mma``: the cp.async decode kernel, which an H200
+replaces with the TMA one (kernels_cu/sm90/kvdecode.cu); ``--variants`` adds rows under
+tuning settings of the latter.
 
     PYTHONPATH=$PWD python3 bench/kvcache_decode.py --out bench/results/DIR/kvcache_decode.json
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -68,7 +73,48 @@ def copy_gbps() -> float:
     return 2 * 2 * n / (ms * 1e-3) / 1e9
 
 
-def run_case(dtype, D, B, H, Hkv, N, block_sizes, w_frac=0.25):
+@contextlib.contextmanager
+def kernel_choice(path=None, stages=None, head_dim=None, min_tiles=None, max_cluster=None):
+    """Run the body with ``CUPY_PIECEWISE_PATH=path`` (``'mma'``: the cp.async decode kernel
+    instead of the Hopper TMA one) and/or, for tuning comparisons, the Hopper decode's ring
+    depth for ``head_dim`` set to ``stages``, its fewest key tiles per split to ``min_tiles``
+    and its largest cluster of splits merged on chip to ``max_cluster``. Restores all of it
+    and drops the KV-cache plans built meanwhile (a plan keeps its kernel and split count,
+    and no tuning knob is in the plan's key)."""
+    from cupy_piecewise import capability, kvcache_launch
+
+    saved_env = os.environ.get(capability.PATH_VAR)
+    saved = (dict(capability.KV90_TILES), dict(capability.KV90_MIN_TILES),
+             capability.KV90_MAX_CLUSTER)
+    try:
+        if path is not None:
+            os.environ[capability.PATH_VAR] = path
+            capability.refresh_env_override()
+        if stages is not None:
+            t = capability.KV90_TILES[head_dim]
+            capability.KV90_TILES[head_dim] = capability.TileConfig(
+                t.block_m, t.block_n, t.num_warps, stages)
+        if min_tiles is not None:
+            capability.KV90_MIN_TILES[head_dim] = min_tiles
+        if max_cluster is not None:
+            capability.KV90_MAX_CLUSTER = max_cluster
+        kvcache_launch._plans._data.clear()
+        yield
+    finally:
+        if saved_env is None:
+            os.environ.pop(capability.PATH_VAR, None)
+        else:
+            os.environ[capability.PATH_VAR] = saved_env
+        capability.refresh_env_override()
+        capability.KV90_TILES.clear()
+        capability.KV90_TILES.update(saved[0])
+        capability.KV90_MIN_TILES.clear()
+        capability.KV90_MIN_TILES.update(saved[1])
+        capability.KV90_MAX_CLUSTER = saved[2]
+        kvcache_launch._plans._data.clear()
+
+
+def run_case(dtype, D, B, H, Hkv, N, block_sizes, w_frac=0.25, variants=()):
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(N + H + D)
     q1, q2 = (torch.randn(B, H, 1, D, device=dev, dtype=dtype, generator=g) for _ in range(2))
@@ -87,8 +133,17 @@ def run_case(dtype, D, B, H, Hkv, N, block_sizes, w_frac=0.25):
             rows.append(dict(provider=name, ms=None, gbps=None, note=f"{type(e).__name__}: {e}"[:200]))
             torch.cuda.synchronize()
 
-    add("piecewise_kvcache", lambda: cupy_piecewise.attention_with_kvcache(
-        q1, q2, k1, k2, v, w, cache_seqlens=seq), 2)
+    def ours():
+        return cupy_piecewise.attention_with_kvcache(q1, q2, k1, k2, v, w, cache_seqlens=seq)
+
+    add("piecewise_kvcache", ours, 2)
+    with kernel_choice(path="mma"):  # the cp.async kernel (the only one off Hopper)
+        add("piecewise_kvcache_mma", ours, 2, "CUPY_PIECEWISE_PATH=mma")
+    for name in variants:  # tuning: e.g. "s4c2m16" = 4 stages, clusters <= 2, >= 16 tiles
+        knobs = {k: int(v) for k, v in re.findall(r"([scm])(\d+)", name)}
+        with kernel_choice(stages=knobs.get("s"), head_dim=D, min_tiles=knobs.get("m"),
+                           max_cluster=knobs.get("c")):
+            add(f"piecewise_kvcache_{name}", ours, 2, f"Hopper decode {name}")
     for bs in block_sizes:
         # one shuffled page order for the three caches, as a paged allocator hands them out
         table = torch.randperm(B * (N // bs), device=dev).view(B, N // bs).to(torch.int32)
@@ -157,6 +212,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="JSON results here")
     ap.add_argument("--quick", action="store_true", help="bf16, D 64 and 128, three shapes")
     ap.add_argument("--paged", default="64,256", help="block sizes of the paged rows ('' for none)")
+    ap.add_argument("--variants", default="",
+                    help="tuning: also time the Hopper decode under these knob settings, comma-"
+                         "separated, each of s<ring stages>, c<largest cluster>, m<fewest key "
+                         "tiles per split> (e.g. c1,c4m16,s4)")
     args = ap.parse_args(argv)
     cb = copy_gbps()
     print(f"device copy bandwidth {cb:.0f} GB/s", flush=True)
@@ -172,7 +231,8 @@ def main(argv=None) -> int:
         for D in dims:
             for B, H, Hkv, N in shapes:
                 rows = run_case(dtype, D, B, H, Hkv, N,
-                                tuple(int(b) for b in args.paged.split(",") if b))
+                                tuple(int(b) for b in args.paged.split(",") if b),
+                                variants=tuple(v for v in args.variants.split(",") if v))
                 torch.cuda.empty_cache()
                 cudnn = next((r["gbps"] for r in rows if r["provider"] == "sdpa_cudnn"), None)
                 contig = rows[0]["gbps"]

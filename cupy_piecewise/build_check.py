@@ -19,7 +19,7 @@ import sys
 import time
 
 from . import capability
-from .compile import (HOPPER_KERNELS, HOPPER_ROW_KERNELS, HOPPER_VARLEN_PHASES, Variant,
+from .compile import (HOPPER_KERNELS, HOPPER_UNCAUSAL, HOPPER_VARLEN_PHASES, Variant,
                       compile_offline, get_function)
 
 
@@ -27,10 +27,11 @@ def variants_for(cc, hopper: bool = False) -> list[Variant]:
     """Every kernel variant the table can select on ``cc``, plus the per-row kernels; with
     ``hopper`` (``--arch sm_90a``) the wgmma + TMA kernels instead."""
     if hopper:
-        return [Variant(phase, dtype, d, None, causal, varlen) for phase in HOPPER_KERNELS
+        return [Variant(phase, dtype, d, None, causal, varlen, cluster) for phase in HOPPER_KERNELS
                 for dtype in capability.TABLE_DTYPES for d in capability.hopper_head_dims(phase)
-                for causal in ((False,) if phase in HOPPER_ROW_KERNELS else (False, True))
-                for varlen in ((False, True) if phase in HOPPER_VARLEN_PHASES else (False,))]
+                for causal in ((False,) if phase in HOPPER_UNCAUSAL else (False, True))
+                for varlen in ((False, True) if phase in HOPPER_VARLEN_PHASES else (False,))
+                for cluster in (capability.KV90_CLUSTERS if phase == "kvdecode_sm90" else (1,))]
     out = set()
     for phase, head_dim, dtype, causal, tiles in capability.selectable_configs(cc):
         out.add(Variant(phase, dtype, head_dim, tiles, causal))

@@ -174,8 +174,48 @@ HOPPER_BLOCK_M = 128
 HOPPER_BLOCK_N = {64: 128, 128: 96, 256: 32}
 
 
+#: Head dims of the Hopper KV-cache decode (kernels_cu/sm90/kvdecode.cu: whole 64-column
+#: TMA boxes); the others decode on the cp.async kernel.
+KV90_HEAD_DIMS = (64, 128)
+#: Tiles of the Hopper decode per head dim: ``TileConfig(16 packed query rows, 64 keys,
+#: 4 consumer warps (one per 16-key chunk), ring stages)``. With 32 KB stages at D = 128
+#: three give two blocks per SM; 16 KB at D = 64, six give two (bench/NOTES.md: fewer blocks
+#: per SM lose half the bandwidth).
+KV90_TILES = {64: TileConfig(16, 64, 4, 6), 128: TileConfig(16, 64, 4, 3)}
+#: Fewest 64-key tiles a split of the Hopper decode gets (kvcache_launch.split_count), per
+#: head dim: at D = 128 four clustered splits of 1024 keys beat eight split-and-combined
+#: ones of 512 at 4096 keys; at D = 64 eight splits stay faster.
+KV90_MIN_TILES = {64: 8, 128: 16}
+#: Cluster sizes the Hopper decode is built for: 2..8 key splits of a (head, sequence) merge
+#: inside one thread-block cluster (8: the portable cluster limit); 1 is unsplit, or more
+#: splits than a cluster holds, merged by pw_forward_combine.
+KV90_CLUSTERS = tuple(range(1, 9))
+#: Most splits the Hopper decode merges in a cluster; more go through pw_forward_combine.
+#: Clusters of 8 measured 0.64-0.79x cuDNN where 8 split-and-combined blocks reach 0.90-0.98x
+#: (bench/NOTES.md); clusters of up to 4 gain 5-7% over the combine launch.
+KV90_MAX_CLUSTER = 4
+
+
+def kv90_tiles(head_dim: int) -> TileConfig:
+    """Tiles of the Hopper decode kernel built for ``head_dim`` (:data:`KV90_TILES`)."""
+    return KV90_TILES[head_dim]
+
+
+def kv90_shared_bytes(head_dim: int, stages: int | None = None) -> int:
+    """Dynamic shared memory of the Hopper decode (mirrors ``pw90kv::Smem<D, STAGES>::BYTES``;
+    checked by tests/test_traits_cpu.py): per stage the K and V of 64 keys, as 2 KB boxes of
+    16 rows x 64 columns; one more 16-key K chunk (the one that straddles d = w); a full and
+    an empty mbarrier per stage; Q1 and Q2 (16 rows of ``head_dim + 8`` elements); 1 KB to
+    align the base to 1024 bytes."""
+    chunk = (head_dim // 64) * 16 * 128
+    stages = stages or kv90_tiles(head_dim).stages
+    return stages * 8 * chunk + chunk + 2 * stages * 8 + 2 * 16 * (head_dim + 8) * 2 + 1024
+
+
 def hopper_head_dims(phase: str) -> tuple:
     """Head dims the Hopper kernel of ``phase`` (compile.HOPPER_KERNELS) is built for."""
+    if phase == "kvdecode_sm90":
+        return KV90_HEAD_DIMS
     return HOPPER_HEAD_DIMS if phase == "fwd_sm90" else HOPPER_BWD_HEAD_DIMS
 
 

@@ -16,7 +16,7 @@ import re
 import threading
 from dataclasses import dataclass
 
-from .capability import VARLEN_PHASES, TileConfig, hopper_compute_dim
+from .capability import VARLEN_PHASES, TileConfig, hopper_compute_dim, kv90_tiles
 from .kernel_sources import kernel_dir
 
 #: kernel file per phase; the delta pre-pass lives with the backward kernels.
@@ -25,13 +25,15 @@ SOURCE_FILE = {"fwd": "forward.cu", "fwd_decode": "forward.cu", "fwd_combine": "
                "fwd_sm90": "sm90/forward.cu", "bwd_sm90": "sm90/backward.cu",
                "bwd_sm90_det": "sm90/backward.cu", "bwd_sm90_prep": "sm90/backward.cu",
                "bwd_sm90_dq": "sm90/backward.cu", "kvcache": "kvcache.cu",
-               "kvdecode": "kvcache.cu", "kv_append": "kvcache.cu"}
+               "kvdecode": "kvcache.cu", "kv_append": "kvcache.cu",
+               "kvdecode_sm90": "sm90/kvdecode.cu"}
 _TEMPLATE = {"fwd": "pw_forward", "fwd_decode": "pw_forward", "fwd_combine": "pw_forward_combine",
              "bwd_dq": "pw_backward_dq", "bwd_dkv": "pw_backward_dkv",
              "bwd_delta": "pw_backward_delta", "fwd_sm90": "pw90_forward",
              "bwd_sm90": "pw90_bwd", "bwd_sm90_det": "pw90_bwd", "bwd_sm90_prep": "pw90_bwd_prep",
              "bwd_sm90_dq": "pw90_bwd_dq_convert", "kvcache": "pw_kvcache",
-             "kvdecode": "pw_kvcache", "kv_append": "pw_kvcache_append"}
+             "kvdecode": "pw_kvcache", "kv_append": "pw_kvcache_append",
+             "kvdecode_sm90": "pw90_kvdecode"}
 #: helper kernels without tiles, 256 threads: a warp per row (bwd_delta, fwd_combine), a
 #: thread per 16-byte chunk (kv_append: the KV-cache append)
 ROW_KERNELS = ("bwd_delta", "fwd_combine", "kv_append")
@@ -39,11 +41,16 @@ ROW_KERNELS = ("bwd_delta", "fwd_combine", "kv_append")
 #: bwd_sm90 computes all five gradients (dQ by float32 atomics), bwd_sm90_det only dK1, dK2,
 #: dV (deterministic mode: dQ from the mma.sync dq kernel); bwd_sm90_prep (delta, lse in
 #: base 2, zeroed dQ accumulator) runs before and bwd_sm90_dq (accumulator -> dQ) after.
-HOPPER_KERNELS = ("fwd_sm90", "bwd_sm90", "bwd_sm90_det", "bwd_sm90_prep", "bwd_sm90_dq")
+#: kvdecode_sm90 is the KV-cache decode (M = 1) with TMA loads (kernels_cu/sm90/kvdecode.cu).
+HOPPER_KERNELS = ("fwd_sm90", "bwd_sm90", "bwd_sm90_det", "bwd_sm90_prep", "bwd_sm90_dq",
+                  "kvdecode_sm90")
 #: Hopper kernels with a packed variable-length variant (template flag VARLEN)
-HOPPER_VARLEN_PHASES = HOPPER_KERNELS
+HOPPER_VARLEN_PHASES = HOPPER_KERNELS[:5]
 #: Hopper kernels with a warp per row (no causal flag, 256 threads)
 HOPPER_ROW_KERNELS = ("bwd_sm90_prep", "bwd_sm90_dq")
+#: Hopper kernels without a causal flag: the row kernels, and the decode (one new token
+#: attends every cached key either way)
+HOPPER_UNCAUSAL = HOPPER_ROW_KERNELS + ("kvdecode_sm90",)
 #: threads of a Hopper forward or backward block: a producer warpgroup and two consumer
 #: warpgroups
 HOPPER_THREADS = 384
@@ -80,6 +87,7 @@ class Variant:
     tiles: TileConfig | None  # None for the row kernels
     causal: bool = False
     varlen: bool = False  # packed variable-length batch (VARLEN_PHASES, HOPPER_VARLEN_PHASES)
+    cluster: int = 1  # kvdecode_sm90: key splits merged inside one thread-block cluster
 
     @property
     def filename(self) -> str:
@@ -88,6 +96,10 @@ class Variant:
     @property
     def name_expression(self) -> str:
         elem = _ELEM[self.dtype]
+        if self.phase == "kvdecode_sm90":  # common.cuh's element tags; the ring's depth
+            t = self.tiles or kv90_tiles(self.head_dim)
+            return (f"{_TEMPLATE[self.phase]}<{_ELEM[self.dtype]}, {self.head_dim}, {t.stages}, "
+                    f"{self.cluster}, {t.num_warps}>")
         if self.phase in HOPPER_KERNELS:
             elem = _ELEM90[self.dtype]
             if self.phase in HOPPER_ROW_KERNELS:
@@ -123,6 +135,8 @@ class Variant:
     def threads(self) -> int:
         if self.phase in ROW_KERNELS or self.phase in HOPPER_ROW_KERNELS:
             return 256
+        if self.phase == "kvdecode_sm90":  # consumer warps and a producer warp
+            return 32 * ((self.tiles or kv90_tiles(self.head_dim)).num_warps + 1)
         if self.phase in HOPPER_KERNELS:
             return HOPPER_THREADS
         return 32 * self.tiles.num_warps

@@ -49,6 +49,7 @@ class KVArgs(NamedTuple):
     paged: bool
     block_size: int  # rows per page (paged) or N_max (contiguous)
     capacity: int  # keys one sequence can hold
+    pages: int  # the caches' dim 0: pages (paged) or B (contiguous)
     appended: bool
     w: int
     causal: bool
@@ -170,7 +171,7 @@ def check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cach
                 raise ValueError(f"{name}: new keys are written into the cache, whose rows must "
                                  f"not alias (a stride-0, expanded axis); got strides {strides}")
     return KVArgs(library, index if on_gpu else None, dtype, B, H, Hkv, M, D, paged, rows,
-                  capacity, "k1_new" in named, w, causal, scale)
+                  capacity, pages, "k1_new" in named, w, causal, scale)
 
 
 def _rows(cache, b, n, block_table):
@@ -355,7 +356,7 @@ def launch_plan(a: KVArgs, strides: dict, bt_stride: int):
 
     limit = a.capacity + a.M + 1  # |d| <= capacity + M: the same comparisons in 32 bits
     shape = kl.KVShape(
-        a.device, a.dtype, a.B, a.H, a.Hkv, a.M, a.D, a.capacity,
+        a.device, a.dtype, a.B, a.H, a.Hkv, a.M, a.D, a.capacity, a.pages,
         a.block_size if a.paged else 0, bt_stride, a.appended, a.causal,
         max(-limit, min(limit, a.w)), a.sm_scale,
         tuple((n, tuple(strides[n])) for n in kl.POINTERS if n in strides))

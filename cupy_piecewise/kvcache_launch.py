@@ -1,14 +1,19 @@
-"""Launching the KV-cache kernels (``kernels_cu/kvcache.cu``) on raw device pointers.
+"""Launching the KV-cache kernels (``kernels_cu/kvcache.cu``, ``kernels_cu/sm90/kvdecode.cu``)
+on raw device pointers.
 
 A call is up to three launches on one stream: ``pw_kvcache_append`` (when new keys are
 given) writes them into the cache, ``pw_kvcache`` attends, and, when the keys are split
 across blocks, ``pw_forward_combine`` (the forward's own merge kernel) merges the splits by
-their log-sum-exp. Nothing here reads the cached lengths: the grid and the number of
-splits come from shapes only, so a decode step captures in a CUDA graph and replays with
-new lengths.
+their log-sum-exp. On an H200 (compute capability 9.0) a decode step (M = 1, head dim 64 or
+128) runs ``pw90_kvdecode`` instead, which streams the keys by TMA (tensor maps of the three
+caches, built per cache pointer and cached) and, with 2 to 8 splits, merges them inside one
+thread-block cluster: no combine launch. Nothing here reads the cached lengths: the grid and
+the number of splits come from shapes only, so a decode step captures in a CUDA graph and
+replays with new lengths.
 
-Arguments travel as one packed struct per kernel family (``KVParams`` in kvcache.cu,
-mirrored by :data:`KV_FIELDS`; ``Params`` of params.cuh for the merge).
+Arguments travel as one packed struct per kernel family (``KVParams`` in kvparams.cuh,
+mirrored by :data:`KV_FIELDS`; ``Params`` of params.cuh for the merge), after the tensor maps
+for ``pw90_kvdecode``.
 """
 from __future__ import annotations
 
@@ -55,6 +60,7 @@ class KVShape(NamedTuple):
     M: int
     D: int
     capacity: int  # keys a sequence can hold
+    pages: int  # the caches' dim 0: pages of a paged cache, B for a contiguous one
     block_size: int  # rows per page; 0 for a contiguous cache
     bt_stride: int  # block_table row stride (elements); 0 for a contiguous cache
     appended: bool
@@ -64,56 +70,93 @@ class KVShape(NamedTuple):
     strides: tuple  # ((name, (s0, s1, s2)), ...) in POINTERS order, absent arrays left out
 
 
-def split_count(shape: KVShape, tiles, smem: int, sms: int, smem_per_sm: int) -> int:
+def use_hopper_decode(shape: KVShape, cc) -> bool:
+    """True when ``shape`` runs the Hopper decode kernel (``kernels_cu/sm90/kvdecode.cu``: TMA
+    loads from a producer warp): compute capability 9.0, one new token (M = 1), a head dim
+    in :data:`capability.KV90_HEAD_DIMS`, no ``CUPY_PIECEWISE_PATH=mma``, and caches whose
+    strides a tensor map describes (positive multiples of 16 bytes on every axis longer
+    than 1; a broadcast axis is not one). Everything else runs the cp.async kernel."""
+    if (tuple(cc) != (9, 0) or shape.M != 1 or shape.D not in capability.KV90_HEAD_DIMS
+            or capability.path_override() == "mma"):
+        return False
+    dims = (shape.pages, shape.Hkv, shape.block_size or shape.capacity)
+    strides = dict(shape.strides)
+    return all(n == 1 or 0 < st < (1 << 39) for name in ("k1", "k2", "v")
+               for n, st in zip(dims, strides[name]))
+
+
+def split_count(shape: KVShape, tiles, smem: int, sms: int, smem_per_sm: int,
+                min_tiles: int = 1) -> int:
     """Key splits per (sequence, key head, query tile) from shapes only: as many as fill the
     GPU's resident blocks once (``sms`` times the blocks one SM holds: ``smem_per_sm``
     bytes of shared memory over the block's ``smem`` plus 1 KB the driver reserves, at most
-    4), never more than the capacity has key tiles, at most :data:`MAX_SPLITS`."""
+    4), never so many that a split of a full cache gets fewer than ``min_tiles`` key tiles
+    (a block's pipeline start and its partial output are paid per split), at most
+    :data:`MAX_SPLITS`."""
     rows = shape.M * (shape.H // shape.Hkv)
     blocks = shape.B * shape.Hkv * math.ceil(rows / tiles.block_m)
     per_sm = max(1, min(_MAX_BLOCKS_PER_SM, smem_per_sm // (smem + 1024)))
     want = (sms * per_sm) // max(blocks, 1)
-    return max(1, min(want, math.ceil(shape.capacity / tiles.block_n), MAX_SPLITS))
+    most = math.ceil(shape.capacity / tiles.block_n) // max(1, min_tiles)
+    return max(1, min(want, most, MAX_SPLITS))
 
 
 class KVPlan:
     """The launches of one KV-cache call signature (:class:`KVShape`), prepared once;
     :meth:`run` writes the pointers and launches. Immutable: safe from several threads."""
 
-    __slots__ = ("shape", "nsplit", "workspace_bytes", "_steps", "_combine", "_template",
-                 "_combine_template", "_ws_offset")
+    __slots__ = ("shape", "nsplit", "cluster", "workspace_bytes", "_append", "_steps",
+                 "_combine", "_template", "_combine_template", "_ws_offset", "_maps")
 
     def __init__(self, shape: KVShape):
         self.shape = s = shape
         cc = launch._compute_capability(s.device)
-        # one new token: every key has one distance, so one key slot per stage (kvdecode)
-        phase = "kvdecode" if s.M == 1 else "kvcache"
-        tiles = capability.lookup(cc, phase, s.D, s.dtype, s.causal)
-        main = Variant(phase, s.dtype, s.D, tiles, s.causal)
-        fn, smem = launch._kernel(s.device, main)
+        self._maps = None
+        self.cluster = 1
         arch = capability.resolve_arch(cc)
         # an SM holds its per-block limit plus the 1 KB reserved per block
         per_sm = capability.SHARED_LIMIT.get(cc, capability.SHARED_LIMIT[arch]) + 1024
-        self.nsplit = split_count(s, tiles, smem, launch._multiprocessors(s.device), per_sm)
+        sms = launch._multiprocessors(s.device)
+        if use_hopper_decode(s, cc):  # TMA boxes of 16 keys x 64 columns, 64-key tiles
+            tiles = capability.kv90_tiles(s.D)
+            self.nsplit = split_count(s, tiles, capability.kv90_shared_bytes(s.D, tiles.stages),
+                                      sms, per_sm, capability.KV90_MIN_TILES[s.D])
+            # up to a cluster's worth of splits merge on chip, without pw_forward_combine
+            if self.nsplit in capability.KV90_CLUSTERS and self.nsplit <= capability.KV90_MAX_CLUSTER:
+                self.cluster = self.nsplit
+            main = Variant("kvdecode_sm90", s.dtype, s.D, tiles, False, cluster=self.cluster)
+            fn, smem = launch._kernel(s.device, main)
+            dims = (s.pages, s.Hkv, s.block_size or s.capacity, s.D)
+            st = dict(s.strides)
+            self._maps = launch._TensorMaps([dims] * 3, [st[n] + (1,) for n in ("k1", "k2", "v")],
+                                            (16,) * 3, s.dtype)
+        else:
+            # one new token: every key has one distance, so one key slot per stage (kvdecode)
+            phase = "kvdecode" if s.M == 1 else "kvcache"
+            tiles = capability.lookup(cc, phase, s.D, s.dtype, s.causal)
+            main = Variant(phase, s.dtype, s.D, tiles, s.causal)
+            fn, smem = launch._kernel(s.device, main)
+            self.nsplit = split_count(s, tiles, smem, sms, per_sm)
         G = s.H // s.Hkv
         rtiles = math.ceil(s.M * G / tiles.block_m)
         if s.B > launch._MAX_GRID_YZ:
             raise ValueError(f"q1: batch ({s.B}) must be at most {launch._MAX_GRID_YZ} for the "
                              "CUDA kernels")
-        steps = []
+        self._append = ()
         if s.appended:
             afn, _ = launch._kernel(s.device, Variant("kv_append", s.dtype, s.D, None, False))
-            steps.append((afn, math.ceil(s.M * 3 * (s.D // 8) / 256), s.Hkv, s.B, 256, 0))
+            self._append = ((afn, math.ceil(s.M * 3 * (s.D // 8) / 256), s.Hkv, s.B, 256, 0),)
+        self._steps = ()
         if rtiles:  # no query heads (H = 0): the append alone
             # grid x: (key/value head, query tile); y: key split; z: sequence
-            steps.append((fn, s.Hkv * rtiles, self.nsplit, s.B, main.threads, smem))
-        self._steps = tuple(steps)
+            self._steps = ((fn, s.Hkv * rtiles, self.nsplit, s.B, main.threads, smem),)
         rows = s.B * s.H * s.M
         self._ws_offset = 4 * self.nsplit * rows * s.D
+        merged_apart = self.nsplit > 1 and self.cluster == 1  # by pw_forward_combine
         self.workspace_bytes = (self._ws_offset + 4 * self.nsplit * rows
-                                if self.nsplit > 1 and rows else 0)
+                                if merged_apart and rows else 0)
         self._combine = ()
-        if self.nsplit > 1 and rtiles:
+        if merged_apart and rtiles:
             cfn, _ = launch._kernel(s.device, Variant("fwd_combine", s.dtype, s.D, None, False))
             self._combine = ((cfn, math.ceil(s.H * s.M / 8), s.B, 1, 256, 0),)
 
@@ -152,7 +195,15 @@ class KVPlan:
         if self.workspace_bytes:
             slots[_KV_SLOT["o_part"]] = workspace
             slots[_KV_SLOT["lse_part"]] = workspace + self._ws_offset
-        _launch(self.shape.device, self._steps, stream, _KV_PACK.pack(*slots))
+        block = _KV_PACK.pack(*slots)
+        if self._append:
+            _launch(self.shape.device, self._append, stream, block)
+        if self._steps and self._maps is not None:  # tensor maps of k1, k2, v, then KVParams
+            maps, keep = self._maps.addresses((ptrs["k1"], ptrs["k2"], ptrs["v"]))
+            _launch(self.shape.device, self._steps, stream, block, maps)
+            del keep  # the launch has copied the maps
+        elif self._steps:
+            _launch(self.shape.device, self._steps, stream, block)
         if self._combine:
             c = list(self._combine_template)
             c[launch._SLOT["o.ptr"]] = ptrs["o"]
@@ -162,11 +213,12 @@ class KVPlan:
             _launch(self.shape.device, self._combine, stream, launch._PACKER.pack(*c))
 
 
-def _launch(device: int, steps, stream: int, block: bytes) -> None:
-    """cuLaunchKernel of each step with the parameter struct ``block`` (copied by the
-    driver before the call returns, so a local buffer will do)."""
+def _launch(device: int, steps, stream: int, block: bytes, maps=()) -> None:
+    """cuLaunchKernel of each step with the parameter struct ``block`` after the tensor maps
+    at the host addresses ``maps`` (all copied by the driver before the call returns, so
+    local buffers will do)."""
     buf = ctypes.create_string_buffer(block, len(block))
-    args = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
+    args = (ctypes.c_void_p * (len(maps) + 1))(*maps, ctypes.addressof(buf))
     launch._launch_all(device, steps, stream, ctypes.addressof(args))
 
 

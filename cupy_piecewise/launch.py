@@ -147,7 +147,9 @@ def _kernel(device: int, variant: Variant) -> tuple[int, int]:
         return hit
     import cupy
 
-    if variant.phase in HOPPER_KERNELS:
+    if variant.phase == "kvdecode_sm90":  # its ring depth rides in the tiles
+        smem = capability.kv90_shared_bytes(variant.head_dim, variant.tiles and variant.tiles.stages)
+    elif variant.phase in HOPPER_KERNELS:
         smem = _HOPPER_SMEM.get(variant.phase, lambda d: 0)(variant.head_dim)
     else:
         smem = 0 if variant.tiles is None else capability.shared_bytes(

@@ -15,46 +15,8 @@
 // projection per key, and the smaller ring lets more blocks share an SM. A split writes its
 // normalised partial output and lse, which pw_forward_combine (forward.cu) merges; with one
 // split the block writes o and lse itself.
-#include "params.cuh"
+#include "kvparams.cuh"
 #include "traits.cuh"
-
-// A cache of (pages, heads, rows, D) with unit stride along D. Contiguous caches are one page
-// per sequence: page b, rows 0 .. capacity-1.
-struct CacheView {
-  u16* ptr;
-  i64 sp, sh, sr;  // page (or batch), head and row strides in elements
-};
-
-// Mirrors KV_FIELDS in cupy_piecewise/kvcache_launch.py (every member 8 bytes).
-struct KVParams {
-  Tensor q1, q2, o;           // (B, H, M, D)
-  CacheView k1, k2, v;        // the caches
-  Tensor k1n, k2n, vn;        // keys appended before attending, (B, Hkv, M, D); k1n.ptr null: none
-  const int* seqlens;         // (B,) keys cached per sequence
-  const int* block_table;     // (B, bt_stride) page of each block of rows; null: contiguous
-  i64 bt_stride, block_size;  // block_size: rows per page (paged only)
-  float* lse;                 // (B, H, M) natural log, or null
-  float* o_part;              // (nsplit, B, H, M, D) float32, normalised per split
-  float* lse_part;            // (nsplit, B, H, M)
-  i64 H, group, M, capacity, w, nsplit;
-  float scale_log2;           // sm_scale * log2(e)
-  float sm_scale;
-};
-
-// Element offset of row n of sequence b inside a cache view, head excluded.
-PW_DEVICE i64 cache_offset(const KVParams& p, const CacheView& c, i64 b, int n) {
-  if (p.block_table == nullptr) return b * c.sp + (i64)n * c.sr;
-  const int blk = n / (int)p.block_size;
-  const i64 page = p.block_table[b * p.bt_stride + blk];
-  return page * c.sp + (i64)(n - blk * (int)p.block_size) * c.sr;
-}
-
-// Keys sequence b attends: its cached ones plus the M appended in this call, if any (never
-// beyond the cache's capacity: the appended rows that do not fit were not written).
-PW_DEVICE int kv_length(const KVParams& p, i64 b) {
-  const i64 L = (i64)p.seqlens[b] + (p.k1n.ptr != nullptr ? p.M : 0);
-  return (int)clamp64(L, 0, p.capacity);
-}
 
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, int STAGES, bool PER_KEY>
 __global__ void __launch_bounds__(WARPS * 32) pw_kvcache(const KVParams p) {
@@ -217,87 +179,16 @@ __global__ void __launch_bounds__(WARPS * 32) pw_kvcache(const KVParams p) {
         s[0][nb][e] = x;
       }
 
-    // Online softmax over this warp's keys; a row's four lanes share its max.
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      float mx = fmaxf(row_max[hh], fmaxf(fmaxf(s[0][0][2 * hh], s[0][0][2 * hh + 1]),
-                                          fmaxf(s[0][1][2 * hh], s[0][1][2 * hh + 1])));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float base = mx == PW_NEG_INF ? 0.f : mx;  // all masked so far: exp2 stays 0
-      const float alpha = fast_exp2(row_max[hh] - base);
-      row_max[hh] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int nb = 0; nb < 2; ++nb) {
-        s[0][nb][2 * hh] = fast_exp2(s[0][nb][2 * hh] - base);
-        s[0][nb][2 * hh + 1] = fast_exp2(s[0][nb][2 * hh + 1] - base);
-        sum += s[0][nb][2 * hh] + s[0][nb][2 * hh + 1];
-      }
-      row_sum[hh] = row_sum[hh] * alpha + sum;
-#pragma unroll
-      for (int nb = 0; nb < D / 8; ++nb) {
-        acc[0][nb][2 * hh] *= alpha;
-        acc[0][nb][2 * hh + 1] *= alpha;
-      }
-    }
+    kv_softmax<2, D>(s[0], row_max, row_sum, acc[0]);
     mma_xb<T, D, 16, 1>(acc, s, smem_addr(st + V_SLOT + warp * 16 * PITCH), lane);
     if (nxt + 1 < t_end) locate(nxt + 1);  // the next iteration's copies
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the ring: reuse it to merge the warps
 
-  // Each warp leaves its rows' max, sum and unnormalised output in shared memory.
-  float* sO = reinterpret_cast<float*>(sKV);  // [WARPS][BM][D]
-  float* sMax = sO + WARPS * BM * D;          // [WARPS][BM]
-  float* sSum = sMax + WARPS * BM;            // [WARPS][BM]
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int r = lane / 4 + 8 * hh;
-    float l = row_sum[hh];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (lane % 4 == 0) {
-      sMax[warp * BM + r] = row_max[hh];
-      sSum[warp * BM + r] = l;
-    }
-#pragma unroll
-    for (int nb = 0; nb < D / 8; ++nb)
-      *reinterpret_cast<float2*>(sO + (warp * BM + r) * D + nb * 8 + 2 * (lane % 4)) =
-          make_float2(acc[0][nb][2 * hh], acc[0][nb][2 * hh + 1]);
-  }
-  __syncthreads();
-
-  const i64 B = gridDim.z, H = p.H;
-  for (int idx = threadIdx.x; idx < BM * D; idx += THREADS) {
-    const int r = idx / D, c = idx % D;
-    const i64 gr = row0 + r;
-    if (gr >= rows) break;  // rows grow with idx: the rest are padding too
-    float mx = PW_NEG_INF;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sMax[w * BM + r]);
-    float l = 0.f, o = 0.f;
-    if (mx != PW_NEG_INF) {
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) {
-        const float f = fast_exp2(sMax[w * BM + r] - mx);
-        l += f * sSum[w * BM + r];
-        o += f * sO[(w * BM + r) * D + c];
-      }
-    }
-    const float inv = l > 0.f ? 1.f / l : 0.f;  // no admissible key: o = 0, lse = -inf
-    const i64 h = hk * G + gr / M, t = gr % M;
-    const i64 row = (b * H + h) * M + t;  // in (B, H, M)
-    const float lse = l > 0.f ? (mx + __log2f(l)) * PW_LN2 : PW_NEG_INF;
-    if (p.nsplit == 1) {
-      p.o.mut(b, h)[t * p.o.sr + c] = Elem<T>::from_float(o * inv);
-      if (c == 0 && p.lse) p.lse[row] = lse;
-    } else {
-      const i64 part = split * B * H * M + row;
-      p.o_part[part * D + c] = o * inv;
-      if (c == 0) p.lse_part[part] = lse;
-    }
-  }
+  kv_merge_warps<D, BM, WARPS>(reinterpret_cast<float*>(sKV), threadIdx.x, rows - row0, acc[0],
+                               row_max, row_sum, [] { __syncthreads(); },
+                               KvStoreGlobal<T, D>{p, b, split, hk, row0});
 }
 
 // Writes the M new rows of k1, k2 and v of each sequence into its cache at positions

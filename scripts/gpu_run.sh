@@ -86,8 +86,9 @@ if asked ncu; then
     rc=$?; echo "ncu $tag: exit $rc"; grep -E "Duration|Throughput|Stall|Issued" "$logs/ncu_$tag.txt" | head -20
     status=$((status | rc))
   done
-  # the KV-cache decode kernel: one token against 131072 keys per head, 32 heads
-  timeout 300 ncu --clock-control none -k "regex:^pw_kvcache$" --launch-skip 2 --launch-count 1 \
+  # the KV-cache decode kernel (pw90_kvdecode on an H200, pw_kvcache elsewhere): one token
+  # against 131072 keys per head, 32 heads
+  timeout 300 ncu --clock-control none -k "regex:^pw(_kvcache|90_kvdecode)$" --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
     --section SchedulerStats --section Occupancy --section LaunchStats \
     python3 scripts/profile_case.py --decode --L 131072 --D 128 > "$logs/ncu_kvcache.txt" 2>&1

@@ -90,20 +90,27 @@ for D in _dims(kvcache.KV_HEAD_DIMS) if "kvcache" not in _skip else ():
                     c[b, :, seq[b]:seq[b] + M] = n[b]
             ref, low = _expected(q1, q2, full, 40, seq, M, True, causal, 1 / np.sqrt(D), dtype)
             table = np.arange(B * N // bs, dtype=np.int32)[::-1].reshape(B, N // bs).copy()
-            for paged in (False, True):
-                caches = [cupy.asarray(c.astype(nd)) for c in host]
-                if paged:  # page p of sequence b is table[b, p]: the rows moved there
-                    caches = [cupy.asarray(np.stack([c[b, :, j * bs:(j + 1) * bs]
-                                                     for b in range(B) for j in range(N // bs)])
-                                           [np.argsort(table.ravel())].astype(nd)) for c in host]
-                o, lse = kvcache.attention_with_kvcache(
-                    cupy.asarray(q1.astype(nd)), cupy.asarray(q2.astype(nd)), *caches, 40,
-                    cache_seqlens=cupy.asarray(seq), causal=causal, return_lse=True,
-                    block_table=cupy.asarray(table) if paged else None,
-                    k1_new=cupy.asarray(new[0].astype(nd)), k2_new=cupy.asarray(new[1].astype(nd)),
-                    v_new=cupy.asarray(new[2].astype(nd)))
-                for name, g, r, lw in zip(("o", "lse"), (cupy.asnumpy(o), cupy.asnumpy(lse)), ref, low):
-                    tolerance.assert_close(name, np.asarray(g, np.float64), r, lw, dtype)
+            # on Hopper M = 1 runs the TMA decode (kernels_cu/sm90/kvdecode.cu); the
+            # cp.async decode it replaces there is forced once too
+            for path in ("auto", "mma") if hopper and M == 1 else ("auto",):
+                os.environ[capability.PATH_VAR] = path
+                capability.refresh_env_override()
+                for paged in (False, True):
+                    caches = [cupy.asarray(c.astype(nd)) for c in host]
+                    if paged:  # page p of sequence b is table[b, p]: the rows moved there
+                        caches = [cupy.asarray(np.stack([c[b, :, j * bs:(j + 1) * bs]
+                                                         for b in range(B) for j in range(N // bs)])
+                                               [np.argsort(table.ravel())].astype(nd)) for c in host]
+                    o, lse = kvcache.attention_with_kvcache(
+                        cupy.asarray(q1.astype(nd)), cupy.asarray(q2.astype(nd)), *caches, 40,
+                        cache_seqlens=cupy.asarray(seq), causal=causal, return_lse=True,
+                        block_table=cupy.asarray(table) if paged else None,
+                        k1_new=cupy.asarray(new[0].astype(nd)), k2_new=cupy.asarray(new[1].astype(nd)),
+                        v_new=cupy.asarray(new[2].astype(nd)))
+                    for name, g, r, lw in zip(("o", "lse"), (cupy.asnumpy(o), cupy.asnumpy(lse)), ref, low):
+                        tolerance.assert_close(name, np.asarray(g, np.float64), r, lw, dtype)
+            os.environ.pop(capability.PATH_VAR)
+            capability.refresh_env_override()
             print(f"ok kvcache {dtype} causal={causal} D={D} M={M} (contiguous, paged)", flush=True)
 
 # Packed variable-length batches (the VARLEN kernels): empty sequences, tile edges, every

@@ -67,10 +67,17 @@ def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatc
         dims = kv_dims if row_kernel == "kv_append" else set(head_dims)
         assert have == set(itertools.product(dims, capability.TABLE_DTYPES)), row_kernel
     hopper = build_check.variants_for(SM90, hopper=True)
-    # every Hopper kernel has a packed-batch (VARLEN) build: forward, backward and its helpers
+    # every Hopper kernel but the decode has a packed-batch (VARLEN) build: forward, backward
+    # and its helpers
     assert {(v.phase, v.head_dim, v.dtype, v.causal) for v in hopper if v.varlen} == {
-        (v.phase, v.head_dim, v.dtype, v.causal) for v in hopper if not v.varlen}
-    assert {v.phase for v in hopper if v.varlen} == set(HOPPER_KERNELS)
+        (v.phase, v.head_dim, v.dtype, v.causal) for v in hopper
+        if not v.varlen and v.phase != "kvdecode_sm90"}
+    assert {v.phase for v in hopper if v.varlen} == set(HOPPER_KERNELS) - {"kvdecode_sm90"}
+    # the decode: one build per dtype, KV90 head dim and cluster size (no causal flag: M = 1
+    # sees every key)
+    assert {(v.head_dim, v.dtype, v.causal, v.cluster) for v in hopper
+            if v.phase == "kvdecode_sm90"} == set(itertools.product(
+                capability.KV90_HEAD_DIMS, capability.TABLE_DTYPES, (False,), range(1, 9)))
     bwd_dims = (64, 80, 96, 128)
     for phase, dims in (("fwd_sm90", (64, 80, 96, 128, 256)), ("bwd_sm90", bwd_dims),
                         ("bwd_sm90_det", bwd_dims)):
@@ -88,7 +95,7 @@ def test_hopper_kernels_build_for_sm90a(capsys, nvrtc):
     (VARLEN). 80 and 96 are the D = 128 kernels with DV columns stored."""
     assert build_check.main(["--arch", "sm_90a"]) == 0
     out = capsys.readouterr().out
-    assert "136 variants compiled for sm_90a" in out
+    assert "168 variants compiled for sm_90a" in out
     for name in ("pw90_forward<pw90::f16, 256, true, true>", "pw90_forward<pw90::bf16, 128, false, false, 96>",
                  "pw90_bwd<pw90::f16, 128, true, true, true, 80>", "pw90_bwd_prep<pw90::bf16, 128, false, 96>",
                  "pw90_bwd_dq_convert<pw90::f16, 128, true, 80>"):

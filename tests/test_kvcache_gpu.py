@@ -303,3 +303,115 @@ def test_strided_lengths_and_table_misaligned_queries_and_no_query_heads():
         for b in range(B):
             np.testing.assert_array_equal(got[b, :, seq[b]:seq[b] + M].view(np.uint16),
                                           n[b].view(np.uint16))
+
+
+DECODE_CASES = [  # (dtype, D, H, Hkv, layout): layouts of the cache memory
+    ("bfloat16", 128, 8, 2, "contig"), ("float16", 64, 8, 8, "contig"),
+    ("bfloat16", 64, 40, 2, "transposed"), ("float16", 128, 4, 4, "paged16"),
+    ("bfloat16", 128, 20, 1, "paged64"), ("bfloat16", 32, 4, 2, "contig"),
+]
+
+
+@pytest.mark.parametrize("path", ["auto", "mma"])
+@pytest.mark.parametrize("dtype,D,H,Hkv,layout", DECODE_CASES,
+                         ids=[f"{c[0]}-D{c[1]}-H{c[2]}-Hkv{c[3]}-{c[4]}" for c in DECODE_CASES])
+def test_decode_never_reads_cache_rows_past_the_lengths(dtype, D, H, Hkv, layout, path,
+                                                         monkeypatch):
+    """M = 1 on both decode kernels (on an H200 ``auto`` runs the TMA kernel of
+    kernels_cu/sm90/kvdecode.cu for D 64 and 128, ``mma`` forces the cp.async one): every
+    cache row past a sequence's length, and every unused page, holds NaN, so a kernel that
+    lets one reach P·V (0 * NaN) or a score fails. Lengths end inside and on the edge of
+    16-key chunks and 64-key tiles; w puts the d = w boundary inside a chunk, on a chunk
+    edge, before every key and after every key; groups of 20 heads need two 16-row tiles."""
+    import cupy
+
+    from cupy_piecewise import capability, kvcache_launch as kl, launch
+
+    monkeypatch.setenv(capability.PATH_VAR, path)
+    capability.refresh_env_override()
+    _poisoned_outputs(monkeypatch)
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    rng = np.random.default_rng(seed)
+    B, N = 6, 512
+    seq = np.array([0, 1, 15, 64, 300, N], np.int32)
+    nd = _np_dtype(dtype)
+    q1, q2 = (round_to(rng.standard_normal((B, H, 1, D)).astype(np.float32) * 1.5, dtype)
+              for _ in range(2))
+    host = [round_to(rng.standard_normal((B, Hkv, N, D)).astype(np.float32) * 1.5, dtype)
+            for _ in range(3)]
+    stale = [c.copy() for c in host]  # what the device caches hold: NaN past each length
+    for c in stale:
+        for b in range(B):
+            c[b, :, seq[b]:] = np.nan
+    for w in (int(rng.integers(2, 300)), 48, -(N + 5), N + 5):
+        ref, low = _expected(q1, q2, host, w, seq, 1, False, True, 1 / np.sqrt(D), dtype)
+        if layout.startswith("paged"):
+            pages, table = kc.page_all(stale, int(layout[5:]), rng)
+            caches = [cupy.asarray(p.astype(nd)) for p in pages]  # unused pages stay NaN
+            kw = dict(block_table=cupy.asarray(table))
+        elif layout == "transposed":  # (B, N, Hkv, D) memory read as (B, Hkv, N, D)
+            caches = [cupy.asarray(np.ascontiguousarray(c.astype(nd).transpose(0, 2, 1, 3)))
+                      .transpose(0, 2, 1, 3) for c in stale]
+            kw = {}
+        else:
+            caches = [cupy.asarray(c.astype(nd)) for c in stale]
+            kw = {}
+        o, lse = kvcache.attention_with_kvcache(
+            cupy.asarray(q1.astype(nd)), cupy.asarray(q2.astype(nd)), *caches, w,
+            cache_seqlens=cupy.asarray(seq), return_lse=True, **kw)
+        for name, g, r, lw in zip(("o", "lse"), (cupy.asnumpy(o), cupy.asnumpy(lse)), ref, low):
+            verdict = tolerance.compare(name, np.asarray(g, np.float64), r, lw, dtype)
+            assert verdict.passed, f"w={w}: {verdict} (input seed {seed})"
+    hopper = (path == "auto" and D in capability.KV90_HEAD_DIMS
+              and launch._compute_capability(0) == (9, 0))
+    plans = [pl for (shape, switches), pl in kl._plans._data.items()
+             if (shape.B, shape.H, shape.Hkv, shape.M, shape.D) == (B, H, Hkv, 1, D)
+             and switches == capability.plan_switches()]
+    assert plans and all((pl._maps is not None) == hopper for pl in plans)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 4, 5, 7, 8, 12])
+def test_hopper_decode_merges_splits_in_a_cluster(splits, monkeypatch):
+    """The Hopper decode with 1 to 8 key splits per (head, sequence) merges them inside a
+    thread-block cluster (no combine launch, no workspace); 12 splits exceed a cluster and go
+    through pw_forward_combine. Each against the float64 reference, with NaN in every cache
+    row past a sequence's length and groups of 20 query heads (two 16-row tiles)."""
+    import cupy
+
+    from cupy_piecewise import capability, kvcache_launch as kl, launch
+
+    if launch._compute_capability(0) != (9, 0):
+        pytest.skip("the Hopper decode kernel runs on compute capability 9.0 only")
+    monkeypatch.setitem(capability.KV90_MIN_TILES, 128, 4)
+    monkeypatch.setattr(capability, "KV90_MAX_CLUSTER", 8)  # every cluster size the build has
+    kl._plans._data.clear()  # plans keep their split count, which the knob does not key
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    rng = np.random.default_rng(seed)
+    dtype, D, B, H, Hkv = "bfloat16", 128, 3, 40, 2
+    N = 64 * (4 * splits + 1) - 9  # 4 * splits + 1 tiles: `splits` splits of at least 4
+    seq = np.array([0, N // 2 + 7, N], np.int32)
+    nd = _np_dtype(dtype)
+    q1, q2 = (round_to(rng.standard_normal((B, H, 1, D)).astype(np.float32), dtype)
+              for _ in range(2))
+    host = [round_to(rng.standard_normal((B, Hkv, N, D)).astype(np.float32), dtype)
+            for _ in range(3)]
+    stale = [c.copy() for c in host]
+    for c in stale:
+        for b in range(B):
+            c[b, :, seq[b]:] = np.nan
+    w = int(rng.integers(1, N // 2))
+    ref, low = _expected(q1, q2, host, w, seq, 1, False, True, 1 / np.sqrt(D), dtype)
+    _poisoned_outputs(monkeypatch)
+    o, lse = kvcache.attention_with_kvcache(
+        cupy.asarray(q1.astype(nd)), cupy.asarray(q2.astype(nd)),
+        *[cupy.asarray(c.astype(nd)) for c in stale], w, cache_seqlens=cupy.asarray(seq),
+        return_lse=True)
+    for name, g, r, lw in zip(("o", "lse"), (cupy.asnumpy(o), cupy.asnumpy(lse)), ref, low):
+        verdict = tolerance.compare(name, np.asarray(g, np.float64), r, lw, dtype)
+        assert verdict.passed, f"w={w}: {verdict} (input seed {seed})"
+    (plan,) = [pl for (shape, _), pl in kl._plans._data.items() if shape.capacity == N]
+    assert plan.nsplit == splits
+    clustered = splits <= capability.KV90_MAX_CLUSTER
+    assert plan.cluster == (splits if clustered else 1)
+    assert (plan.workspace_bytes > 0) == (not clustered and splits > 1)
+    kl._plans._data.clear()

@@ -127,6 +127,25 @@ def test_hopper_shared_bytes_match_the_kernel(nvrtc, filename, struct, figure):
         f"\"{struct}<{capability.hopper_compute_dim(d)}>::BYTES != capability.{figure}({d})\");"
         for d in (capability.HOPPER_HEAD_DIMS if figure == "hopper_shared_bytes"
                   else capability.HOPPER_BWD_HEAD_DIMS))
+    _compile_sm90a(nvrtc, src)
+
+
+@pytest.mark.parametrize("stages", [None, 2, 4])
+def test_hopper_decode_shared_bytes_match_the_kernel(nvrtc, stages):
+    """capability.kv90_shared_bytes (what kvcache_launch asks for) equals the Hopper decode's
+    own pw90kv::Smem<D, STAGES>::BYTES for every head dim it is built for, at the table's
+    ring depth and at the depths a tuning run may try."""
+    checks = []
+    for d in capability.KV90_HEAD_DIMS:
+        st = stages or capability.kv90_tiles(d).stages
+        checks.append(f"\nstatic_assert(pw90kv::Smem<{d}, {st}>::BYTES == "
+                      f"{capability.kv90_shared_bytes(d, st)}, \"kv90_shared_bytes({d}, {st})\");")
+    _compile_sm90a(nvrtc, source("sm90/kvdecode.cu") + "".join(checks))
+
+
+def _compile_sm90a(nvrtc, src: str) -> None:
+    """Front end + PTX of ``src`` for sm_90a; a failed static_assert fails the test with
+    NVRTC's log."""
     prog = nvrtc.createProgram(src, "sm90_traits.cu", [], [])
     try:
         try:

@@ -1,0 +1,345 @@
+// Decode against a key/value cache on Hopper (sm_90): one new token per sequence (M = 1),
+// key tiles streamed by TMA into a ring of mbarrier-guarded stages by a producer warp, so
+// that the SM keeps far more bytes in flight than the cp.async kernel of kvcache.cu (whose
+// block issues each tile's copies itself and waits for them at the next tile).
+//
+// Block = (key/value head and 16-row query tile, key split, sequence), CW + 1 warps:
+//   warp CW    producer: per 64-key tile, for each 16-key chunk the tile holds below the
+//              sequence's length, TMA loads of one key projection (K2 for keys at distance
+//              >= w, K1 for the others; the one chunk that straddles d = w loads both, K2
+//              into a slot of its own) and of V, as boxes of 16 rows x 64 columns with
+//              the 128-byte swizzle. A paged cache's chunk lies in one page (block sizes are
+//              multiples of 16), so the box's outer coordinate is the page from the block
+//              table, read one tile ahead. The full barrier's transaction count is the
+//              tile's bytes.
+//   warps < CW consumers (CW = 4): warp w takes chunk w of every tile: S = Q·Kᵀ on mma.sync
+//              (Q from a padded shared tile, 16 packed rows: the heads of a group), the
+//              piecewise select on the straddling chunk only, the online softmax, O += P·V;
+//              then it releases the stage on the empty barrier. Each warp keeps its own
+//              softmax state; they merge through shared memory at the end (kv_merge_warps),
+//              as the cp.async kernel's warps do.
+// Key splits: with CLUSTER = 1 a split writes its float32 partial rows for pw_forward_combine
+// (or, unsplit, o itself). With CLUSTER > 1 the grid's CLUSTER splits of a (head, sequence)
+// form one thread-block cluster and merge their rows through distributed shared memory at
+// the end: no partials in global memory and no second launch, which at a few thousand keys
+// is a fifth of the step.
+// Everything that depends on the cached lengths is read on the device; the grid depends on
+// shapes only (CUDA graphs). Rows of a chunk past the sequence's length hold whatever the
+// cache holds there (TMA fills only rows past the cache's capacity with zeros): their scores
+// are masked, and the consumer zeroes their V rows before P·V, so stale NaN or Inf cannot
+// reach the output (0 * Inf = NaN).
+//
+// Shared memory: per stage K and V of 64 keys (4 chunks x D/64 boxes of 2 KB each; D = 128:
+// 32 KB, D = 64: 16 KB); the straddling chunk's K2; 2 * STAGES mbarriers, the Q1 and Q2
+// tiles (16 rows, padded pitch), plus 1 KB to align the base to the swizzle's 1024 bytes.
+#include "kvparams.cuh"
+#include "sm90/hopper.cuh"
+
+namespace pw90kv {
+
+constexpr int BN = 64;           // keys per tile
+constexpr int CHUNK = 16;        // keys per consumer warp and per TMA box
+constexpr int CHUNKS = BN / CHUNK;  // 16-key chunks (TMA boxes) per tile
+constexpr int BM = 16;           // packed query rows per block
+constexpr int BOX_BYTES = CHUNK * 128;  // 16 rows x 64 16-bit columns
+
+template <int D, int STAGES> struct Smem {
+  static constexpr int panels = D / 64;
+  static constexpr int chunk_bytes = panels * BOX_BYTES;  // one 16-key chunk of K or V
+  static constexpr int k_off = 0;  // in a stage
+  static constexpr int v_off = CHUNKS * chunk_bytes;
+  static constexpr int stage_bytes = 2 * CHUNKS * chunk_bytes;
+  // K2 of the one chunk of a sequence that straddles d = w: written once, read once, so one
+  // slot serves every stage
+  static constexpr int x_off = STAGES * stage_bytes;
+  static constexpr int bars_off = x_off + chunk_bytes;  // full[STAGES], empty[STAGES]
+  static constexpr int q_off = bars_off + 2 * STAGES * 8;  // Q1, Q2: BM rows, padded pitch
+  static constexpr int BYTES = q_off + 2 * BM * Pitch<D>::bytes + 1024;
+  static_assert(D % 64 == 0, "whole 64-column panels");
+  static_assert(BM * (D + 1) * 4 <= 2 * BM * Pitch<D>::bytes,
+                "a cluster's partial rows and lse fit where Q was");
+};
+
+// Address of the 16-byte column group `g` (0 .. D/8-1) of row r (0..15) of a chunk at `base`:
+// panel g / 8, and inside the panel's 128-byte row the 128-byte swizzle's XOR of g % 8 with
+// r % 8.
+PW_DEVICE u32 swz(u32 base, int r, int g) {
+  return base + (u32)((g >> 3) * BOX_BYTES + r * 128 + (((g & 7) ^ (r & 7)) << 4));
+}
+
+// Page and first row (in the page) of the chunk starting at key n of sequence b.
+PW_DEVICE void chunk_place(const KVParams& p, i64 b, int n, int& page, int& row) {
+  if (p.block_table == nullptr) {
+    page = (int)b;
+    row = n;
+  } else {
+    const int blk = n / (int)p.block_size;
+    page = p.block_table[b * p.bt_stride + blk];
+    row = n - blk * (int)p.block_size;
+  }
+}
+
+// Barrier of every thread of every block of the cluster, with release / acquire: shared
+// memory written before it is visible to the cluster's blocks after it.
+PW_DEVICE void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+}
+PW_DEVICE u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// The float at the same shared-memory offset as `local` in the cluster's block `rank`.
+PW_DEVICE float ld_cluster(const float* local, int rank) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local)), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
+}  // namespace pw90kv
+
+template <typename T, int D, int STAGES, int CLUSTER, int CW>
+__global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
+    pw90_kvdecode(const __grid_constant__ pw90::TmaDesc tk1, const __grid_constant__ pw90::TmaDesc tk2,
+                  const __grid_constant__ pw90::TmaDesc tv, const KVParams p) {
+  using namespace pw90kv;
+  using Sm = Smem<D, STAGES>;
+  static_assert(CW == CHUNKS, "a consumer warp per 16-key chunk of a tile");
+  static_assert(CW * BM * (D + 2) * 4 <= STAGES * Sm::stage_bytes,
+                "the warps' merge scratch fits in the ring");
+  constexpr int PANELS = D / 64;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // the 128-byte swizzle repeats every 1024 bytes: boxes start 1024-byte aligned
+  const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (base - smem_addr(smem_raw));
+  const u32 bars = base + Sm::bars_off;
+  auto full = [&](int s) { return bars + 8u * s; };
+  auto empty = [&](int s) { return bars + 8u * (STAGES + s); };
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const i64 b = blockIdx.z, split = blockIdx.y;
+  const i64 G = p.group, rows = G;  // M = 1: one packed row per head of the group
+  const i64 rtiles = (rows + BM - 1) / BM;
+  const i64 hk = blockIdx.x / rtiles, row0 = (blockIdx.x % rtiles) * BM;
+  const int L = kv_length(p, b);
+  const int P = L - 1;  // the token's position; d(n) = P - n
+  // keys n < nfar are at distance >= w (K2); the others use K1
+  const int nfar = (int)clamp64((i64)P - p.w + 1, 0, L);
+
+  const int ntiles_all = (L + BN - 1) / BN;
+  const int per = (int)((ntiles_all + p.nsplit - 1) / p.nsplit);
+  const int t_begin = (int)min((i64)ntiles_all, split * per);
+  const int t_end = min(ntiles_all, t_begin + per);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      pw90::mbar_init(full(s), 1);
+      pw90::mbar_init(empty(s), CW);  // every consumer warp reads a chunk of every stage
+    }
+    pw90::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (warp == CW) {  // ------------------------------------------------ producer
+    if (lane == 0) {
+      pw90::tma_prefetch_desc(&tk1);
+      pw90::tma_prefetch_desc(&tk2);
+      pw90::tma_prefetch_desc(&tv);
+    }
+    // lane c < CHUNKS loads chunk c of each tile; its page is looked up a tile ahead
+    int page = 0, prow = 0;
+    if (lane < CHUNKS && t_begin < t_end && t_begin * BN + lane * CHUNK < L)
+      chunk_place(p, b, t_begin * BN + lane * CHUNK, page, prow);
+    for (int tile = t_begin; tile < t_end; ++tile) {
+      const int i = tile - t_begin, s = i % STAGES;
+      const int n = tile * BN + lane * CHUNK;
+      const bool load = lane < CHUNKS && n < L;
+      const bool both = load && n < nfar && n + CHUNK > nfar;  // straddles d = w
+      const u32 bytes = (load ? 2u : 0u) * Sm::chunk_bytes + (both ? Sm::chunk_bytes : 0u);
+      const u32 total = __reduce_add_sync(0xffffffffu, bytes);
+      pw90::mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);  // fresh barriers pass at once
+      if (lane == 0) pw90::mbar_expect_tx(full(s), total);
+      __syncwarp();
+      if (load) {
+        const u32 st = base + (u32)(s * Sm::stage_bytes);
+        const u32 kdst = st + Sm::k_off + lane * Sm::chunk_bytes;
+        const u32 vdst = st + Sm::v_off + lane * Sm::chunk_bytes;
+        const pw90::TmaDesc* kmap = n < nfar && !both ? &tk2 : &tk1;
+#pragma unroll
+        for (int j = 0; j < PANELS; ++j) {
+          pw90::tma_load_4d(kdst + j * BOX_BYTES, kmap, j * 64, prow, (int)hk, page, full(s));
+          pw90::tma_load_4d(vdst + j * BOX_BYTES, &tv, j * 64, prow, (int)hk, page, full(s));
+          if (both)
+            pw90::tma_load_4d(base + Sm::x_off + j * BOX_BYTES, &tk2, j * 64, prow, (int)hk, page,
+                              full(s));
+        }
+      }
+      const int nn = n + BN;  // the next tile's chunk
+      if (lane < CHUNKS && tile + 1 < t_end && nn < L) chunk_place(p, b, nn, page, prow);
+    }
+    __syncwarp();
+    if constexpr (CLUSTER > 1) {  // the producer warp takes part in the cluster's barriers
+      cluster_sync();
+      cluster_sync();
+    }
+    return;  // the consumers' last waits cover every load issued
+  }
+
+  // ------------------------------------------------------------------------ consumers
+  // Q1 and Q2 of the block's 16 packed rows (row r: head hk * G + row0 + r; padding rows
+  // zero) into padded shared tiles, read as A fragments by ldmatrix at every chunk.
+  constexpr int CPR = D / 8;  // 16-byte chunks per row
+  const u32 sq1 = base + Sm::q_off, sq2 = sq1 + BM * Pitch<D>::bytes;
+  for (int idx = threadIdx.x; idx < BM * CPR; idx += CW * 32) {
+    const int r = idx / CPR, ch = idx % CPR;
+    const i64 gr = row0 + r;
+    uint4 x1 = make_uint4(0, 0, 0, 0), x2 = x1;
+    if (gr < rows) {
+      x1 = *reinterpret_cast<const uint4*>(p.q1.at(b, hk * G + gr) + ch * 8);
+      x2 = *reinterpret_cast<const uint4*>(p.q2.at(b, hk * G + gr) + ch * 8);
+    }
+    const u32 off = (u32)(r * Pitch<D>::bytes + ch * 16);
+    *reinterpret_cast<uint4*>(smem + (sq1 + off - base)) = x1;
+    *reinterpret_cast<uint4*>(smem + (sq2 + off - base)) = x2;
+  }
+  asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
+
+  float acc[D / 8][4];
+  zero_n<D / 2>(&acc[0][0]);
+  float row_max[2] = {PW_NEG_INF, PW_NEG_INF}, row_sum[2] = {0.f, 0.f};
+
+  // Warp w takes chunk w (16 keys) of every tile. (A warp per whole tile, four independent
+  // chunk products per k step, measured slower on an H200: 0.84-0.86x cuDNN at D = 128
+  // against 0.95-0.98x; bench/NOTES.md.)
+  const int kr = (lane % 8) + (lane / 16) * 8, kg = (lane / 8) % 2;  // K fragment rows, cols
+  const int vr = (lane % 8) + ((lane / 8) % 2) * 8, vg = lane / 16;  // V (transposed)
+  for (int tile = t_begin; tile < t_end; ++tile) {
+    const int i = tile - t_begin, s = i % STAGES;
+    const int n0 = tile * BN + warp * CHUNK;  // this warp's 16 keys
+    pw90::mbar_wait(full(s), (i / STAGES) & 1);
+    if (n0 < L) {  // chunks past the length were not loaded
+      const u32 st = base + (u32)(s * Sm::stage_bytes);
+      const u32 sk = st + Sm::k_off + warp * Sm::chunk_bytes;
+      const u32 sv = st + Sm::v_off + warp * Sm::chunk_bytes;
+      const bool both = n0 < nfar && n0 + CHUNK > nfar;  // straddles d = w: K2 in the x slot
+      const bool far_only = n0 + CHUNK <= nfar;
+      float sc[2][4];
+      zero_n<8>(&sc[0][0]);
+      if (both) {
+        float s2[2][4];
+        zero_n<8>(&s2[0][0]);
+#pragma unroll
+        for (int k = 0; k < D / 16; ++k) {
+          u32 a1[1][4], a2[1][4], bk[4], bx[4];
+          load_a<D, 1>(a1, sq1, k, lane);
+          load_a<D, 1>(a2, sq2, k, lane);
+          ldsm_x4(bk, swz(sk, kr, 2 * k + kg));
+          ldsm_x4(bx, swz(base + Sm::x_off, kr, 2 * k + kg));
+          Elem<T>::mma(sc[0], a1[0], bk[0], bk[1]);
+          Elem<T>::mma(sc[1], a1[0], bk[2], bk[3]);
+          Elem<T>::mma(s2[0], a2[0], bx[0], bx[1]);
+          Elem<T>::mma(s2[1], a2[0], bx[2], bx[3]);
+        }
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (n0 + frag_col(nb, e, lane) < nfar) sc[nb][e] = s2[nb][e];
+      } else {
+        const u32 sq = far_only ? sq2 : sq1;
+#pragma unroll
+        for (int k = 0; k < D / 16; ++k) {
+          u32 a[1][4], bk[4];
+          load_a<D, 1>(a, sq, k, lane);
+          ldsm_x4(bk, swz(sk, kr, 2 * k + kg));
+          Elem<T>::mma(sc[0], a[0], bk[0], bk[1]);
+          Elem<T>::mma(sc[1], a[0], bk[2], bk[3]);
+        }
+      }
+      const bool tail = n0 + CHUNK > L;
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = sc[nb][e] * p.scale_log2;
+          if (tail && n0 + frag_col(nb, e, lane) >= L) x = PW_NEG_INF;
+          sc[nb][e] = x;
+        }
+      kv_softmax<2, D>(sc, row_max, row_sum, acc);
+      if (tail) {  // V rows past the length: zeros instead of whatever the cache holds
+        for (int idx = lane; idx < CHUNK * PANELS * 8; idx += 32) {
+          const int r = idx / (PANELS * 8), g = idx % (PANELS * 8);
+          if (n0 + r >= L)
+            *reinterpret_cast<uint4*>(smem + (swz(sv, r, g) - base)) = make_uint4(0, 0, 0, 0);
+        }
+        __syncwarp();
+      }
+      // O += P · V: P (16 rows x 16 keys) as the A fragment, V read transposed
+      u32 pa[4];
+      pa[0] = Elem<T>::pack(sc[0][0], sc[0][1]);
+      pa[1] = Elem<T>::pack(sc[0][2], sc[0][3]);
+      pa[2] = Elem<T>::pack(sc[1][0], sc[1][1]);
+      pa[3] = Elem<T>::pack(sc[1][2], sc[1][3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        u32 bv[4];
+        ldsm_x4_trans(bv, swz(sv, vr, 2 * dp + vg));
+        Elem<T>::mma(acc[2 * dp], pa, bv[0], bv[1]);
+        Elem<T>::mma(acc[2 * dp + 1], pa, bv[2], bv[3]);
+      }
+      // the zeros above were generic-proxy writes into a stage TMA will refill
+      if (tail) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncwarp();
+    if (lane == 0) pw90::mbar_arrive(empty(s));
+  }
+
+  // every consumer is past its last tile: the ring is free for the merge
+  asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
+  auto consumers_sync = [] { asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory"); };
+  if constexpr (CLUSTER == 1) {
+    kv_merge_warps<D, BM, CW>(reinterpret_cast<float*>(smem), threadIdx.x, rows - row0, acc,
+                                 row_max, row_sum, consumers_sync,
+                                 KvStoreGlobal<T, D>{p, b, split, hk, row0});
+  } else {
+    // This block's normalised rows and lse into the Q tiles' space (Q is read no more),
+    // then the cluster's blocks (one per split) merge them: rank j reads every block's
+    // rows through distributed shared memory and writes its share of o and lse.
+    float* sPo = reinterpret_cast<float*>(smem + Sm::q_off);  // [BM][D]
+    float* sPl = sPo + BM * D;                                // [BM]
+    kv_merge_warps<D, BM, CW>(reinterpret_cast<float*>(smem), threadIdx.x, rows - row0, acc,
+                                 row_max, row_sum, consumers_sync,
+                                 [&](int r, int c, float o, float lse) {
+                                   sPo[r * D + c] = o;
+                                   if (c == 0) sPl[r] = lse;
+                                 });
+    cluster_sync();  // every block's partial rows are written and visible cluster-wide
+    const int nvalid = (int)min((i64)BM, rows - row0);
+    const int rank = (int)cluster_rank();
+    for (int idx = rank * CW * 32 + threadIdx.x; idx < nvalid * D; idx += CLUSTER * CW * 32) {
+      const int r = idx / D, c = idx % D;
+      float lj[CLUSTER], mx = PW_NEG_INF;
+#pragma unroll
+      for (int j = 0; j < CLUSTER; ++j) {
+        lj[j] = ld_cluster(sPl + r, j) * PW_LOG2E;
+        mx = fmaxf(mx, lj[j]);
+      }
+      float l = 0.f, o = 0.f;
+      if (mx != PW_NEG_INF) {
+#pragma unroll
+        for (int j = 0; j < CLUSTER; ++j) {
+          const float f = fast_exp2(lj[j] - mx);
+          l += f;
+          o += f * ld_cluster(sPo + r * D + c, j);
+        }
+      }
+      const i64 h = hk * G + row0 + r;
+      p.o.mut(b, h)[c] = Elem<T>::from_float(l > 0.f ? o / l : 0.f);
+      if (c == 0 && p.lse) p.lse[b * p.H + h] = l > 0.f ? (mx + __log2f(l)) * PW_LN2 : PW_NEG_INF;
+    }
+    cluster_sync();  // no block leaves while another still reads its shared memory
+  }
+}
