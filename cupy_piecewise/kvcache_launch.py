@@ -6,8 +6,8 @@ given) writes them into the cache, ``pw_kvcache`` attends, and, when the keys ar
 across blocks, ``pw_forward_combine`` (the forward's own merge kernel) merges the splits by
 their log-sum-exp. On an H200 (compute capability 9.0) a decode step (M = 1, head dim 64 or
 128) runs ``pw90_kvdecode`` instead, which streams the keys by TMA (tensor maps of the three
-caches, built per cache pointer and cached) and, with 2 to 8 splits, merges them inside one
-thread-block cluster: no combine launch. Nothing here reads the cached lengths: the grid and
+caches, built per cache pointer and cached) and, with 2 to ``capability.KV90_MAX_CLUSTER``
+(4) splits, merges them inside one thread-block cluster: no combine launch. Nothing here reads the cached lengths: the grid and
 the number of splits come from shapes only, so a decode step captures in a CUDA graph and
 replays with new lengths.
 
@@ -81,7 +81,7 @@ def use_hopper_decode(shape: KVShape, cc) -> bool:
         return False
     dims = (shape.pages, shape.Hkv, shape.block_size or shape.capacity)
     strides = dict(shape.strides)
-    return all(n == 1 or 0 < st < (1 << 39) for name in ("k1", "k2", "v")
+    return all(n == 1 or (0 < st < (1 << 39) and st % 8 == 0) for name in ("k1", "k2", "v")
                for n, st in zip(dims, strides[name]))
 
 

@@ -376,15 +376,22 @@ def test_hopper_decode_merges_splits_in_a_cluster(splits, monkeypatch):
     thread-block cluster (no combine launch, no workspace); 12 splits exceed a cluster and go
     through pw_forward_combine. Each against the float64 reference, with NaN in every cache
     row past a sequence's length and groups of 20 query heads (two 16-row tiles)."""
-    import cupy
-
     from cupy_piecewise import capability, kvcache_launch as kl, launch
 
     if launch._compute_capability(0) != (9, 0):
         pytest.skip("the Hopper decode kernel runs on compute capability 9.0 only")
     monkeypatch.setitem(capability.KV90_MIN_TILES, 128, 4)
     monkeypatch.setattr(capability, "KV90_MAX_CLUSTER", 8)  # every cluster size the build has
-    kl._plans._data.clear()  # plans keep their split count, which the knob does not key
+    kl._plans._data.clear()  # plans keep their split count, which the knobs do not key
+    try:
+        _check_decode_splits(splits, monkeypatch, kl, capability)
+    finally:  # no plan built under the knobs outlives them, whatever the outcome
+        kl._plans._data.clear()
+
+
+def _check_decode_splits(splits, monkeypatch, kl, capability):
+    import cupy
+
     seed = int(np.random.SeedSequence().entropy % 2**63)
     rng = np.random.default_rng(seed)
     dtype, D, B, H, Hkv = "bfloat16", 128, 3, 40, 2
@@ -414,4 +421,3 @@ def test_hopper_decode_merges_splits_in_a_cluster(splits, monkeypatch):
     clustered = splits <= capability.KV90_MAX_CLUSTER
     assert plan.cluster == (splits if clustered else 1)
     assert (plan.workspace_bytes > 0) == (not clustered and splits > 1)
-    kl._plans._data.clear()
