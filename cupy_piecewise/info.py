@@ -78,12 +78,14 @@ def _tiles(cc: tuple[int, int], max_shared: int | None = None) -> dict:
         arch = capability.resolve_arch(cc, max_shared)
         table = {}
         for phase in capability.PHASES:
+            # each phase's own head dims: the KV-cache phases have fewer than the forward
             table[phase] = {
                 d: str(capability.lookup(cc, phase, d, "float16", False, max_shared=max_shared))
-                for d in capability.head_dims(cc)
+                for d in capability.head_dims(cc) if d in capability.TABLE[arch][phase]
             }
         return {"table_arch": f"sm_{arch[0]}{arch[1]}", "tiles": table,
-                "forward_path": _forward_path(cc), "backward_path": _backward_path(cc)}
+                "forward_path": _forward_path(cc), "backward_path": _backward_path(cc),
+                "decode_path": _decode_path(cc)}
     except ValueError as exc:
         return {"error": str(exc)}
 
@@ -130,6 +132,22 @@ def _backward_path(cc: tuple[int, int]) -> str:
             f"otherwise")
 
 
+def _decode_path(cc: tuple[int, int]) -> str:
+    """Which KV-cache decode kernel (attention_with_kvcache, one new token) a GPU of compute
+    capability ``cc`` runs, in words."""
+    from . import capability
+
+    words = _mma_only(cc)
+    if words is not None:
+        return "cp.async kernel" + (words[len("mma.sync kernels"):]
+                                    if words.startswith("mma.sync kernels") else f" ({words})")
+    tiles = "  ".join(f"D{d}={capability.kv90_tiles(d)}" for d in capability.KV90_HEAD_DIMS)
+    return (f"Hopper TMA kernel (sm_90a) for float16/bfloat16, head dims "
+            f"{'/'.join(map(str, capability.KV90_HEAD_DIMS))} ({tiles}; up to "
+            f"{capability.KV90_MAX_CLUSTER} key splits merged in a cluster); cp.async kernel "
+            f"otherwise")
+
+
 def collect() -> dict:
     """Everything ``info`` reports, as a dict."""
     from . import __version__, capability
@@ -170,6 +188,7 @@ def _print_tiles(entry: dict, indent: str) -> None:
         return
     print(f"{indent}forward: {entry['forward_path']}")
     print(f"{indent}backward: {entry['backward_path']}")
+    print(f"{indent}KV-cache decode: {entry['decode_path']}")
     print(f"{indent}tile table {entry['table_arch']} (float16, non-causal; BMxBNxWARPSxSTAGES):")
     for phase, row in entry["tiles"].items():
         cells = "  ".join(f"D{d}={cfg}" for d, cfg in row.items())

@@ -258,10 +258,14 @@ def test_info_names_the_forward_path(monkeypatch):
     assert info._forward_path((8, 0)) == "mma.sync kernels"
     assert info._backward_path((9, 0)).startswith("Hopper wgmma + TMA")
     assert info._backward_path((8, 6)) == "mma.sync kernels"
+    assert info._decode_path((9, 0)).startswith("Hopper TMA kernel")
+    assert "D128=16x64x4x3" in info._decode_path((9, 0))
+    assert info._decode_path((8, 9)) == "cp.async kernel"
     monkeypatch.setenv(cap.PATH_VAR, "mma")
     cap.refresh_env_override()
     assert info._forward_path((9, 0)) == "mma.sync kernels (CUPY_PIECEWISE_PATH=mma)"
     assert info._backward_path((9, 0)) == "mma.sync kernels (CUPY_PIECEWISE_PATH=mma)"
+    assert info._decode_path((9, 0)) == "cp.async kernel (CUPY_PIECEWISE_PATH=mma)"
     monkeypatch.setenv(cap.PATH_VAR, "warp-speed")
     cap.refresh_env_override()
     assert "CUPY_PIECEWISE_PATH" in info._forward_path((9, 0))
@@ -318,3 +322,19 @@ def test_varlen_lookup_and_selectable_configs(cc):
         cc, "bwd_dq", 32, "float16", False)
     with pytest.raises(ValueError, match="packed-batch"):
         lookup(cc, "fwd_decode", 64, "float16", False, varlen=True)
+
+
+def test_info_tile_tables_list_each_phase_with_its_own_head_dims():
+    """info's per-architecture tables: no error, every phase present, and each phase lists
+    exactly the head dims its table row has (the KV-cache phases have fewer than the
+    forward; asking them for D = 80 used to turn the whole table into an error)."""
+    from cupy_piecewise import info
+
+    for cc in cap.LISTED_ARCHS:
+        entry = info._tiles(cc)
+        assert "error" not in entry, entry
+        arch = cap.resolve_arch(cc)
+        assert set(entry["tiles"]) == set(cap.PHASES)
+        for phase, row in entry["tiles"].items():
+            assert set(row) == set(cap.TABLE[arch][phase]) & set(cap.head_dims(cc)), phase
+        assert entry["decode_path"]
