@@ -27,7 +27,8 @@ def variants_for(cc, hopper: bool = False) -> list[Variant]:
     """Every kernel variant the table can select on ``cc``, plus the per-row kernels; with
     ``hopper`` (``--arch sm_90a``) the wgmma + TMA kernels instead."""
     if hopper:
-        return [Variant(phase, dtype, d, None, causal, varlen, cluster) for phase in HOPPER_KERNELS
+        return [Variant(phase, dtype, d, capability.kv90_tiles(d) if phase == "kvdecode_sm90"
+                        else None, causal, varlen, cluster) for phase in HOPPER_KERNELS
                 for dtype in capability.TABLE_DTYPES for d in capability.hopper_head_dims(phase)
                 for causal in ((False,) if phase in HOPPER_UNCAUSAL else (False, True))
                 for varlen in ((False, True) if phase in HOPPER_VARLEN_PHASES else (False,))

@@ -191,7 +191,7 @@ KV90_MIN_TILES = {64: 8, 128: 16}
 #: splits than a cluster holds, merged by pw_forward_combine.
 KV90_CLUSTERS = tuple(range(1, 9))
 #: Most splits the Hopper decode merges in a cluster; more go through pw_forward_combine.
-#: Clusters of 8 measured 0.64-0.79x cuDNN where 8 split-and-combined blocks reach 0.90-0.98x
+#: Clusters of 8 measured 0.64-0.79x cuDNN where 8 split-and-combined blocks reach 0.89-0.98x
 #: (bench/NOTES.md); clusters of up to 4 gain 5-7% over the combine launch.
 KV90_MAX_CLUSTER = 4
 
@@ -201,14 +201,14 @@ def kv90_tiles(head_dim: int) -> TileConfig:
     return KV90_TILES[head_dim]
 
 
-def kv90_shared_bytes(head_dim: int, stages: int | None = None) -> int:
+def kv90_shared_bytes(head_dim: int, stages: int) -> int:
     """Dynamic shared memory of the Hopper decode (mirrors ``pw90kv::Smem<D, STAGES>::BYTES``;
     checked by tests/test_traits_cpu.py): per stage the K and V of 64 keys, as 2 KB boxes of
     16 rows x 64 columns; one more 16-key K chunk (the one that straddles d = w); a full and
-    an empty mbarrier per stage; Q1 and Q2 (16 rows of ``head_dim + 8`` elements); 1 KB to
-    align the base to 1024 bytes."""
+    an empty mbarrier per stage (``stages`` of them: :data:`KV90_TILES`' ring depth, or a
+    tuning run's); Q1 and Q2 (16 rows of ``head_dim + 8`` elements); 1 KB to align the base
+    to 1024 bytes."""
     chunk = (head_dim // 64) * 16 * 128
-    stages = stages or kv90_tiles(head_dim).stages
     return stages * 8 * chunk + chunk + 2 * stages * 8 + 2 * 16 * (head_dim + 8) * 2 + 1024
 
 

@@ -16,7 +16,7 @@ import re
 import threading
 from dataclasses import dataclass
 
-from .capability import VARLEN_PHASES, TileConfig, hopper_compute_dim, kv90_tiles
+from .capability import VARLEN_PHASES, TileConfig, hopper_compute_dim
 from .kernel_sources import kernel_dir
 
 #: kernel file per phase; the delta pre-pass lives with the backward kernels.
@@ -84,7 +84,7 @@ class Variant:
     phase: str  # 'fwd' | 'fwd_decode' | 'bwd_dq' | 'bwd_dkv' or a row kernel (ROW_KERNELS)
     dtype: str  # 'float16' | 'bfloat16'
     head_dim: int
-    tiles: TileConfig | None  # None for the row kernels
+    tiles: TileConfig | None  # None for the row kernels (kvdecode_sm90: capability.kv90_tiles)
     causal: bool = False
     varlen: bool = False  # packed variable-length batch (VARLEN_PHASES, HOPPER_VARLEN_PHASES)
     cluster: int = 1  # kvdecode_sm90: key splits merged inside one thread-block cluster
@@ -96,8 +96,8 @@ class Variant:
     @property
     def name_expression(self) -> str:
         elem = _ELEM[self.dtype]
-        if self.phase == "kvdecode_sm90":  # common.cuh's element tags; the ring's depth
-            t = self.tiles or kv90_tiles(self.head_dim)
+        if self.phase == "kvdecode_sm90":  # common.cuh's element tags; ring depth, warps
+            t = self.tiles
             return (f"{_TEMPLATE[self.phase]}<{_ELEM[self.dtype]}, {self.head_dim}, {t.stages}, "
                     f"{self.cluster}, {t.num_warps}>")
         if self.phase in HOPPER_KERNELS:
@@ -136,7 +136,7 @@ class Variant:
         if self.phase in ROW_KERNELS or self.phase in HOPPER_ROW_KERNELS:
             return 256
         if self.phase == "kvdecode_sm90":  # consumer warps and a producer warp
-            return 32 * ((self.tiles or kv90_tiles(self.head_dim)).num_warps + 1)
+            return 32 * (self.tiles.num_warps + 1)
         if self.phase in HOPPER_KERNELS:
             return HOPPER_THREADS
         return 32 * self.tiles.num_warps

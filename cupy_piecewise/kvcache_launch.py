@@ -7,9 +7,9 @@ across blocks, ``pw_forward_combine`` (the forward's own merge kernel) merges th
 their log-sum-exp. On an H200 (compute capability 9.0) a decode step (M = 1, head dim 64 or
 128) runs ``pw90_kvdecode`` instead, which streams the keys by TMA (tensor maps of the three
 caches, built per cache pointer and cached) and, with 2 to ``capability.KV90_MAX_CLUSTER``
-(4) splits, merges them inside one thread-block cluster: no combine launch. Nothing here reads the cached lengths: the grid and
-the number of splits come from shapes only, so a decode step captures in a CUDA graph and
-replays with new lengths.
+(4) splits, merges them inside one thread-block cluster: no combine launch. Nothing here
+reads the cached lengths: the grid and the number of splits come from shapes only, so a
+decode step captures in a CUDA graph and replays with new lengths.
 
 Arguments travel as one packed struct per kernel family (``KVParams`` in kvparams.cuh,
 mirrored by :data:`KV_FIELDS`; ``Params`` of params.cuh for the merge), after the tensor maps
@@ -122,7 +122,7 @@ class KVPlan:
             self.nsplit = split_count(s, tiles, capability.kv90_shared_bytes(s.D, tiles.stages),
                                       sms, per_sm, capability.KV90_MIN_TILES[s.D])
             # up to a cluster's worth of splits merge on chip, without pw_forward_combine
-            if self.nsplit in capability.KV90_CLUSTERS and self.nsplit <= capability.KV90_MAX_CLUSTER:
+            if self.nsplit <= capability.KV90_MAX_CLUSTER:  # built for KV90_CLUSTERS
                 self.cluster = self.nsplit
             main = Variant("kvdecode_sm90", s.dtype, s.D, tiles, False, cluster=self.cluster)
             fn, smem = launch._kernel(s.device, main)

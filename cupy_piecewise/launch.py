@@ -148,7 +148,7 @@ def _kernel(device: int, variant: Variant) -> tuple[int, int]:
     import cupy
 
     if variant.phase == "kvdecode_sm90":  # its ring depth rides in the tiles
-        smem = capability.kv90_shared_bytes(variant.head_dim, variant.tiles and variant.tiles.stages)
+        smem = capability.kv90_shared_bytes(variant.head_dim, variant.tiles.stages)
     elif variant.phase in HOPPER_KERNELS:
         smem = _HOPPER_SMEM.get(variant.phase, lambda d: 0)(variant.head_dim)
     else:

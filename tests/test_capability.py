@@ -338,3 +338,9 @@ def test_info_tile_tables_list_each_phase_with_its_own_head_dims():
         for phase, row in entry["tiles"].items():
             assert set(row) == set(cap.TABLE[arch][phase]) & set(cap.head_dims(cc)), phase
         assert entry["decode_path"]
+
+
+def test_hopper_decode_clusters_are_built_for_every_size_the_plan_picks():
+    """KVPlan merges up to KV90_MAX_CLUSTER splits in a cluster (cluster = split count), so
+    every size from 1 to that bound must be a built variant (build_check, KV90_CLUSTERS)."""
+    assert set(range(1, cap.KV90_MAX_CLUSTER + 1)) <= set(cap.KV90_CLUSTERS)
