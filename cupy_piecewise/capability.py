@@ -169,9 +169,13 @@ HOPPER_HEAD_DIMS = (64, 80, 96, 128, 256)
 #: per consumer thread; its backward runs the mma.sync kernels.
 HOPPER_BWD_HEAD_DIMS = (64, 80, 96, 128)
 #: Query rows per Hopper forward block (two consumer warpgroups of 64) and key rows per
-#: pipeline stage, per compute head dim (kernels_cu/sm90/forward.cu, FwdCfg).
+#: tile, per compute head dim (kernels_cu/sm90/forward.cu, FwdCfg).
 HOPPER_BLOCK_M = 128
-HOPPER_BLOCK_N = {64: 128, 128: 96, 256: 32}
+HOPPER_BLOCK_N = {64: 128, 128: 128, 256: 32}
+#: Buffers of BLOCK_N keys in the Hopper forward's K ring and V ring, per compute head dim
+#: (FwdCfg's KSLOTS, VSLOTS): a tile takes one K slot (K1 or K2), a tile that straddles
+#: d = w two.
+HOPPER_FWD_SLOTS = {64: (4, 2), 128: (3, 2), 256: (4, 2)}
 
 
 #: Head dims of the Hopper KV-cache decode (kernels_cu/sm90/kvdecode.cu: whole 64-column
@@ -231,16 +235,17 @@ def hopper_compute_dim(head_dim: int) -> int:
 
 
 def hopper_shared_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of the Hopper forward (mirrors ``pw90::FwdSmem<D>::BYTES`` of
-    the default build, the pipelined loop; checked by tests/test_traits_cpu.py): Q1 and Q2
-    tiles, two stages of K1, K2 and V as 64-column, 128-byte-swizzled panels, ten mbarriers
-    (Q; full and empty of K and of V per stage; Q released, for the persistent grid) and
-    1 KB to align the base."""
+    """Dynamic shared memory of the Hopper forward (mirrors ``pw90::FwdSmem<D>::BYTES``;
+    checked by tests/test_traits_cpu.py): Q1 and Q2 tiles, the K and V rings
+    (:data:`HOPPER_FWD_SLOTS` buffers of :data:`HOPPER_BLOCK_N` keys) as 64-column,
+    128-byte-swizzled panels, a full and an empty mbarrier per buffer plus two (Q loaded;
+    Q released, for the persistent grid), and 1 KB to align the base."""
     head_dim = hopper_compute_dim(head_dim)
     panels = head_dim // 64
     q_tile = panels * HOPPER_BLOCK_M * 128
     k_tile = panels * HOPPER_BLOCK_N[head_dim] * 128
-    return 2 * q_tile + 2 * 3 * k_tile + 8 * (1 + 4 * 2 + 1) + 1024
+    slots = sum(HOPPER_FWD_SLOTS[head_dim])
+    return 2 * q_tile + slots * k_tile + 8 * (2 + 2 * slots) + 1024
 
 
 #: Query rows per streamed tile and key rows per block of the Hopper backward

@@ -9,8 +9,9 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "kernels_cu" / "sm90" / "wgmma.cuh"
 #: 16/32 (and 256): the D = 256 forward's key tile of 32 (halves of 16 on straddling tiles)
-#: and its O += P·V product over all 256 columns; 48-128: the D = 64/128 kernels.
-NS = (16, 32, 48, 64, 96, 128, 256)
+#: and its O += P·V product over all 256 columns; 48-192: the D = 64/128 kernels' key tiles
+#: (192: the -DPW90_BN64=192 variant) and their straddling parts.
+NS = (16, 32, 48, 64, 96, 128, 192, 256)
 TYPES = ("f16", "bf16")
 
 HEADER = """\

@@ -45,13 +45,15 @@ import time
 import traceback
 
 import probe_common  # noqa: E402  (scripts/ is on sys.path)
+from cupy_piecewise import capability  # noqa: E402
 from probe_common import ROOT, find_tool, say, splice  # noqa: E402
 
 SOURCE = "sm90/forward.cu"
 ELEM = {"bfloat16": "pw90::bf16", "float16": "pw90::f16"}
 THREADS = 384
 BM = 128
-BN = {64: 128, 128: 96}  # mirrors pw90::FwdCfg
+#: key rows per tile of the default build (pw90::FwdCfg; -DPW90_BN128 changes D = 128)
+BN = {d: capability.HOPPER_BLOCK_N[d] for d in (64, 128)}
 LOG2E = 1.4426950408889634
 
 # Phase deadlines and inactivity limits (seconds): build + check + time < 240.
@@ -62,17 +64,13 @@ PHASES = {"build": (45, 40), "check": (85, 20), "variant": (35, 20), "time": (70
 VARIANT_CASES = (0, 1, 4, 9, 10, 13, 18, 22, 27, 31)
 
 
-#: macros that select the pipelined consumer loop, which has 2 more mbarriers per stage
-PIPE_MACROS = ("PW90_DEFER", "PW90_OVERLAP", "PW90_PINGPONG", "PW90_PERSIST")
-
-
-def macro_on(options, names) -> bool:
-    """True when the NVRTC options turn on one of the macros ``names`` (-DNAME or -DNAME=nonzero)."""
+def macro_value(options, name, default: int) -> int:
+    """The integer value -D``name``=V sets among the NVRTC options, else ``default``."""
     for o in options:
-        m = re.match(r"-D(\w+)(?:=(.*))?$", o)
-        if m and m.group(1) in names and (m.group(2) is None or m.group(2).strip() not in ("0", "")):
-            return True
-    return False
+        m = re.match(rf"-D{name}=\s*(\d+)\s*$", o)
+        if m:
+            return int(m.group(1))
+    return default
 
 
 def macro_off(options, name) -> bool:
@@ -80,19 +78,34 @@ def macro_off(options, name) -> bool:
     return any(re.match(rf"-D{name}=\s*0\s*$", o) for o in options)
 
 
-def is_pipe(options=()) -> bool:
-    """The pipelined loop: PW90_OVERLAP and PW90_PERSIST are on unless set to 0."""
-    return (macro_on(options, PIPE_MACROS) or not macro_off(options, "PW90_OVERLAP")
-            or not macro_off(options, "PW90_PERSIST"))
+def tiles(D: int, options=()) -> tuple:
+    """(key rows per tile, K slots, V slots) of pw90::FwdCfg<D> built with ``options``."""
+    bn, (ks, vs) = BN[D], capability.HOPPER_FWD_SLOTS[D]
+    if D == 128:
+        bn, ks = macro_value(options, "PW90_BN128", bn), macro_value(options, "PW90_KSLOTS128", ks)
+    else:
+        bn = macro_value(options, "PW90_BN64", bn)
+    return bn, ks, vs
 
 
-def smem_bytes(D: int, pipe: bool = False, persist: bool = False) -> int:
-    """Dynamic shared memory of pw90_forward<T, D, *>: mirrors pw90::FwdSmem<D>::BYTES."""
+def smem_bytes(D: int, options=()) -> int:
+    """Dynamic shared memory of pw90_forward<T, D, *>: mirrors pw90::FwdSmem<D>::BYTES (the
+    package's figure, capability.hopper_shared_bytes, for the default build)."""
+    bn, ks, vs = tiles(D, options)
     panels = D // 64
-    q_tile = panels * BM * 128
-    k_tile = panels * BN[D] * 128
-    bars = 2 * q_tile + 2 * 3 * k_tile
-    return bars + 8 * (1 + (4 if pipe else 2) * 2 + (1 if persist else 0)) + 1024  # FwdSmem::NBARS
+    return 2 * panels * BM * 128 + (ks + vs) * panels * bn * 128 + 8 * (2 + 2 * (ks + vs)) + 1024
+
+
+def source_of(options=()) -> str:
+    """The kernel file to build: SOURCE, or kernels_cu/sm90/<NAME>.cu for a variant with
+    -DPW90_PROBE_SOURCE=NAME (an A/B against another version of the kernel, e.g. one
+    written out by `git show REV:kernels_cu/sm90/forward.cu`; give it the -D options that
+    make tiles() describe its tile shape)."""
+    for o in options:
+        m = re.match(r"-DPW90_PROBE_SOURCE=(\w+)$", o)
+        if m:
+            return f"sm90/{m.group(1)}.cu"
+    return SOURCE
 
 
 def name_expr(dtype: str, D: int, causal: bool) -> str:
@@ -119,7 +132,8 @@ class Kernels:
         self.via = via
         opts = ("-std=c++17", "-arch=sm_90a") + tuple(extra_options)
         if via == "rawmodule":
-            self.mod = cupy.RawModule(code=splice(SOURCE), options=opts, name_expressions=NAMES)
+            self.mod = cupy.RawModule(code=splice(source_of(opts)), options=opts,
+                                      name_expressions=NAMES)
             get = lambda n: self.mod.get_function(n)  # noqa: E731
         else:  # our own NVRTC cubin, loaded from a file
             cubin, lowered, _ = nvrtc_cubin(NAMES, list(opts))
@@ -128,7 +142,6 @@ class Kernels:
             os.close(fd)
             self.mod = cupy.RawModule(path=path)
             get = lambda n: self.mod.get_function(lowered[n])  # noqa: E731
-        pipe = is_pipe(opts)
         #: PW90_PERSIST (default on; -DPW90_PERSIST=0 turns it off): non-causal launches get a
         #: grid of at most one CTA per SM
         self.persist = not macro_off(opts, "PW90_PERSIST")
@@ -136,8 +149,9 @@ class Kernels:
         for n in NAMES:
             k = get(n)
             D = 64 if ", 64," in n else 128
-            k.max_dynamic_shared_size_bytes = smem_bytes(D, pipe, self.persist)
-            self.fns[n] = (k, smem_bytes(D, pipe, self.persist))
+            k.max_dynamic_shared_size_bytes = smem_bytes(D, opts)
+            self.fns[n] = (k, smem_bytes(D, opts))
+        self.bn = {D: tiles(D, opts)[0] for D in (64, 128)}
 
     def launch(self, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale=None):
         """o, lse: preallocated torch tensors ((B,H,M,D) unit-stride D; (B,H,M) contiguous)."""
@@ -153,7 +167,7 @@ class Kernels:
             return
         assert N > 0, "N == 0 is the caller's (o = 0, lse = -inf)"
         k, smem = self.fns[name_expr(dtype, D, causal)]
-        bn = BN[D]
+        bn = self.bn[D]
         maps = [tma.tensor_map_bhld(t.data_ptr(), t.shape, t.stride(), dtype, BM) for t in (q1, q2)]
         maps += [tma.tensor_map_bhld(t.data_ptr(), t.shape, t.stride(), dtype, bn) for t in (k1, k2, v)]
         scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
@@ -382,6 +396,20 @@ def cuda_time(torch, fn, warmup=3, reps=20):
     return probe_common.cuda_time(torch, fn, warmup, reps)
 
 
+#: calls per timed sample of the --variants grid: this probe encodes five tensor maps on the
+#: host for every launch (tens of microseconds), which a sample of one call would count as
+#: GPU time; a back-to-back batch keeps the GPU busy while the host prepares the next launch
+VT_BATCH = 8
+
+
+def batch_time(torch, fn, warmup=2, reps=15):
+    """Median milliseconds per call of ``fn`` over samples of :data:`VT_BATCH` calls."""
+    def many():
+        for _ in range(VT_BATCH):
+            fn()
+    return cuda_time(torch, many, warmup, reps) / VT_BATCH
+
+
 def phase_time(args):
     import torch
     import torch.nn.functional as F
@@ -567,7 +595,7 @@ def _vtime_ours(torch, kern, tag, L, D, causal, cupy_piecewise=None):
     lse = torch.empty(B, H, L, device="cuda", dtype=torch.float32)
     flops = 4 * B * H * L * L * D * (0.5 if causal else 1.0)
     try:
-        ms = cuda_time(torch, lambda: kern.launch(q1, k1, q2, k2, v, o, lse, w, causal), 5, 30)
+        ms = batch_time(torch, lambda: kern.launch(q1, k1, q2, k2, v, o, lse, w, causal))
         say(f"VTIME {tag} | L={L} D={D} causal={int(causal)} | {ms:.4f} ms {flops / ms / 1e9:.1f} TFLOP/s")
     except Exception as e:
         say(f"VTIME {tag} | L={L} D={D} causal={int(causal)} | ERROR {type(e).__name__}: {str(e)[:200]}")
@@ -608,7 +636,7 @@ def _vtime_sdpa(torch, F, SDPBackend, sdpa_kernel, L, D, causal):
             with sdpa_kernel(be):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         try:
-            ms = cuda_time(torch, fn, 5, 30)
+            ms = batch_time(torch, fn)
             say(f"VTIME {name} | L={L} D={D} causal={int(causal)} | {ms:.4f} ms {flops / ms / 1e9:.1f} TFLOP/s")
         except Exception as e:
             say(f"VTIME {name} | L={L} D={D} causal={int(causal)} | ERROR {type(e).__name__}: {str(e)[:200]}")

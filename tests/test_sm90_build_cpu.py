@@ -23,13 +23,16 @@ NAMES = [f"pw90_forward<{ELEM[t]}, {d}, {'true' if c else 'false'}>"
 
 #: compile-time variants of the consumer loop (kernels_cu/sm90/forward.cu), A/B-tested on a GPU
 #: by scripts/hopper_probe.py --variants; each must build without spills or serialised wgmma
-# PW90_OVERLAP is on by default (the package's build); =0 gives the plain loop back.
+# PW90_OVERLAP is on by default (the package's build); =0 waits for P·V before the softmax.
 # PW90_PERSIST is on by default too (dense batches); =0 gives one CTA per work tile, which
-# ping-pong needs and the plain loop (OVERLAP=0 with PERSIST=0) takes.
-VARIANTS = ["PW90_OVERLAP=0 PW90_PERSIST=0", "PW90_DEFER=1 PW90_OVERLAP=0 PW90_PERSIST=0",
-            "PW90_PERSIST=0", "PW90_PINGPONG=1 PW90_OVERLAP=0 PW90_PERSIST=0",
+# ping-pong needs. PW90_BN128=96 PW90_KSLOTS128=4: the D = 128 tile and memory of the layout
+# the rings replaced. PW90_BN64=192 PW90_CONSUMER_REGS=240: 192-key tiles at D = 64, which fit
+# only in FlashAttention-3's 240/24 register split (at 232/40 they spill and serialise).
+VARIANTS = ["PW90_OVERLAP=0 PW90_PERSIST=0", "PW90_PERSIST=0",
+            "PW90_PINGPONG=1 PW90_OVERLAP=0 PW90_PERSIST=0",
             "PW90_PINGPONG=1 PW90_OVERLAP=1 PW90_PERSIST=0", "PW90_OVERLAP=0",
-            "PW90_DEFER=1 PW90_OVERLAP=0"]
+            "PW90_BN128=96 PW90_KSLOTS128=4", "PW90_CONSUMER_REGS=240",
+            "PW90_BN64=192 PW90_CONSUMER_REGS=240"]
 
 
 def _compile(defines=()):

@@ -130,6 +130,19 @@ def test_hopper_shared_bytes_match_the_kernel(nvrtc, filename, struct, figure):
     _compile_sm90a(nvrtc, src)
 
 
+def test_hopper_forward_tiles_match_the_kernel(nvrtc):
+    """capability.HOPPER_BLOCK_N (the TMA box of K and V) and HOPPER_FWD_SLOTS are the Hopper
+    forward's own FwdCfg<D> for every compute head dim."""
+    src = source("sm90/forward.cu")
+    for d, bn in capability.HOPPER_BLOCK_N.items():
+        ks, vs = capability.HOPPER_FWD_SLOTS[d]
+        src += (f"\nstatic_assert(pw90::FwdCfg<{d}>::BN == {bn} && pw90::FwdCfg<{d}>::KSLOTS == {ks}"
+                f" && pw90::FwdCfg<{d}>::VSLOTS == {vs}, \"FwdCfg<{d}> != capability\");")
+    assert sorted(capability.HOPPER_BLOCK_N) == sorted(
+        {capability.hopper_compute_dim(d) for d in capability.HOPPER_HEAD_DIMS})
+    _compile_sm90a(nvrtc, src)
+
+
 @pytest.mark.parametrize("stages", [None, 2, 4])
 def test_hopper_decode_shared_bytes_match_the_kernel(nvrtc, stages):
     """capability.kv90_shared_bytes (what kvcache_launch asks for) equals the Hopper decode's

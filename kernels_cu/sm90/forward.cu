@@ -1,25 +1,31 @@
 // Piecewise-attention forward for Hopper (sm_90a): TMA + mbarrier pipeline, wgmma, warp
-// specialisation. PROTOTYPE: standalone, not wired into the package dispatch.
+// specialisation.
 //
 // One CTA per (128-row query tile, head, batch), 384 threads = 3 warpgroups:
 //   warpgroup 0  producer: one thread issues the TMA loads (128-byte swizzle) of Q1 and Q2 once
-//                and, per key tile, only the operands the tile needs (near-only tiles K1 + V,
-//                far-only K2 + V, straddling tiles K1 + K2 + V) into a 2-stage ring guarded by
-//                full/empty mbarriers; causally empty key tiles are never visited.
-//                setmaxnreg.dec to 40 registers.
+//                and, per key tile, only the key projections the tile needs (near-only tiles
+//                K1, far-only K2, straddling tiles K1 and K2) into a ring of K slots, and V
+//                into a ring of V slots, each slot guarded by full/empty mbarriers; causally
+//                empty key tiles are never visited. setmaxnreg.dec to 40 registers.
 //   warpgroups 1, 2  consumers, 64 query rows each (setmaxnreg.inc to 232): S = Q·Kᵀ with
 //                wgmma m64nBNk16 (both operands shared-memory descriptors), on straddling
-//                tiles both products (the second in two halves) and a per-element select, masking only on edge/diagonal
-//                tiles, online softmax in the log2 domain (sm_scale*log2 e folded into one
-//                FFMA before ex2), P packed to 16-bit in registers as the A operand of
-//                O += P·V (wgmma m64nDk16, V read MN-major through imm-trans-b = 1).
+//                tiles both products (the second in parts of at most 64 keys) and a
+//                per-element select, masking only on edge/diagonal tiles, online softmax in
+//                the log2 domain (sm_scale*log2 e folded into one FFMA before ex2), P packed
+//                to 16-bit in registers as the A operand of O += P·V (wgmma m64nDk16, V read
+//                MN-major through imm-trans-b = 1). The O += P·V product of tile t-1 is issued with
+//                S = Q·Kᵀ of tile t, so the softmax of t overlaps it (PW90_OVERLAP).
 //                Epilogue: O / l stored directly to global memory, lse (natural log, float32).
 //
-// Shared memory (bytes): Q1, Q2: 2 x 128 x D x 2; each stage: K1, K2, V: 3 x BN x D x 2.
-//   D = 64,  BN = 128: 32 KB + 2 x 48 KB = 128 KB
-//   D = 128, BN = 96:  64 KB + 2 x 72 KB = 208 KB   (BN = 112 would need 232 KB > 227 KB)
-//   D = 256, BN = 32: 128 KB + 2 x 48 KB = 224 KB
-// plus 40 bytes of mbarriers and 1 KB to align the base to 1024 bytes.
+// Shared memory: Q1, Q2 (2 x 128 x D x 2 bytes), then KSLOTS K slots and VSLOTS V slots of
+// BN x D x 2 bytes. A tile takes one K slot, a straddling one two (K1 and K2), so a K ring
+// of 3 slots keeps a straddling tile and the next one in flight; the V ring of 2 holds V of
+// tile t-1 (read by P·V) while V of tile t loads.
+//   D = 64,  BN = 128, 4 + 2 slots of 16 KB: 32 KB + 96 KB = 128 KB
+//   D = 128, BN = 128, 3 + 2 slots of 32 KB: 64 KB + 160 KB = 224 KB
+//   D = 256, BN = 32,  4 + 2 slots of 16 KB: 128 KB + 96 KB = 224 KB
+// plus the mbarriers and 1 KB to align the base to 1024 bytes. (Before the rings, each of
+// two stages held K1, K2 and V whatever the tile needed: BN = 96 at D = 128, 208 KB.)
 // Every tile is stored as D/64 panels of rows x 128 bytes (the TMA box is 64 elements wide
 // because the 128-byte swizzle limits the inner box extent to 128 bytes).
 #include "sm90/hopper.cuh"
@@ -28,36 +34,29 @@
 #ifndef PW90_PV_SPLIT
 #define PW90_PV_SPLIT 0
 #endif
-// Compile-time variants of the consumer main loop (all off by default: the default build is
-// the loop above, unchanged). Any of them selects the pipelined loop (consumer_pipe): the
-// O += P·V product of tile t-1 is issued together with S = Q·Kᵀ of tile t, and each stage
-// has separate K (K1/K2) and V barriers so K is released as soon as S is done.
-//   PW90_DEFER=1     the pipelined loop alone (both products waited for before the softmax)
-//   PW90_OVERLAP=1   intra-warpgroup overlap: S_t is committed before P_{t-1}·V_{t-1}, the
-//                    softmax of tile t starts after wgmma.wait_group 1 (S_t done) while the
-//                    P·V product still runs; O is rescaled after wait_group 0
+// Compile-time variants of the consumer loop (A/B-tested by scripts/hopper_probe.py):
+//   PW90_OVERLAP=1   (default) S_t is committed before P_{t-1}·V_{t-1}, the softmax of tile
+//                    t starts after wgmma.wait_group 1 (S_t done) while the P·V product still
+//                    runs; O is rescaled after wait_group 0. +1-9% over waiting for both
+//                    products (bench/results/2026-11-30-h200-hopper-variants). =0: both
+//                    products are waited for before the softmax.
 //   PW90_PINGPONG=1  the two consumer warpgroups take turns issuing their GEMMs (named
 //                    barriers 1 and 2, 256 threads), so one's softmax overlaps the other's GEMMs
-#ifndef PW90_DEFER
-#define PW90_DEFER 0
-#endif
 #ifndef PW90_OVERLAP
-// On by default: +1-9% over the plain loop on an H200 (bench/results/2026-11-30-h200-hopper-
-// variants), 128/128 probe cases passing; build with -DPW90_OVERLAP=0 for the plain loop.
 #define PW90_OVERLAP 1
 #endif
 #ifndef PW90_PINGPONG
 #define PW90_PINGPONG 0
 #endif
-//   PW90_PERSIST=1   (default; implies the pipelined loop) persistent grid for dense,
-//                    non-causal batches: gridDim.x CTAs (the launcher: at most one per SM)
-//                    walk the (query tile, head, batch) work tiles with stride gridDim.x;
-//                    the producer loads the next tile's Q (once the consumers have issued
-//                    their last S = Q·Kᵀ) and first K/V tiles while the consumers finish the
-//                    last P·V and the epilogue of the current one. Causal batches keep one
-//                    CTA per work tile: their tiles differ in length, and the hardware's
-//                    dynamic block scheduling balances them better than a static stride
-//                    (which lost 2-13% on an H200, bench/NOTES.md); packed batches too.
+//   PW90_PERSIST=1   (default) persistent grid for dense, non-causal batches: gridDim.x CTAs
+//                    (the launcher: at most one per SM) walk the (query tile, head, batch)
+//                    work tiles with stride gridDim.x; the producer loads the next tile's Q
+//                    (once the consumers have issued their last S = Q·Kᵀ) and first K/V tiles
+//                    while the consumers finish the last P·V and the epilogue of the current
+//                    one. Causal batches keep one CTA per work tile: their tiles differ in
+//                    length, and the hardware's dynamic block scheduling balances them better
+//                    than a static stride (which lost 2-13% on an H200, bench/NOTES.md);
+//                    packed batches too.
 #ifndef PW90_PERSIST
 #define PW90_PERSIST 1
 #endif
@@ -68,7 +67,23 @@
 #if PW90_PINGPONG && PW90_PERSIST
 #error "PW90_PINGPONG needs -DPW90_PERSIST=0 (named-barrier arrivals can cross work tiles)"
 #endif
-#define PW90_PIPE (PW90_DEFER || PW90_OVERLAP || PW90_PINGPONG || PW90_PERSIST)
+// Tile-shape knobs for A/B runs (scripts/hopper_probe.py --variants); the host's figures
+// (capability.HOPPER_BLOCK_N, HOPPER_FWD_SLOTS) follow the defaults, so the package itself
+// always runs the default build. Key rows per tile and K slots at D = 128 (80, 96):
+// -DPW90_BN128=96 -DPW90_KSLOTS128=4 is the tile and memory of the two-stage layout the
+// rings replaced (slower in 10 of 12 same-run probe cells on an H200, bench/NOTES.md).
+#ifndef PW90_BN128
+#define PW90_BN128 128
+#endif
+#ifndef PW90_KSLOTS128
+#define PW90_KSLOTS128 3
+#endif
+// Key rows per tile at D = 64: 192 (three 64-key parts on straddling tiles) needs
+// -DPW90_CONSUMER_REGS=240 (else spills and serialised wgmma); within the probe's noise of
+// the default on an H200.
+#ifndef PW90_BN64
+#define PW90_BN64 128
+#endif
 
 namespace pw90 {
 
@@ -117,30 +132,60 @@ template <bool VARLEN> PW90 SeqRows seq_rows(const FwdParams& p, int b) {
 
 constexpr int BM = 128;       // query rows per CTA (two consumer warpgroups x 64)
 constexpr int THREADS = 384;  // producer warpgroup + 2 consumer warpgroups
-constexpr int STAGES = 2;
-constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;  // 128*40 + 256*232 <= 65536
+#ifndef PW90_CONSUMER_REGS
+#define PW90_CONSUMER_REGS 232
+#endif
+// 128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536: 232 / 40, or 240 / 24 as in
+// FlashAttention-3 (-DPW90_CONSUMER_REGS=240: no consistent gain with 128-key tiles)
+constexpr int CONSUMER_REGS = PW90_CONSUMER_REGS, PRODUCER_REGS = CONSUMER_REGS > 232 ? 24 : 40;
 
+// BN key rows per tile; KSLOTS / VSLOTS buffers of BN x D in the K / V rings (the host's
+// capability.HOPPER_BLOCK_N and HOPPER_FWD_SLOTS).
 template <int D> struct FwdCfg;
-template <> struct FwdCfg<64> { static constexpr int BN = 128; };
-template <> struct FwdCfg<128> { static constexpr int BN = 96; };
-// D = 256: Q1 and Q2 alone take 128 KB, so a 2-stage ring of K1, K2, V fits 32-key tiles
-// (96 KB; 48-key tiles would need 144 KB). O is 128 float32 registers per thread.
-template <> struct FwdCfg<256> { static constexpr int BN = 32; };
+template <> struct FwdCfg<64> {
+  static constexpr int BN = PW90_BN64, KSLOTS = 4, VSLOTS = 2;
+};
+template <> struct FwdCfg<128> {
+  static constexpr int BN = PW90_BN128, KSLOTS = PW90_KSLOTS128, VSLOTS = 2;
+};
+// D = 256: Q1 and Q2 alone take 128 KB, so the rings hold 32-key tiles (48-key tiles in
+// 4 + 2 slots would need 144 KB). O is 128 float32 registers per thread.
+template <> struct FwdCfg<256> { static constexpr int BN = 32, KSLOTS = 4, VSLOTS = 2; };
 
 template <int D> struct FwdSmem {
   static constexpr int BN = FwdCfg<D>::BN, PANELS = D / 64;
+  static constexpr int KSLOTS = FwdCfg<D>::KSLOTS, VSLOTS = FwdCfg<D>::VSLOTS;
   static constexpr int Q_PANEL = BM * 128, K_PANEL = BN * 128;  // bytes of a 64-column panel
   static constexpr int Q_TILE = PANELS * Q_PANEL, K_TILE = PANELS * K_PANEL;
-  static constexpr int Q1 = 0, Q2 = Q_TILE, STAGE0 = 2 * Q_TILE, STAGE = 3 * K_TILE;
-  // qbar, full[STAGES], empty[STAGES] (+ fullV[STAGES], emptyV[STAGES] with PW90_PIPE,
-  // + qempty with PW90_PERSIST)
-  static constexpr int BARS = STAGE0 + STAGES * STAGE;
-  static constexpr int NBARS = 1 + (PW90_PIPE ? 4 : 2) * STAGES + (PW90_PERSIST ? 1 : 0);
+  static constexpr int Q1 = 0, Q2 = Q_TILE, KSLOT0 = 2 * Q_TILE;
+  static constexpr int VSLOT0 = KSLOT0 + KSLOTS * K_TILE;
+  // qbar, full/empty of each K slot, full/empty of each V slot, qempty (PW90_PERSIST: Q no
+  // longer read)
+  static constexpr int BARS = VSLOT0 + VSLOTS * K_TILE;
+  static constexpr int NBARS = 2 + 2 * KSLOTS + 2 * VSLOTS;
   static constexpr int BYTES = BARS + 8 * NBARS + 1024;  // + base alignment slack
   static_assert(Q_PANEL % 1024 == 0 && K_PANEL % 1024 == 0 && (BN / 2) % 8 == 0,
                 "swizzle atoms are 1024 bytes (also half a K tile, for straddling tiles)");
+  static_assert(KSLOTS >= 2 && VSLOTS >= 2, "a straddling tile takes two K slots; P·V of "
+                "tile t-1 reads one V slot while the next loads");
   static_assert(BYTES <= 227 * 1024, "shared memory per block");
 };
+
+// A ring of N shared-memory buffers of BYTES each, guarded by a full and an empty mbarrier
+// per buffer. Uses are counted from 0 (across the work tiles of a persistent CTA): use u
+// takes buffer u % N, and its barriers complete phase u / N, of parity (u / N) & 1.
+template <int N, int BYTES> struct Ring {
+  u32 buf0, full0, empty0;
+  PW90 u32 buf(int u) const { return buf0 + (u32)(u % N) * BYTES; }
+  PW90 u32 full(int u) const { return full0 + 8 * (u % N); }
+  PW90 u32 empty(int u) const { return empty0 + 8 * (u % N); }
+  static PW90 u32 parity(int u) { return (u32)(u / N) & 1u; }
+};
+template <int D> using KRing = Ring<FwdSmem<D>::KSLOTS, FwdSmem<D>::K_TILE>;
+template <int D> using VRing = Ring<FwdSmem<D>::VSLOTS, FwdSmem<D>::K_TILE>;
+
+// K slots a key tile of mode m takes (block_mode: K1 and/or K2).
+PW90 int kslots_of(int mode) { return (mode & 1) + (mode >> 1); }
 
 // Which projections a (query range x key range) block needs: bit 0 some admissible pair has
 // d < w (q1·k1), bit 1 some has d >= w (q2·k2). With CAUSAL only d >= 0 is admissible.
@@ -166,169 +211,6 @@ PW90 void qk(float (&s)[NC / 2], u32 qa, u32 ka) {
   }
 }
 
-template <typename T, int D, bool CAUSAL, int DV>
-PW90 void consumer(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 empty0, int m0, int h,
-                   int b, int ntiles) {
-  using S = FwdSmem<D>;
-  constexpr int BN = S::BN;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // Broadcast from lane 0 so that ptxas knows the warpgroup index (and every branch derived
-  // from it) is warp-uniform; otherwise it serialises the wgmma in those branches (C7519).
-  const int wg = __shfl_sync(0xffffffffu, warp / 4 - 1, 0), wl = warp % 4;
-  const int M = (int)p.M, N = (int)p.N, P = (int)p.shift, w = (int)p.w;
-  const int row0 = m0 + 64 * wg;  // first query row of this warpgroup
-  const float sl2 = p.scale_log2;
-  const u32 q1a = base + S::Q1 + wg * 64 * 128, q2a = base + S::Q2 + wg * 64 * 128;
-
-  float o[D / 2];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-  float mrow[2] = {PW90_NEG_INF, PW90_NEG_INF}, lrow[2] = {0.f, 0.f};
-
-  // Thread's accumulator element (hh, j, e): row 16*wl + lane/4 + 8*hh of the warpgroup,
-  // column 8*j + 2*(lane%4) + e of the tile; index 4*j + 2*hh + e.
-  if (ntiles > 0) mbar_wait(qbar, 0);
-  for (int t = 0; t < ntiles; ++t) {
-    const int stage = t & 1;
-    mbar_wait(full0 + 8 * stage, (t >> 1) & 1);
-    const int n0 = t * BN;
-    const u32 st = base + S::STAGE0 + stage * S::STAGE;
-    const int dmax = row0 + 63 + P - n0;
-    if (!CAUSAL || dmax >= 0) {  // else every pair of this warpgroup is causally masked
-      const int mode = block_mode<CAUSAL>(row0, 64, n0, BN, P, w);
-      const bool masked = n0 + BN > N || (CAUSAL && row0 + P - (n0 + BN - 1) < 0);
-      float s1[BN / 2];
-      wg_fence();
-      // Near-only tiles: Q1·K1ᵀ; far-only: Q2·K2ᵀ; straddling: Q1·K1ᵀ here, Q2·K2ᵀ below.
-      qk<T, D, BN, BN>(s1, mode == 2 ? q2a : q1a, mode == 2 ? st + S::K_TILE : st);
-      wg_commit();
-      wg_wait<0>();
-      reg_fence(s1);
-      // distance of element (hh, j, e) = dbase + 8*hh - 8*j - e
-      const int dbase = row0 + P - n0 + 16 * wl + lane / 4 - 2 * (lane % 4);
-      if (mode == 3) {
-        // The second product goes half a tile at a time through a small temporary, so a
-        // straddling tile (rare: about two per query tile) costs BN/4 extra registers, not a
-        // second score tile.
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float s2[BN / 4];
-          wg_fence();
-          qk<T, D, BN, BN / 2>(s2, q2a, st + S::K_TILE + half * (BN / 2) * 128);
-          wg_commit();
-          wg_wait<0>();
-          reg_fence(s2);
-#pragma unroll
-          for (int jj = 0; jj < BN / 16; ++jj)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int j = half * (BN / 16) + jj;
-                if (dbase + 8 * hh - 8 * j - e >= w) s1[4 * j + 2 * hh + e] = s2[4 * jj + 2 * hh + e];
-              }
-        }
-      }
-      if (masked) {
-        const int cols = N - n0 - 2 * (lane % 4);  // valid columns, counted from this lane's
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-              if (8 * j + e >= cols || (CAUSAL && dbase + 8 * hh - 8 * j - e < 0))
-                s1[4 * j + 2 * hh + e] = PW90_NEG_INF;
-      }
-      // Online softmax; a row's max is shared by the four lanes that hold it.
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float mx = mrow[hh];
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-          mx = fmaxf(mx, fmaxf(s1[4 * j + 2 * hh], s1[4 * j + 2 * hh + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // A row that has seen only masked keys keeps max -inf: subtract 0 so exp2 gives 0.
-        // The scaled maxima are rounded products (__fmul_rn): contracted into an FMA,
-        // m * sl2 - mb is the rounding residual of mb instead of 0 when the max is unchanged,
-        // and alpha = 2^residual != 1 would scale l and O by the same factor every tile:
-        // lse off by 1e-3 (relative) after 2^24 keys, O weighted toward later keys.
-        const float mb = mx == PW90_NEG_INF ? 0.f : __fmul_rn(mx, sl2);
-        const float alpha = exp2f_approx(__fmul_rn(mrow[hh], sl2) - mb);
-        mrow[hh] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float x = exp2f_approx(fmaf(s1[4 * j + 2 * hh + e], sl2, -mb));
-            s1[4 * j + 2 * hh + e] = x;
-            sum += x;
-          }
-        lrow[hh] = lrow[hh] * alpha + sum;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-          o[4 * j + 2 * hh] *= alpha;
-          o[4 * j + 2 * hh + 1] *= alpha;
-        }
-      }
-      // P (accumulator layout) is the register A operand of m64nDk16, 16 keys at a time.
-      u32 a[BN / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        a[kk][0] = Cvt<T>::pack(s1[8 * kk + 0], s1[8 * kk + 1]);
-        a[kk][1] = Cvt<T>::pack(s1[8 * kk + 2], s1[8 * kk + 3]);
-        a[kk][2] = Cvt<T>::pack(s1[8 * kk + 4], s1[8 * kk + 5]);
-        a[kk][3] = Cvt<T>::pack(s1[8 * kk + 6], s1[8 * kk + 7]);
-        reg_fence(a[kk]);
-      }
-      reg_fence(o);
-      wg_fence();
-      const u32 va = st + 2 * S::K_TILE;
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-#if PW90_PV_SPLIT  // one m64n64 product per 64-column panel of V (no reliance on LBO)
-#pragma unroll
-        for (int pn = 0; pn < D / 64; ++pn) {
-          float (&op)[32] = *reinterpret_cast<float(*)[32]>(&o[32 * pn]);
-          Wgmma<T, 64>::template rs<1>(op, a[kk], smem_desc(va + pn * S::K_PANEL + kk * 2048,
-                                                             S::K_PANEL, 1024), 1);
-        }
-#else
-        Wgmma<T, D>::template rs<1>(o, a[kk], smem_desc(va + kk * 2048, S::K_PANEL, 1024), 1);
-#endif
-      }
-      wg_commit();
-      wg_wait<0>();
-      reg_fence(o);
-    }
-    mbar_arrive(empty0 + 8 * stage);  // this thread no longer reads the stage
-  }
-
-  // Epilogue: normalise, store O and lse.
-  const i64 H = p.H;
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    float l = lrow[hh];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int r = row0 + 16 * wl + lane / 4 + 8 * hh;
-    const float inv = l > 0.f ? 1.f / l : 0.f;  // a row with no admissible key gives o = 0
-    if (r < M) {
-      if (p.lse && lane % 4 == 0)
-        p.lse[((i64)b * H + h) * (i64)M + r] =
-            l > 0.f ? (mrow[hh] * sl2 + log2f_approx(l)) * PW90_LN2 : PW90_NEG_INF;
-      u16* dst = p.o + (i64)b * p.o_sb + (i64)h * p.o_sh + (i64)r * p.o_sr + 2 * (lane % 4);
-#pragma unroll
-      for (int j = 0; j < DV / 8; ++j)  // the stored columns (DV < D: zero padding computed)
-        *reinterpret_cast<u32*>(dst + 8 * j) =
-            Cvt<T>::pack(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
-    }
-  }
-}
-
-#if PW90_PIPE
 template <bool B> struct BoolC { static constexpr bool value = B; };
 PW90 void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -356,23 +238,24 @@ PW90 void pv(float (&o)[D / 2], const u32 (&a)[BN / 16][4], u32 va) {
   }
 }
 
-// The pipelined consumer loop (PW90_DEFER / PW90_OVERLAP / PW90_PINGPONG). Iteration t:
-//   wait K of tile t (full[t]) and V of tile t-1 (fullV[t-1]);
+// The consumer loop of one work tile. Iteration t:
+//   wait K of tile t (its one or two K slots) and V of tile t-1;
 //   [ping-pong: bar.sync on this warpgroup's barrier]
 //   issue S_t = Q·K_tᵀ (commit), then O += P_{t-1}·V_{t-1} (commit)
 //   [ping-pong: bar.arrive on the other warpgroup's barrier]
 //   wait for S_t (OVERLAP: wait_group 1, P·V still running; else wait_group 0);
-//   straddling fix-up; release K of tile t (empty[t]); mask; softmax statistics and exp;
-//   wait_group 0; release V of tile t-1 (emptyV[t-1]); rescale O; pack P_t to registers.
-// After the loop the last P·V. Register cost over the default loop: P of the previous tile
-// (BN/4 registers) lives across the S product.
+//   straddling fix-up; release K of tile t; mask; softmax statistics and exp;
+//   wait_group 0; release V of tile t-1; rescale O; pack P_t to registers.
+// After the loop the last P·V. Register cost over a loop that waits for P·V before S: P of
+// the previous tile (BN/4 registers) lives across the S product.
 template <typename T, int D, bool CAUSAL, int DV>
-// kg: ring index of this work tile's first key tile (key tiles are counted across the work
-// tiles of a persistent CTA); qpar: parity of this work tile's Q load on qbar; qempty: where
-// the consumers tell the producer that Q is no longer read (PW90_PERSIST).
-PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 empty0, u32 fullv0,
-                        u32 emptyv0, int m0, int h, const SeqRows& sr, int ntiles, int kg,
-                        u32 qpar, u32 qempty) {
+// kc, kg: uses of the K ring and of the V ring (= key tiles) before this work tile, counted
+// across the work tiles of a persistent CTA (kc is advanced here); qpar: parity of this work
+// tile's Q load on qbar; qempty: where the consumers tell the producer that Q is no longer
+// read (PW90_PERSIST).
+PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& kr,
+                        const VRing<D>& vr, int m0, int h, const SeqRows& sr, int ntiles,
+                        int& kc, int kg, u32 qpar, u32 qempty) {
   using S = FwdSmem<D>;
   constexpr int BN = S::BN;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -400,12 +283,16 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
   // HGMMA (a third group, so wait_group 1 would also wait for P·V) or to serialise.
   auto tile = [&](auto pvx, const int t) {
     constexpr bool PVX = decltype(pvx)::value;
-    const int g = kg + t, stage = g & 1, pstage = stage ^ 1;
-    mbar_wait(full0 + 8 * stage, (g >> 1) & 1);
-    if (t > 0) mbar_wait(fullv0 + 8 * pstage, ((g - 1) >> 1) & 1);
-    const int n0 = t * BN;
-    const u32 st = base + S::STAGE0 + stage * S::STAGE;
-    const u32 pva = base + S::STAGE0 + pstage * S::STAGE + 2 * S::K_TILE;  // V of tile t-1
+    const int g = kg + t, n0 = t * BN;
+    // The CTA's mode says which K slots the producer filled (K1 before K2); this warpgroup's
+    // rows may need fewer (mode below), never others.
+    const int cmode = block_mode<CAUSAL>(m0, BM, n0, BN, P, w);
+    const bool two = cmode == 3;
+    mbar_wait(kr.full(kc), kr.parity(kc));
+    if (two) mbar_wait(kr.full(kc + 1), kr.parity(kc + 1));
+    if (t > 0) mbar_wait(vr.full(g - 1), vr.parity(g - 1));
+    const u32 k1a = kr.buf(kc), k2a = kr.buf(kc + (two ? 1 : 0));
+    const u32 pva = vr.buf(g - 1);  // V of tile t-1
     // Rows left to this warpgroup in tile t. Without CAUSAL always true (t < ntiles), but
     // kept as a run-time test: the softmax then sits in its own basic block and ptxas does
     // not hoist wait_group 0 (below it) above the softmax, which would undo the overlap.
@@ -419,7 +306,7 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
     wg_fence();
     // S is issued even for a tile whose rows are all causally masked (at most one per
     // warpgroup): a conditional S product makes ptxas serialise the wgmma (C7515).
-    qk<T, D, BN, BN>(s1, mode == 2 ? q2a : q1a, mode == 2 ? st + S::K_TILE : st);
+    qk<T, D, BN, BN>(s1, mode == 2 ? q2a : q1a, mode == 2 ? k2a : k1a);
     wg_commit();
     if constexpr (PVX) {
       pv<T, D, BN>(o, a, pva);
@@ -435,26 +322,32 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
     float alpha[2] = {1.f, 1.f};
     if (compute && mode == 3) {
       wg_wait<0>();  // (OVERLAP) no P·V in flight while the fix-up products run
+      // The second product goes PART keys at a time through a small temporary, so a
+      // straddling tile (rare: about two per query tile) costs PART/2 extra registers, not
+      // a second score tile.
+      constexpr int PART = BN % 64 == 0 ? 64 : BN / 2;
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float s2[BN / 4];
+      for (int part = 0; part < BN / PART; ++part) {
+        float s2[PART / 2];
         wg_fence();
-        qk<T, D, BN, BN / 2>(s2, q2a, st + S::K_TILE + half * (BN / 2) * 128);
+        qk<T, D, BN, PART>(s2, q2a, k2a + part * PART * 128);
         wg_commit();
         wg_wait<0>();
         reg_fence(s2);
 #pragma unroll
-        for (int jj = 0; jj < BN / 16; ++jj)
+        for (int jj = 0; jj < PART / 8; ++jj)
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const int j = half * (BN / 16) + jj;
+              const int j = part * (PART / 8) + jj;
               if (dbase + 8 * hh - 8 * j - e >= w) s1[4 * j + 2 * hh + e] = s2[4 * jj + 2 * hh + e];
             }
       }
     }
-    mbar_arrive(empty0 + 8 * stage);  // K1/K2 of tile t no longer read
+    mbar_arrive(kr.empty(kc));  // K1/K2 of tile t no longer read
+    if (two) mbar_arrive(kr.empty(kc + 1));
+    kc += two ? 2 : 1;
     if (compute) {
       const bool masked = n0 + BN > N || (CAUSAL && row0 + P - (n0 + BN - 1) < 0);
       if (masked) {
@@ -502,7 +395,7 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
     // would have to wait for the P·V product before the softmax (no overlap).
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) reg_fence(a[kk]);
-    if (t > 0) mbar_arrive(emptyv0 + 8 * pstage);  // V of tile t-1 no longer read
+    if (t > 0) mbar_arrive(vr.empty(g - 1));  // V of tile t-1 no longer read
     if (compute) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh)
@@ -531,17 +424,17 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
   if (ntiles > 0) mbar_arrive(qempty);  // every S product of this work tile is complete
 #endif
   if (ntiles > 0) {
-    const int gl = kg + ntiles - 1, ls = gl & 1;
-    mbar_wait(fullv0 + 8 * ls, (gl >> 1) & 1);
+    const int gl = kg + ntiles - 1;
+    mbar_wait(vr.full(gl), vr.parity(gl));
     if (have_prev) {
       reg_fence(o);
       wg_fence();
-      pv<T, D, BN>(o, a, base + S::STAGE0 + ls * S::STAGE + 2 * S::K_TILE);
+      pv<T, D, BN>(o, a, vr.buf(gl));
       wg_commit();
       wg_wait<0>();
       reg_fence(o);
     }
-    mbar_arrive(emptyv0 + 8 * ls);
+    mbar_arrive(vr.empty(gl));
   }
 #if PW90_PINGPONG
   // Warpgroup 1 arrived on barrier 1 once more than warpgroup 0 synced on it: consume that
@@ -570,14 +463,15 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, u32 full0, u32 e
     }
   }
 }
-// The producer of one work tile (PW90_PIPE): Q (after the previous work tile's consumers
-// released it, PW90_PERSIST), then per key tile t K of t and V of t-1 (V is consumed one
-// iteration after K). kg: ring index of the first key tile; qn: work tiles with keys so far.
+// The producer of one work tile: Q (after the previous work tile's consumers released it,
+// PW90_PERSIST), then per key tile t the K slot(s) of t and V of t-1 (V is consumed one
+// iteration after K). kc, kg: uses of the K and V rings so far (kc is advanced here); qn:
+// work tiles with keys so far.
 template <int D, bool CAUSAL>
 PW90 void produce_pipe(const TmaDesc* tq1, const TmaDesc* tq2, const TmaDesc* tk1,
                        const TmaDesc* tk2, const TmaDesc* tv, u32 base, u32 qbar, u32 qempty,
-                       u32 full0, u32 empty0, u32 fullv0, u32 emptyv0, int m0, int h, int b,
-                       int hk, int ntiles, int kg, int qn, int P, int w, int q0, int k0) {
+                       const KRing<D>& kr, const VRing<D>& vr, int m0, int h, int b, int hk,
+                       int ntiles, int& kc, int kg, int qn, int P, int w, int q0, int k0) {
   using S = FwdSmem<D>;
   constexpr int BN = S::BN;
 #if PW90_PERSIST
@@ -591,30 +485,29 @@ PW90 void produce_pipe(const TmaDesc* tq1, const TmaDesc* tq2, const TmaDesc* tk
   }
   for (int t = 0; t <= ntiles; ++t) {
     if (t < ntiles) {
-      const int g = kg + t, stage = g & 1, n0 = t * BN;
-      mbar_wait(empty0 + 8 * stage, ((g >> 1) & 1) ^ 1);
-      const int mode = block_mode<CAUSAL>(m0, BM, n0, BN, P, w);
-      const u32 st = base + S::STAGE0 + stage * S::STAGE, fb = full0 + 8 * stage;
-      mbar_expect_tx(fb, ((mode & 1) + (mode >> 1)) * S::K_TILE);
+      const int n0 = t * BN, mode = block_mode<CAUSAL>(m0, BM, n0, BN, P, w);
+      for (int j = 0; j < 2; ++j) {  // K1 (bit 0), then K2 (bit 1), each in its own slot
+        if (!(mode & (1 << j))) continue;
+        mbar_wait(kr.empty(kc), kr.parity(kc) ^ 1u);
+        const u32 dst = kr.buf(kc), fb = kr.full(kc);
+        mbar_expect_tx(fb, S::K_TILE);
 #pragma unroll
-      for (int pn = 0; pn < S::PANELS; ++pn) {
-        if (mode & 1) tma_load_4d(st + pn * S::K_PANEL, tk1, 64 * pn, k0 + n0, hk, b, fb);
-        if (mode & 2)
-          tma_load_4d(st + S::K_TILE + pn * S::K_PANEL, tk2, 64 * pn, k0 + n0, hk, b, fb);
+        for (int pn = 0; pn < S::PANELS; ++pn)
+          tma_load_4d(dst + pn * S::K_PANEL, j ? tk2 : tk1, 64 * pn, k0 + n0, hk, b, fb);
+        ++kc;
       }
     }
     if (t > 0) {
-      const int u = t - 1, g = kg + u, stage = g & 1, n0 = u * BN;
-      mbar_wait(emptyv0 + 8 * stage, ((g >> 1) & 1) ^ 1);
-      const u32 st = base + S::STAGE0 + stage * S::STAGE, fb = fullv0 + 8 * stage;
+      const int g = kg + t - 1, n0 = (t - 1) * BN;
+      mbar_wait(vr.empty(g), vr.parity(g) ^ 1u);
+      const u32 dst = vr.buf(g), fb = vr.full(g);
       mbar_expect_tx(fb, S::K_TILE);
 #pragma unroll
       for (int pn = 0; pn < S::PANELS; ++pn)
-        tma_load_4d(st + 2 * S::K_TILE + pn * S::K_PANEL, tv, 64 * pn, k0 + n0, hk, b, fb);
+        tma_load_4d(dst + pn * S::K_PANEL, tv, 64 * pn, k0 + n0, hk, b, fb);
     }
   }
 }
-#endif  // PW90_PIPE
 
 }  // namespace pw90
 
@@ -638,12 +531,12 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
   static_assert(DV % 16 == 0 && DV <= D && (DV > D / 2 || D == 64), "stored head dim");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const u32 qbar = base + S::BARS, full0 = qbar + 8, empty0 = qbar + 8 + 8 * STAGES;
-#if PW90_PIPE
-  // Separate V barriers: full0/empty0 then guard K1/K2 only.
-  const u32 fullv0 = qbar + 8 + 16 * STAGES, emptyv0 = qbar + 8 + 24 * STAGES;
-  const u32 qempty = qbar + 8 + 32 * STAGES;  // (PW90_PERSIST only)
-#endif
+  // Barriers: qbar, the K ring's full then empty ones, the V ring's, qempty.
+  const u32 qbar = base + S::BARS;
+  const KRing<D> kr{base + S::KSLOT0, qbar + 8, qbar + 8 + 8 * S::KSLOTS};
+  const VRing<D> vr{base + S::VSLOT0, qbar + 8 + 16 * S::KSLOTS,
+                    qbar + 8 + 16 * S::KSLOTS + 8 * S::VSLOTS};
+  const u32 qempty = qbar + 8 + 16 * (S::KSLOTS + S::VSLOTS);  // (PW90_PERSIST only)
 
   // Dense non-causal batches walk work tiles in a persistent grid (PW90_PERSIST); causal and
   // packed ones, and every build without it, take one work tile per CTA from blockIdx:
@@ -653,34 +546,23 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
   const int m0 = mt * BM, h = blockIdx.y, b = blockIdx.z;
   const int w = (int)p.w;
   if (VARLEN && m0 >= seq_rows<VARLEN>(p, b).M) return;  // uniform, before any barrier is used
-#if !PW90_PIPE
-  const SeqRows sr = seq_rows<VARLEN>(p, b);
-  const int N = sr.N, P = sr.P;
-  const int hk = h / (int)p.group;
-  // Keys past the last query's diagonal are masked for every row of the tile.
-  const int n_end = CAUSAL ? max(0, min(N, m0 + BM + P)) : N;
-  const int ntiles = (n_end + BN - 1) / BN;
-#endif
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   if (threadIdx.x == 0) {
     mbar_init(qbar, 1);
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, 1);         // the producer's arrive.expect_tx
-      mbar_init(empty0 + 8 * s, 2 * 128);  // every consumer thread
-#if PW90_PIPE
-      mbar_init(fullv0 + 8 * s, 1);
-      mbar_init(emptyv0 + 8 * s, 2 * 128);
-#endif
+    for (int s = 0; s < S::KSLOTS; ++s) {
+      mbar_init(kr.full(s), 1);         // the producer's arrive.expect_tx
+      mbar_init(kr.empty(s), 2 * 128);  // every consumer thread
     }
-#if PW90_PERSIST
+    for (int s = 0; s < S::VSLOTS; ++s) {
+      mbar_init(vr.full(s), 1);
+      mbar_init(vr.empty(s), 2 * 128);
+    }
     mbar_init(qempty, 2 * 128);
-#endif
     mbar_init_fence();
   }
   __syncthreads();
 
-#if PW90_PIPE
   // This CTA's work tiles (query tile, head, batch): fn(m0, h, b) for each. Persistent: query
   // tile fastest (CTAs running together share K/V in L2), with stride gridDim.x (int:
   // B * H * ceil(M / 128) < 2^31 for any tensors that fit in memory).
@@ -696,20 +578,24 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
       fn(m0, h, b);
     }
   };
+  // Key tiles of a work tile: keys past the last query's diagonal are masked for every row.
+  auto key_tiles = [&](int m0w, const SeqRows& sw) {
+    return (CAUSAL ? max(0, min(sw.N, m0w + BM + sw.P)) + BN - 1 : sw.N + BN - 1) / BN;
+  };
+  int kc = 0, kg = 0, qn = 0;  // K-ring uses, V-ring uses (key tiles), work tiles with keys
   if (warp < 4) {  // ---------------------------------------------------------------- producer
     regs_dec<PRODUCER_REGS>();
     if (warp == 0 && lane == 0) {
       tma_prefetch_desc(&tk1);
       tma_prefetch_desc(&tk2);
       tma_prefetch_desc(&tv);
-      int kg = 0, qn = 0;
       each_work([&](int m0w, int hw, int bw) {
         const SeqRows sw = seq_rows<VARLEN>(p, bw);
-        const int nt = (CAUSAL ? max(0, min(sw.N, m0w + BM + sw.P)) + BN - 1 : sw.N + BN - 1) / BN;
+        const int nt = key_tiles(m0w, sw);
         if (nt > 0) {
-          produce_pipe<D, CAUSAL>(&tq1, &tq2, &tk1, &tk2, &tv, base, qbar, qempty, full0, empty0,
-                                  fullv0, emptyv0, m0w, hw, sw.tb, hw / (int)p.group, nt, kg, qn,
-                                  sw.P, w, sw.q0, sw.k0);
+          produce_pipe<D, CAUSAL>(&tq1, &tq2, &tk1, &tk2, &tv, base, qbar, qempty, kr, vr, m0w,
+                                  hw, sw.tb, hw / (int)p.group, nt, kc, kg, qn, sw.P, w, sw.q0,
+                                  sw.k0);
           kg += nt;
           ++qn;
         }
@@ -717,50 +603,15 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
     }
   } else {  // ------------------------------------------------------------------------ consumers
     regs_inc<CONSUMER_REGS>();
-    int kg = 0, qn = 0;
     each_work([&](int m0w, int hw, int bw) {
       const SeqRows sw = seq_rows<VARLEN>(p, bw);
-      const int nt = (CAUSAL ? max(0, min(sw.N, m0w + BM + sw.P)) + BN - 1 : sw.N + BN - 1) / BN;
-      consumer_pipe<T, D, CAUSAL, DV>(p, base, qbar, full0, empty0, fullv0, emptyv0, m0w, hw, sw, nt,
-                                      kg, (u32)(qn & 1), qempty);
+      const int nt = key_tiles(m0w, sw);
+      consumer_pipe<T, D, CAUSAL, DV>(p, base, qbar, kr, vr, m0w, hw, sw, nt, kc, kg,
+                                      (u32)(qn & 1), qempty);
       if (nt > 0) {
         kg += nt;
         ++qn;
       }
     });
   }
-#else
-  static_assert(!VARLEN, "packed batches take the pipelined loop (the default build)");
-  if (warp < 4) {  // ---------------------------------------------------------------- producer
-    regs_dec<PRODUCER_REGS>();
-    if (warp == 0 && lane == 0 && ntiles > 0) {
-      tma_prefetch_desc(&tk1);
-      tma_prefetch_desc(&tk2);
-      tma_prefetch_desc(&tv);
-      mbar_expect_tx(qbar, 2 * S::Q_TILE);
-#pragma unroll
-      for (int pn = 0; pn < S::PANELS; ++pn) {
-        tma_load_4d(base + S::Q1 + pn * S::Q_PANEL, &tq1, 64 * pn, m0, h, b, qbar);
-        tma_load_4d(base + S::Q2 + pn * S::Q_PANEL, &tq2, 64 * pn, m0, h, b, qbar);
-      }
-      for (int t = 0; t < ntiles; ++t) {
-        const int stage = t & 1;
-        mbar_wait(empty0 + 8 * stage, ((t >> 1) & 1) ^ 1);
-        const int n0 = t * BN;
-        const int mode = block_mode<CAUSAL>(m0, BM, n0, BN, P, w);
-        const u32 st = base + S::STAGE0 + stage * S::STAGE, fb = full0 + 8 * stage;
-        mbar_expect_tx(fb, ((mode & 1) + (mode >> 1) + 1) * S::K_TILE);
-#pragma unroll
-        for (int pn = 0; pn < S::PANELS; ++pn) {
-          if (mode & 1) tma_load_4d(st + pn * S::K_PANEL, &tk1, 64 * pn, n0, hk, b, fb);
-          if (mode & 2) tma_load_4d(st + S::K_TILE + pn * S::K_PANEL, &tk2, 64 * pn, n0, hk, b, fb);
-          tma_load_4d(st + 2 * S::K_TILE + pn * S::K_PANEL, &tv, 64 * pn, n0, hk, b, fb);
-        }
-      }
-    }
-  } else {  // ------------------------------------------------------------------------ consumers
-    regs_inc<CONSUMER_REGS>();
-    consumer<T, D, CAUSAL, DV>(p, base, qbar, full0, empty0, m0, h, b, ntiles);
-  }
-#endif
 }
