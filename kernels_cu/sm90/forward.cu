@@ -165,7 +165,7 @@ template <int D> struct FwdSmem {
   static constexpr int NBARS = 2 + 2 * KSLOTS + 2 * VSLOTS;
   static constexpr int BYTES = BARS + 8 * NBARS + 1024;  // + base alignment slack
   static_assert(Q_PANEL % 1024 == 0 && K_PANEL % 1024 == 0 && (BN / 2) % 8 == 0,
-                "swizzle atoms are 1024 bytes (also half a K tile, for straddling tiles)");
+                "swizzle atoms are 1024 bytes (also the straddling tiles' parts of a K slot)");
   static_assert(KSLOTS >= 2 && VSLOTS >= 2, "a straddling tile takes two K slots; P·V of "
                 "tile t-1 reads one V slot while the next loads");
   static_assert(BYTES <= 227 * 1024, "shared memory per block");
@@ -183,9 +183,6 @@ template <int N, int BYTES> struct Ring {
 };
 template <int D> using KRing = Ring<FwdSmem<D>::KSLOTS, FwdSmem<D>::K_TILE>;
 template <int D> using VRing = Ring<FwdSmem<D>::VSLOTS, FwdSmem<D>::K_TILE>;
-
-// K slots a key tile of mode m takes (block_mode: K1 and/or K2).
-PW90 int kslots_of(int mode) { return (mode & 1) + (mode >> 1); }
 
 // Which projections a (query range x key range) block needs: bit 0 some admissible pair has
 // d < w (q1·k1), bit 1 some has d >= w (q2·k2). With CAUSAL only d >= 0 is admissible.
@@ -269,6 +266,8 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& 
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
   float mrow[2] = {PW90_NEG_INF, PW90_NEG_INF}, lrow[2] = {0.f, 0.f};
+  // Thread's accumulator element (hh, j, e) of a 64-row product: row 16*wl + lane/4 + 8*hh
+  // of the warpgroup, column 8*j + 2*(lane%4) + e; index 4*j + 2*hh + e.
   u32 a[BN / 16][4];  // P of the previous tile, the register A operand of P·V
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk) a[kk][0] = a[kk][1] = a[kk][2] = a[kk][3] = 0u;
