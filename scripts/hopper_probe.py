@@ -84,7 +84,7 @@ def tiles(D: int, options=()) -> tuple:
     if D == 128:
         bn, ks = macro_value(options, "PW90_BN128", bn), macro_value(options, "PW90_KSLOTS128", ks)
     else:
-        bn = macro_value(options, "PW90_BN64", bn)
+        bn, ks = macro_value(options, "PW90_BN64", bn), macro_value(options, "PW90_KSLOTS64", ks)
     return bn, ks, vs
 
 

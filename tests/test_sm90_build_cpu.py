@@ -28,11 +28,12 @@ NAMES = [f"pw90_forward<{ELEM[t]}, {d}, {'true' if c else 'false'}>"
 # ping-pong needs. PW90_BN128=96 PW90_KSLOTS128=4: the D = 128 tile and memory of the layout
 # the rings replaced. PW90_BN64=192 PW90_CONSUMER_REGS=240: 192-key tiles at D = 64, which fit
 # only in FlashAttention-3's 240/24 register split (at 232/40 they spill and serialise).
+# PW90_KSLOTS64=2: the K-ring depth at D = 64 of the layout the rings replaced.
 VARIANTS = ["PW90_OVERLAP=0 PW90_PERSIST=0", "PW90_PERSIST=0",
             "PW90_PINGPONG=1 PW90_OVERLAP=0 PW90_PERSIST=0",
             "PW90_PINGPONG=1 PW90_OVERLAP=1 PW90_PERSIST=0", "PW90_OVERLAP=0",
             "PW90_BN128=96 PW90_KSLOTS128=4", "PW90_CONSUMER_REGS=240",
-            "PW90_BN64=192 PW90_CONSUMER_REGS=240"]
+            "PW90_BN64=192 PW90_CONSUMER_REGS=240", "PW90_KSLOTS64=2"]
 
 
 def _compile(defines=()):

@@ -84,6 +84,11 @@
 #ifndef PW90_BN64
 #define PW90_BN64 128
 #endif
+// K slots at D = 64. The rings cost D = 64 2-4% against the two-stage layout, whose K depth
+// was two tiles (bench/NOTES.md); 2 or 3 is the first thing to time.
+#ifndef PW90_KSLOTS64
+#define PW90_KSLOTS64 4
+#endif
 
 namespace pw90 {
 
@@ -143,7 +148,7 @@ constexpr int CONSUMER_REGS = PW90_CONSUMER_REGS, PRODUCER_REGS = CONSUMER_REGS 
 // capability.HOPPER_BLOCK_N and HOPPER_FWD_SLOTS).
 template <int D> struct FwdCfg;
 template <> struct FwdCfg<64> {
-  static constexpr int BN = PW90_BN64, KSLOTS = 4, VSLOTS = 2;
+  static constexpr int BN = PW90_BN64, KSLOTS = PW90_KSLOTS64, VSLOTS = 2;
 };
 template <> struct FwdCfg<128> {
   static constexpr int BN = PW90_BN128, KSLOTS = PW90_KSLOTS128, VSLOTS = 2;
