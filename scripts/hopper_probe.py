@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Probe of the Hopper (sm_90a) forward prototype, kernels_cu/sm90/forward.cu, on one GPU.
+"""Probe of the Hopper (sm_90a) forward, kernels_cu/sm90/forward.cu, on one GPU.
 
 Run from the repository root on a machine with a compute-capability 9.0 GPU:
 
@@ -24,11 +24,16 @@ With ``--variants "PW90_PERSIST=0;PW90_PINGPONG=1 PW90_PERSIST=0"`` it instead
 A/B-tests compile-time variants of the kernel: the default build and each variant (its macros
 as -D options) in turn get a 128-case check (the 96 of phase 2 plus 32 more: both dtypes, D
 64/128, causal or not, ragged M/N, negative w, GQA, the blhd layout) and bf16 timings at L = 2048 and 8192 (B = 16384 / L, H =
-2048 / D, w = L / 4), beside SDPA cuDNN and flash; a table compares them (about 3-4 minutes).
+2048 / D, w = L / 4), beside SDPA cuDNN and flash; a table compares them (about 1 minute
+per variant). Each timing sample is a batch of VT_BATCH launches (this probe encodes the
+tensor maps on the host at every launch). Tile-shape macros (PW90_BN128, PW90_KSLOTS128,
+PW90_BN64, PW90_KSLOTS64) are read by tiles() for the tensor-map boxes and shared memory;
+-DPW90_PROBE_SOURCE=NAME builds kernels_cu/sm90/NAME.cu instead of forward.cu, e.g. the
+previous kernel written out by `git show REV:kernels_cu/sm90/forward.cu`.
 
 Everything is printed with flush and also written to --out. The whole run stays under
-about 4 minutes (phase deadlines below). Not part of the package: the kernel is a
-standalone prototype and is launched here directly through cuLaunchKernel.
+about 4 minutes (phase deadlines below). The probe launches the kernel directly through
+cuLaunchKernel with its own tensor maps, not through the package's dispatch.
 """
 from __future__ import annotations
 
@@ -118,8 +123,9 @@ NAMES = [name_expr(t, d, c) for t in ("bfloat16", "float16") for d in (64, 128) 
 # ============================================================================ kernel loading
 
 def nvrtc_cubin(names, options):
-    """SOURCE compiled by cuda.bindings' NVRTC: (cubin, {name: lowered}, log)."""
-    return probe_common.nvrtc_cubin(SOURCE, names, options)
+    """The kernel file of ``options`` (:func:`source_of`) compiled by cuda.bindings' NVRTC:
+    (cubin, {name: lowered}, log)."""
+    return probe_common.nvrtc_cubin(source_of(options), names, options)
 
 
 class Kernels:

@@ -571,7 +571,8 @@ def _edges(tiles, limit):
 
 
 #: Tile sizes whose edges matter: mma.sync tiles (16/32/64/128 rows) and the Hopper
-#: forward's 128 query rows and 128 (D=64) / 96 (D=128) key rows.
+#: forward's 128 query rows and 128 key rows (32 at D = 256); 96: its D = 128 key tile
+#: before the K/V rings (2026-12-01), kept as one more edge.
 TILES = (16, 32, 64, 96, 128)
 
 

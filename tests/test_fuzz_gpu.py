@@ -4,8 +4,8 @@ One hypothesis property, :func:`test_gpu_fuzz`, draws every axis of the API
 (test_fuzz_cpu.py's :func:`~test_fuzz_cpu.cases`): the array library (torch CUDA tensors
 or CuPy arrays), the kernel path (``CUPY_PIECEWISE_PATH=mma`` or ``hopper``), dtype
 (float16, bfloat16), D (16, 32, 64, 128), B, H and Hkv, M and N from 0 to 3000 (tile edges
-+-1 of the 16/32/64/128-row mma tiles and of the Hopper forward's 128 query rows and
-128 / 96 key rows), w (below, inside, beyond, negative, on tile edges, beyond 64 bits),
++-1 of the 16/32/64/128-row mma tiles and of the Hopper forward's 128 query and key
+rows, and of 96, its former D = 128 key tile), w (below, inside, beyond, negative, on tile edges, beyond 64 bits),
 causal, sm_scale, the memory layout of every input and of ``do`` (transposed, packed
 slot, stride-0 heads or batch, last axis of stride 2, misaligned start, length slice with
 NaN rows behind it, reversed for CuPy), a non-default stream, and for torch autograd or
@@ -299,6 +299,8 @@ def run_gpu_case(case: Case):
 @example(case=gedge(M=1, N=3000, w=1500, D=128, H=8, Hkv=1))                         # split-KV
 @example(case=gedge(M=16, N=2049, w=-5, D=64, dtype="float16", causal=True))         # decode tiles
 @example(case=gedge(M=129, N=97, w=96 - 32, D=128, path="hopper"))                   # Hopper tile edges
+@example(case=gedge(M=129, N=257, w=128 - 32, D=128, path="hopper"))                 # (128-key tiles)
+@example(case=gedge(lib="torch", M=255, N=129, w=127, D=128, path="hopper", causal=True))
 @example(case=gedge(lib="torch", M=128, N=128, w=0, D=64, path="hopper", causal=True))
 @example(case=gedge(lib="torch", M=257, N=191, w=97, D=128, path="hopper", causal=True,
                     dtype="float16", layouts=("transposed",) * 6))

@@ -1,4 +1,4 @@
-"""CPU build check of the Hopper forward prototype (kernels_cu/sm90/forward.cu).
+"""CPU build check of the Hopper forward (kernels_cu/sm90/forward.cu).
 
 Compiles every instantiation (bf16/fp16 x D 64/128 x causal) for sm_90a with NVRTC, no GPU
 needed, and checks ptxas's report (no spills, no local-memory stack, no wgmma serialisation

@@ -6,7 +6,8 @@
 //                and, per key tile, only the key projections the tile needs (near-only tiles
 //                K1, far-only K2, straddling tiles K1 and K2) into a ring of K slots, and V
 //                into a ring of V slots, each slot guarded by full/empty mbarriers; causally
-//                empty key tiles are never visited. setmaxnreg.dec to 40 registers.
+//                empty key tiles are never visited. setmaxnreg.dec to 40 registers (24
+//                with PW90_CONSUMER_REGS=240).
 //   warpgroups 1, 2  consumers, 64 query rows each (setmaxnreg.inc to 232): S = Q·Kᵀ with
 //                wgmma m64nBNk16 (both operands shared-memory descriptors), on straddling
 //                tiles both products (the second in parts of at most 64 keys) and a
@@ -37,9 +38,10 @@
 // Compile-time variants of the consumer loop (A/B-tested by scripts/hopper_probe.py):
 //   PW90_OVERLAP=1   (default) S_t is committed before P_{t-1}·V_{t-1}, the softmax of tile
 //                    t starts after wgmma.wait_group 1 (S_t done) while the P·V product still
-//                    runs; O is rescaled after wait_group 0. +1-9% over waiting for both
-//                    products (bench/results/2026-11-30-h200-hopper-variants). =0: both
-//                    products are waited for before the softmax.
+//                    runs; O is rescaled after wait_group 0. =0: both products are waited
+//                    for before the softmax. (Against the plain loop, since removed, which
+//                    issued P·V after the softmax: -3% to +9% per cell,
+//                    bench/results/2026-11-30-h200-hopper-variants.)
 //   PW90_PINGPONG=1  the two consumer warpgroups take turns issuing their GEMMs (named
 //                    barriers 1 and 2, 256 threads), so one's softmax overlaps the other's GEMMs
 #ifndef PW90_OVERLAP
@@ -71,7 +73,8 @@
 // (capability.HOPPER_BLOCK_N, HOPPER_FWD_SLOTS) follow the defaults, so the package itself
 // always runs the default build. Key rows per tile and K slots at D = 128 (80, 96):
 // -DPW90_BN128=96 -DPW90_KSLOTS128=4 is the tile and memory of the two-stage layout the
-// rings replaced (slower in 10 of 12 same-run probe cells on an H200, bench/NOTES.md).
+// rings replaced (slower than the default in 7 of 8 same-run probe cells on an H200, and
+// the two-stage kernel itself in 3 of 4; bench/NOTES.md).
 #ifndef PW90_BN128
 #define PW90_BN128 128
 #endif
@@ -143,6 +146,8 @@ constexpr int THREADS = 384;  // producer warpgroup + 2 consumer warpgroups
 // 128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536: 232 / 40, or 240 / 24 as in
 // FlashAttention-3 (-DPW90_CONSUMER_REGS=240: no consistent gain with 128-key tiles)
 constexpr int CONSUMER_REGS = PW90_CONSUMER_REGS, PRODUCER_REGS = CONSUMER_REGS > 232 ? 24 : 40;
+static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168 && CONSUMER_REGS % 8 == 0,
+              "setmaxnreg: the warpgroups share the 384 x 168 registers the kernel launches with");
 
 // BN key rows per tile; KSLOTS / VSLOTS buffers of BN x D in the K / V rings (the host's
 // capability.HOPPER_BLOCK_N and HOPPER_FWD_SLOTS).
@@ -309,7 +314,8 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& 
     reg_fence(o);
     wg_fence();
     // S is issued even for a tile whose rows are all causally masked (at most one per
-    // warpgroup): a conditional S product makes ptxas serialise the wgmma (C7515).
+    // warpgroup at BN >= 64, two at D = 256's 32): a conditional S product makes ptxas
+    // serialise the wgmma (C7515).
     qk<T, D, BN, BN>(s1, mode == 2 ? q2a : q1a, mode == 2 ? k2a : k1a);
     wg_commit();
     if constexpr (PVX) {
