@@ -115,8 +115,12 @@ def _forward_path(cc: tuple[int, int]) -> str:
         return words
     dims = "/".join(str(d) for d in capability.HOPPER_HEAD_DIMS)
     small = "every grid" if capability.path_override() == "hopper" else "grids of at least one block per SM"
-    return (f"Hopper wgmma + TMA kernel (sm_90a) for float16/bfloat16, head dims {dims}, "
-            f"more than 16 query rows, {small}; mma.sync kernels otherwise")
+    # query rows x key rows per tile, K + V ring slots, per compute head dim
+    tiles = "  ".join(
+        f"D{d}={capability.HOPPER_BLOCK_M}x{bn} {'+'.join(map(str, capability.HOPPER_FWD_SLOTS[d]))} slots"
+        for d, bn in sorted(capability.HOPPER_BLOCK_N.items()))
+    return (f"Hopper wgmma + TMA kernel (sm_90a) for float16/bfloat16, head dims {dims} "
+            f"({tiles}), more than 16 query rows, {small}; mma.sync kernels otherwise")
 
 
 def _backward_path(cc: tuple[int, int]) -> str:

@@ -255,6 +255,8 @@ def test_info_names_the_forward_path(monkeypatch):
     from cupy_piecewise import info
 
     assert info._forward_path((9, 0)).startswith("Hopper wgmma + TMA")
+    # the tile of each compute head dim, from capability (D = 128: 128 x 128, 3 + 2 slots)
+    assert "D128=128x128 3+2 slots" in info._forward_path((9, 0))
     assert info._forward_path((8, 0)) == "mma.sync kernels"
     assert info._backward_path((9, 0)).startswith("Hopper wgmma + TMA")
     assert info._backward_path((8, 6)) == "mma.sync kernels"
