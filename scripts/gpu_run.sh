@@ -8,7 +8,8 @@
 # probes (not in all): the Hopper forward and backward probes (scripts/hopper_probe.py,
 # scripts/hopper_bwd_probe.py), about 4 minutes each, logs in logs/hopper_*.txt.
 # ncu (not in all): Nsight Compute on the Hopper backward kernel (scripts/profile_case.py),
-# non-causal and causal, and on the KV-cache decode kernel, logs in logs/ncu_*.txt.
+# non-causal and causal, on the Hopper forward at L = 2048 (D 64 and 128) and on the KV-cache
+# decode kernel, logs in logs/ncu_*.txt.
 # TEST_PATHS / PYTEST_ARGS narrow the tests, BENCH_ARGS replaces the default --quick;
 # SANITIZE_DIMS (e.g. 80,96,256) / SANITIZE_SKIP (dense,kvcache,varlen,torch) narrow sanitize.
 # FUZZ_EXAMPLES (default 600, about 5 min on an H200) sets the fuzz step's example count; the examples it finds
@@ -83,6 +84,17 @@ if asked ncu; then
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
       --section WarpStateStats --section SchedulerStats --section Occupancy \
       python3 scripts/profile_case.py --L 8192 --D 128 $causal > "$logs/ncu_$tag.txt" 2>&1
+    rc=$?; echo "ncu $tag: exit $rc"; grep -E "Duration|Throughput|Stall|Issued" "$logs/ncu_$tag.txt" | head -20
+    status=$((status | rc))
+  done
+  # the Hopper forward where it is furthest from cuDNN (L = 2048), at D = 64 (which the K/V
+  # rings made 2-4% slower, bench/NOTES.md) and D = 128, non-causal (the persistent grid)
+  for D in 64 128; do
+    tag=pw90_forward_l2048_d$D
+    timeout 300 ncu --clock-control none -k "regex:^pw90_forward$" --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats --section Occupancy \
+      python3 scripts/profile_case.py --L 2048 --D $D > "$logs/ncu_$tag.txt" 2>&1
     rc=$?; echo "ncu $tag: exit $rc"; grep -E "Duration|Throughput|Stall|Issued" "$logs/ncu_$tag.txt" | head -20
     status=$((status | rc))
   done

@@ -5,8 +5,8 @@
 
 B = 16384 / L, H = 2048 / D (the bench's shapes), bfloat16 by default, w = L / 4; torch
 autograd through cupy_piecewise.attention (so the default path of the GPU: on an H200 the
-Hopper forward and backward). scripts/gpu_run.sh's ncu step profiles the pw90_bwd launches
-of this process.
+Hopper forward and backward). scripts/gpu_run.sh's ncu step profiles the pw90_bwd and
+pw90_forward launches of this process.
 
 ``--decode`` instead runs attention_with_kvcache a few times: one new token against L
 cached keys per head (B = 1, H = Hkv = 32), what the ncu step profiles for pw_kvcache.
