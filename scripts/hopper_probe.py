@@ -94,11 +94,10 @@ def tiles(D: int, options=()) -> tuple:
 
 
 def smem_bytes(D: int, options=()) -> int:
-    """Dynamic shared memory of pw90_forward<T, D, *>: mirrors pw90::FwdSmem<D>::BYTES (the
-    package's figure, capability.hopper_shared_bytes, for the default build)."""
+    """Dynamic shared memory of pw90_forward<T, D, *> built with ``options``: the package's
+    figure (capability.hopper_shared_bytes) with the tiles those macros set."""
     bn, ks, vs = tiles(D, options)
-    panels = D // 64
-    return 2 * panels * BM * 128 + (ks + vs) * panels * bn * 128 + 8 * (2 + 2 * (ks + vs)) + 1024
+    return capability.hopper_shared_bytes(D, block_n=bn, slots=(ks, vs))
 
 
 def source_of(options=()) -> str:

@@ -143,6 +143,19 @@ def test_hopper_forward_tiles_match_the_kernel(nvrtc):
     _compile_sm90a(nvrtc, src)
 
 
+def test_hopper_shared_bytes_follow_the_tile_macros(nvrtc):
+    """hopper_shared_bytes with block_n / slots (what scripts/hopper_probe.py asks for a
+    --variants build) equals FwdSmem<D>::BYTES built with the matching macros."""
+    src = ("#define PW90_BN128 96\n#define PW90_KSLOTS128 4\n#define PW90_KSLOTS64 2\n"
+           + source("sm90/forward.cu"))
+    for d, bn, slots in ((128, 96, (4, 2)), (64, 128, (2, 2))):
+        figure = capability.hopper_shared_bytes(d, block_n=bn, slots=slots)
+        assert figure != capability.hopper_shared_bytes(d)  # the override is not the default
+        src += (f"\nstatic_assert(pw90::FwdSmem<{d}>::BYTES == {figure}, "
+                f"\"FwdSmem<{d}> != capability.hopper_shared_bytes override\");")
+    _compile_sm90a(nvrtc, src)
+
+
 @pytest.mark.parametrize("stages", [None, 2, 4])
 def test_hopper_decode_shared_bytes_match_the_kernel(nvrtc, stages):
     """capability.kv90_shared_bytes (what kvcache_launch asks for) equals the Hopper decode's
