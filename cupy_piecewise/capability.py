@@ -176,6 +176,13 @@ HOPPER_BLOCK_N = {64: 128, 128: 128, 256: 32}
 #: (FwdCfg's KSLOTS, VSLOTS): a tile takes one K slot (K1 or K2), a tile that straddles
 #: d = w two.
 HOPPER_FWD_SLOTS = {64: (4, 2), 128: (3, 2), 256: (4, 2)}
+#: Whether a dense causal batch runs the Hopper forward's persistent grid, per compute head
+#: dim (FwdCfg's PAIRS): CTAs walk units of two query tiles of one head, the longest and the
+#: shortest not yet taken, which hold equally many key tiles, with a static stride. Else one
+#: CTA per query tile, balanced by the hardware's block scheduler. On an H200 pairs were
+#: faster at D = 128 in every causal cell timed, and slower at D = 64, L = 8192
+#: (bench/NOTES.md).
+HOPPER_CAUSAL_PAIRS = {64: False, 128: True, 256: False}
 
 
 #: Head dims of the Hopper KV-cache decode (kernels_cu/sm90/kvdecode.cu: whole 64-column

@@ -119,8 +119,12 @@ def _forward_path(cc: tuple[int, int]) -> str:
     tiles = "  ".join(
         f"D{d}={capability.HOPPER_BLOCK_M}x{bn} {'+'.join(map(str, capability.HOPPER_FWD_SLOTS[d]))} slots"
         for d, bn in sorted(capability.HOPPER_BLOCK_N.items()))
+    pairs = "/".join(str(d) for d in capability.HOPPER_HEAD_DIMS
+                     if capability.HOPPER_CAUSAL_PAIRS[capability.hopper_compute_dim(d)])
     return (f"Hopper wgmma + TMA kernel (sm_90a) for float16/bfloat16, head dims {dims} "
-            f"({tiles}), more than 16 query rows, {small}; mma.sync kernels otherwise")
+            f"({tiles}; persistent grid: non-causal, and causal at D {pairs or 'none'} in "
+            f"pairs of query tiles), more than 16 query rows, {small}; mma.sync kernels "
+            f"otherwise")
 
 
 def _backward_path(cc: tuple[int, int]) -> str:

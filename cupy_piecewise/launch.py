@@ -449,9 +449,11 @@ class HopperLaunches:
     struct; maps are built from the data pointers at :meth:`run` and cached per pointer
     tuple (the shapes and strides are fixed for this object), so repeated calls on the same
     buffers encode nothing. A dense non-causal batch runs the persistent grid: one CTA per
-    SM (at most one per work tile) walking the (128-row query tile, head, batch) work tiles;
-    a causal one (tiles of unequal length, balanced by the hardware's block scheduling) and a
-    packed one (``grid`` given) one CTA per work tile.
+    SM (at most one per work tile) walking the (128-row query tile, head, batch) work tiles.
+    A dense causal one does too where ``capability.HOPPER_CAUSAL_PAIRS`` says so, walking
+    units of two query tiles of one head (equal key-tile counts); else one CTA per work tile
+    (tiles of unequal length, balanced by the hardware's block scheduling). A packed batch
+    (``grid`` given) takes one CTA per work tile.
     """
 
     __slots__ = ("device", "arrays", "strides", "workspace_bytes", "_steps", "_template",
@@ -464,11 +466,15 @@ class HopperLaunches:
         self.strides = dict(zip(("q1", "k1", "q2", "k2", "v", "o"), map(tuple, strides)))
         self.workspace_bytes = 0
         variant = variant or Variant("fwd_sm90", p.dtype, p.D, None, p.causal)
-        if grid is None and p.causal:
-            grid = (math.ceil(p.M / capability.HOPPER_BLOCK_M), p.H, p.B)
+        mtiles = math.ceil(p.M / capability.HOPPER_BLOCK_M)
+        pairs = capability.HOPPER_CAUSAL_PAIRS[capability.hopper_compute_dim(p.D)]
+        if grid is None and p.causal and not pairs:
+            grid = (mtiles, p.H, p.B)
         elif grid is None:  # the persistent kernel (kernels_cu/sm90/forward.cu, PW90_PERSIST)
-            tiles = math.ceil(p.M / capability.HOPPER_BLOCK_M) * p.H * p.B
-            grid = (min(tiles, capability.persist_ctas() or _multiprocessors(p.device)), 1, 1)
+            # work units: query tiles, or (causal) pairs of query tiles of one head
+            units = (mtiles + 1) // 2 if p.causal else mtiles
+            grid = (min(units * p.H * p.B,
+                        capability.persist_ctas() or _multiprocessors(p.device)), 1, 1)
         self._steps = (_step(p, variant, grid),)
         so = self.strides["o"]
         P, w = _clamped(p)

@@ -150,6 +150,11 @@ class Kernels:
         #: PW90_PERSIST (default on; -DPW90_PERSIST=0 turns it off): non-causal launches get a
         #: grid of at most one CTA per SM
         self.persist = not macro_off(opts, "PW90_PERSIST")
+        #: FwdCfg<D>::PAIRS (PW90_PAIRS64 / PW90_PAIRS128): causal launches of that head dim
+        #: get the persistent grid too, over units of two query tiles
+        self.pairs = {D: self.persist and bool(macro_value(opts, f"PW90_PAIRS{D}",
+                                                      int(capability.HOPPER_CAUSAL_PAIRS[D])))
+                      for D in (64, 128)}
         self.sms = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
         for n in NAMES:
             k = get(n)
@@ -187,6 +192,8 @@ class Kernels:
         params = ctypes.create_string_buffer(struct.pack("<Qqqq Q qqqqqq ff q QQ", *fields, B, 0, 0))
         if self.persist and not causal:  # the kernel's PERSIST: dense, non-causal
             grid = (min(grid[0] * H * B, self.sms), 1, 1)
+        elif self.pairs[D]:  # causal, PERSIST_PAIRS
+            grid = (min((grid[0] + 1) // 2 * H * B, self.sms), 1, 1)
         ptrs = [m.address() for m in (maps[0], maps[1], maps[2], maps[3], maps[4])]
         ptrs.append(ctypes.addressof(params))
         args = (ctypes.c_void_p * 6)(*ptrs)
@@ -733,6 +740,9 @@ def main():
                          "runs first. Per "
                          "build: 128-case check against float64, then bf16 timing at L 2048/8192, D "
                          "64/128, causal or not; SDPA cuDNN/flash once; a comparison table. < 4 min.")
+    ap.add_argument("--budget-s", type=float, default=225.0,
+                    help="--variants: seconds for the whole comparison (default 225; about 30-60 "
+                         "per build)")
     args = ap.parse_args()
 
     if args.worker:
@@ -761,7 +771,7 @@ def main():
     except Exception:
         pass
     if args.variants is not None:
-        run_variants(args.variants.split(";"), args.via, log)
+        run_variants(args.variants.split(";"), args.via, log, args.budget_s)
         log(f"hopper_probe done in {time.time() - t_start:.0f} s")
         if out:
             out.close()

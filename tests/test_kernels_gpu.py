@@ -431,3 +431,23 @@ def test_long_rows_keep_o_and_lse_within_the_rule(kernel_path, dtype):
                                 ("lse", cupy.asnumpy(lse).astype(np.float64), lse_ref, lse_low)):
         verdict = tolerance.compare(name, got, ref, low, dtype)
         assert verdict.passed, f"{kernel_path} {verdict} (input seed {seed})"
+
+
+@pytest.mark.parametrize("cap", [None, "3"])
+@pytest.mark.parametrize("D, M, N", [(128, 640, 640), (128, 1100, 1300), (96, 900, 300),
+                                     (128, 2000, 2100)])
+def test_causal_pairs_walk_every_query_tile(monkeypatch, cap, D, M, N):
+    """The Hopper forward's causal persistent grid (capability.HOPPER_CAUSAL_PAIRS: units of
+    query tiles nmt-1-u and u of one head) at odd tile counts (a middle tile alone: 640 rows
+    are 5 tiles, 1100 are 9), with M > N (leading query tiles that see no key), with the
+    grid of one CTA per SM and capped at 3 CTAs (each walks many units); backward too."""
+    from cupy_piecewise import capability
+
+    assert capability.HOPPER_CAUSAL_PAIRS[capability.hopper_compute_dim(D)]
+    monkeypatch.setenv(capability.PATH_VAR, "hopper")
+    if cap is None:
+        monkeypatch.delenv(capability.PERSIST_VAR, raising=False)
+    else:
+        monkeypatch.setenv(capability.PERSIST_VAR, cap)
+    capability.refresh_env_override()  # (conftest re-reads the restored environment after)
+    run_case(D=D, dtype="bfloat16", causal=True, M=M, N=N, w=N // 3, group=2, transposed=False)

@@ -414,8 +414,10 @@ def test_hopper_launch(fake_gpu, fake_maps, monkeypatch):
     assert encoded[1][1] == (B, Hkv, N, D) and encoded[0][2] == q
     call = drv.launches[-1]
     assert call["fn"].phase == "fwd_sm90" and call["fn"].causal and call["block"] == (384, 1, 1)
-    # causal: one CTA per (query tile, head, batch), as the hardware balances unequal tiles
-    assert call["grid"] == (math.ceil(M / 128), H, B) and call["stream"] == 9
+    # causal at D = 128: the persistent grid over pairs of query tiles of one head (8 tiles:
+    # 4 units per head, 128 units), at most one CTA per SM
+    assert capability.HOPPER_CAUSAL_PAIRS[D]
+    assert call["grid"] == (min(4 * H * B, 132), 1, 1) and call["stream"] == 9
     assert call["smem"] == 1000  # the fake _kernel's answer
     maps = call["args"][:5]
     # kernel order: q1, q2, k1, k2, v
@@ -437,7 +439,14 @@ def test_hopper_launch(fake_gpu, fake_maps, monkeypatch):
         launch.forward_launches(pn, (q, k, q, k, k, o), split=True).run(ptrs, stream=9)
         assert drv.launches[-1]["grid"] == (5, 1, 1)
         launch.forward_launches(p, (q, k, q, k, k, o), split=True).run(ptrs, stream=9)
-        assert drv.launches[-1]["grid"] == (math.ceil(M / 128), H, B)  # causal: not capped
+        assert drv.launches[-1]["grid"] == (5, 1, 1)  # causal pairs: capped too
+        # D = 64 (HOPPER_CAUSAL_PAIRS false): causal batches take one CTA per query tile, as
+        # the hardware balances unequal tiles; the cap does not apply
+        p64 = dataclasses.replace(p, D=64)
+        assert not capability.HOPPER_CAUSAL_PAIRS[64]
+        q64, k64 = _contiguous((B, H, M, 64)), _contiguous((B, Hkv, N, 64))
+        launch.forward_launches(p64, (q64, k64, q64, k64, k64, q64), split=True).run(ptrs, stream=9)
+        assert drv.launches[-1]["grid"] == (math.ceil(M / 128), H, B)
     finally:
         monkeypatch.delenv(capability.PERSIST_VAR)
         capability.refresh_env_override()

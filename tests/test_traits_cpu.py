@@ -131,15 +131,18 @@ def test_hopper_shared_bytes_match_the_kernel(nvrtc, filename, struct, figure):
 
 
 def test_hopper_forward_tiles_match_the_kernel(nvrtc):
-    """capability.HOPPER_BLOCK_N (the TMA box of K and V) and HOPPER_FWD_SLOTS are the Hopper
+    """capability.HOPPER_BLOCK_N (the TMA box of K and V), HOPPER_FWD_SLOTS and
+    HOPPER_CAUSAL_PAIRS (which causal grids the launcher makes persistent) are the Hopper
     forward's own FwdCfg<D> for every compute head dim."""
     src = source("sm90/forward.cu")
     for d, bn in capability.HOPPER_BLOCK_N.items():
         ks, vs = capability.HOPPER_FWD_SLOTS[d]
+        pairs = "true" if capability.HOPPER_CAUSAL_PAIRS[d] else "false"
         src += (f"\nstatic_assert(pw90::FwdCfg<{d}>::BN == {bn} && pw90::FwdCfg<{d}>::KSLOTS == {ks}"
-                f" && pw90::FwdCfg<{d}>::VSLOTS == {vs}, \"FwdCfg<{d}> != capability\");")
-    assert sorted(capability.HOPPER_BLOCK_N) == sorted(
-        {capability.hopper_compute_dim(d) for d in capability.HOPPER_HEAD_DIMS})
+                f" && pw90::FwdCfg<{d}>::VSLOTS == {vs} && pw90::FwdCfg<{d}>::PAIRS == {pairs},"
+                f" \"FwdCfg<{d}> != capability\");")
+    want = sorted({capability.hopper_compute_dim(d) for d in capability.HOPPER_HEAD_DIMS})
+    assert sorted(capability.HOPPER_BLOCK_N) == sorted(capability.HOPPER_CAUSAL_PAIRS) == want
     _compile_sm90a(nvrtc, src)
 
 

@@ -1,7 +1,8 @@
 // Piecewise-attention forward for Hopper (sm_90a): TMA + mbarrier pipeline, wgmma, warp
 // specialisation.
 //
-// One CTA per (128-row query tile, head, batch), 384 threads = 3 warpgroups:
+// A CTA works on (128-row query tile, head, batch) work tiles (one, or several in the
+// persistent grid: PW90_PERSIST below), 384 threads = 3 warpgroups:
 //   warpgroup 0  producer: one thread issues the TMA loads (128-byte swizzle) of Q1 and Q2 once
 //                and, per key tile, only the key projections the tile needs (near-only tiles
 //                K1, far-only K2, straddling tiles K1 and K2) into a ring of K slots, and V
@@ -50,15 +51,18 @@
 #ifndef PW90_PINGPONG
 #define PW90_PINGPONG 0
 #endif
-//   PW90_PERSIST=1   (default) persistent grid for dense, non-causal batches: gridDim.x CTAs
-//                    (the launcher: at most one per SM) walk the (query tile, head, batch)
-//                    work tiles with stride gridDim.x; the producer loads the next tile's Q
-//                    (once the consumers have issued their last S = Q·Kᵀ) and first K/V tiles
-//                    while the consumers finish the last P·V and the epilogue of the current
-//                    one. Causal batches keep one CTA per work tile: their tiles differ in
-//                    length, and the hardware's dynamic block scheduling balances them better
-//                    than a static stride (which lost 2-13% on an H200, bench/NOTES.md);
-//                    packed batches too.
+//   PW90_PERSIST=1   (default) persistent grid for dense batches: gridDim.x CTAs (the
+//                    launcher: at most one per SM) walk the work tiles with stride gridDim.x;
+//                    the producer loads the next tile's Q (once the consumers have issued
+//                    their last S = Q·Kᵀ) and first K/V tiles while the consumers finish the
+//                    last P·V and the epilogue of the current one. Non-causal: the (query
+//                    tile, head, batch) work tiles. Causal, where FwdCfg<D>::PAIRS: units of
+//                    two query tiles of one head, tile nmt-1-u (the longer) then tile u, whose
+//                    key tiles add up to the same count for every u, so that a static stride
+//                    stays balanced (a stride over single tiles lost 2-13% to the tail on an
+//                    H200; a dynamic scheduler in the hardware's order was no faster than
+//                    pairs: bench/NOTES.md). Other causal batches, and packed ones, take one
+//                    CTA per work tile, balanced by the hardware's block scheduler.
 #ifndef PW90_PERSIST
 #define PW90_PERSIST 1
 #endif
@@ -88,9 +92,20 @@
 #define PW90_BN64 128
 #endif
 // K slots at D = 64. The rings cost D = 64 2-4% against the two-stage layout, whose K depth
-// was two tiles (bench/NOTES.md); 2 or 3 is the first thing to time.
+// was two tiles (bench/NOTES.md); 2 and 3 timed within 1-3% of 4 on an H200.
 #ifndef PW90_KSLOTS64
 #define PW90_KSLOTS64 4
+#endif
+// Causal batches in the persistent grid over pairs of query tiles (PW90_PERSIST), per head
+// dim (the host's capability.HOPPER_CAUSAL_PAIRS). On an H200, against one CTA per tile in
+// the same runs: D = 128 faster in every causal cell (L 2048 and 8192); D = 64 faster at
+// L = 2048 but 5-7% slower at 8192 (a dynamic scheduler lost there too), so it keeps one CTA
+// per tile (bench/NOTES.md).
+#ifndef PW90_PAIRS64
+#define PW90_PAIRS64 0
+#endif
+#ifndef PW90_PAIRS128
+#define PW90_PAIRS128 1
 #endif
 
 namespace pw90 {
@@ -150,17 +165,23 @@ static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168 && CONSUMER
               "setmaxnreg: the warpgroups share the 384 x 168 registers the kernel launches with");
 
 // BN key rows per tile; KSLOTS / VSLOTS buffers of BN x D in the K / V rings (the host's
-// capability.HOPPER_BLOCK_N and HOPPER_FWD_SLOTS).
+// capability.HOPPER_BLOCK_N, HOPPER_FWD_SLOTS); PAIRS: causal dense batches in the
+// persistent grid over pairs of query tiles (capability.HOPPER_CAUSAL_PAIRS).
 template <int D> struct FwdCfg;
 template <> struct FwdCfg<64> {
   static constexpr int BN = PW90_BN64, KSLOTS = PW90_KSLOTS64, VSLOTS = 2;
+  static constexpr bool PAIRS = PW90_PAIRS64;
 };
 template <> struct FwdCfg<128> {
   static constexpr int BN = PW90_BN128, KSLOTS = PW90_KSLOTS128, VSLOTS = 2;
+  static constexpr bool PAIRS = PW90_PAIRS128;
 };
 // D = 256: Q1 and Q2 alone take 128 KB, so the rings hold 32-key tiles (48-key tiles in
-// 4 + 2 slots would need 144 KB). O is 128 float32 registers per thread.
-template <> struct FwdCfg<256> { static constexpr int BN = 32, KSLOTS = 4, VSLOTS = 2; };
+// 4 + 2 slots would need 144 KB). O is 128 float32 registers per thread. Pairs not timed.
+template <> struct FwdCfg<256> {
+  static constexpr int BN = 32, KSLOTS = 4, VSLOTS = 2;
+  static constexpr bool PAIRS = false;
+};
 
 template <int D> struct FwdSmem {
   static constexpr int BN = FwdCfg<D>::BN, PANELS = D / 64;
@@ -382,6 +403,7 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& 
         const float mb = mx == PW90_NEG_INF ? 0.f : __fmul_rn(mx, sl2);  // as in consumer
         alpha[hh] = exp2f_approx(__fmul_rn(mrow[hh], sl2) - mb);
         mrow[hh] = mx;
+        // (one chain per row: four partial sums and maxima were up to 8% slower on an H200)
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j)
@@ -521,7 +543,9 @@ PW90 void produce_pipe(const TmaDesc* tq1, const TmaDesc* tq2, const TmaDesc* tk
 
 }  // namespace pw90
 
-// Grid: (ceil(M / 128), H, B); 384 threads; dynamic shared memory pw90::FwdSmem<D>::BYTES.
+// Grid: (ceil(M / 128), H, B), or for the persistent walks (dense non-causal; dense causal
+// where FwdCfg<D>::PAIRS) (at most the work units, 1, 1); 384 threads; dynamic shared
+// memory pw90::FwdSmem<D>::BYTES.
 // Tensor maps (cupy_piecewise/tma.py): 4-D {D, rows, heads, batch}, box {64, 128 (Q) or BN
 // (K, V), 1, 1}, 128-byte swizzle, zero fill out of bounds; q1/q2 over (M, H), k1/k2/v over
 // (N, Hkv).
@@ -548,10 +572,12 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
                     qbar + 8 + 16 * S::KSLOTS + 8 * S::VSLOTS};
   const u32 qempty = qbar + 8 + 16 * (S::KSLOTS + S::VSLOTS);  // (PW90_PERSIST only)
 
-  // Dense non-causal batches walk work tiles in a persistent grid (PW90_PERSIST); causal and
+  // Dense batches walk work tiles in a persistent grid (PW90_PERSIST): non-causal ones by
+  // single tiles, causal ones by pairs of tiles where FwdCfg<D>::PAIRS. Other causal and
   // packed ones, and every build without it, take one work tile per CTA from blockIdx:
   // heavier causal tiles (later queries) launch first, evening out the tail of the grid.
   constexpr bool PERSIST = PW90_PERSIST && !VARLEN && !CAUSAL;
+  constexpr bool PERSIST_PAIRS = PW90_PERSIST && !VARLEN && CAUSAL && FwdCfg<D>::PAIRS;
   const int mt = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
   const int m0 = mt * BM, h = blockIdx.y, b = blockIdx.z;
   const int w = (int)p.w;
@@ -574,8 +600,8 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
   __syncthreads();
 
   // This CTA's work tiles (query tile, head, batch): fn(m0, h, b) for each. Persistent: query
-  // tile fastest (CTAs running together share K/V in L2), with stride gridDim.x (int:
-  // B * H * ceil(M / 128) < 2^31 for any tensors that fit in memory).
+  // tile (or pair) fastest (CTAs running together share K/V in L2), with stride gridDim.x
+  // (int: B * H * ceil(M / 128) < 2^31 for any tensors that fit in memory).
   auto each_work = [&](auto&& fn) {
     if constexpr (PERSIST) {
       const int nmt = ((int)p.M + BM - 1) / BM, H = (int)p.H;
@@ -583,6 +609,16 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
         const int r = tile % nmt, hb = tile / nmt;
         fn(r * BM, hb % H, hb / H);
+      }
+    } else if constexpr (PERSIST_PAIRS) {
+      // Query tiles nmt-1-u and u of head (hb % H, hb / H): (u + 1) + (nmt - u) key tiles
+      // when M = N; an odd nmt's middle tile is a unit of its own (the last of its head).
+      const int nmt = ((int)p.M + BM - 1) / BM, H = (int)p.H, units = (nmt + 1) / 2;
+      const int total = units * H * (int)p.batch;
+      for (int unit = blockIdx.x; unit < total; unit += gridDim.x) {
+        const int u = unit % units, hb = unit / units;
+        // a loop rather than two calls: fn (the whole consumer loop) is inlined once
+        for (int m = nmt - 1 - u; m >= u; m = m == u ? -1 : u) fn(m * BM, hb % H, hb / H);
       }
     } else {
       fn(m0, h, b);
