@@ -495,6 +495,21 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& 
     }
   }
 }
+// Use u of a ring (K or V): wait until its slot is free, expect its bytes on the slot's full
+// barrier, and load key rows [k0 + n0, k0 + n0 + BN) of head hk, batch b from map as D / 64
+// panels. (k0 + n0 is formed here, after the wait, as the producer did before this helper:
+// the PTX of every instantiation is unchanged by it.)
+template <int D, typename R>
+PW90 void ring_load(const R& r, int u, const TmaDesc* map, int k0, int n0, int hk, int b) {
+  using S = FwdSmem<D>;
+  mbar_wait(r.empty(u), R::parity(u) ^ 1u);
+  const u32 dst = r.buf(u), fb = r.full(u);
+  mbar_expect_tx(fb, S::K_TILE);
+#pragma unroll
+  for (int pn = 0; pn < S::PANELS; ++pn)
+    tma_load_4d(dst + pn * S::K_PANEL, map, 64 * pn, k0 + n0, hk, b, fb);
+}
+
 // The producer of one work tile: Q (after the previous work tile's consumers released it,
 // PW90_PERSIST), then per key tile t the K slot(s) of t and V of t-1 (V is consumed one
 // iteration after K). kc, kg: uses of the K and V rings so far (kc is advanced here); qn:
@@ -520,24 +535,11 @@ PW90 void produce_pipe(const TmaDesc* tq1, const TmaDesc* tq2, const TmaDesc* tk
       const int n0 = t * BN, mode = block_mode<CAUSAL>(m0, BM, n0, BN, P, w);
       for (int j = 0; j < 2; ++j) {  // K1 (bit 0), then K2 (bit 1), each in its own slot
         if (!(mode & (1 << j))) continue;
-        mbar_wait(kr.empty(kc), kr.parity(kc) ^ 1u);
-        const u32 dst = kr.buf(kc), fb = kr.full(kc);
-        mbar_expect_tx(fb, S::K_TILE);
-#pragma unroll
-        for (int pn = 0; pn < S::PANELS; ++pn)
-          tma_load_4d(dst + pn * S::K_PANEL, j ? tk2 : tk1, 64 * pn, k0 + n0, hk, b, fb);
+        ring_load<D>(kr, kc, j ? tk2 : tk1, k0, n0, hk, b);
         ++kc;
       }
     }
-    if (t > 0) {
-      const int g = kg + t - 1, n0 = (t - 1) * BN;
-      mbar_wait(vr.empty(g), vr.parity(g) ^ 1u);
-      const u32 dst = vr.buf(g), fb = vr.full(g);
-      mbar_expect_tx(fb, S::K_TILE);
-#pragma unroll
-      for (int pn = 0; pn < S::PANELS; ++pn)
-        tma_load_4d(dst + pn * S::K_PANEL, tv, 64 * pn, k0 + n0, hk, b, fb);
-    }
+    if (t > 0) ring_load<D>(vr, kg + t - 1, tv, k0, (t - 1) * BN, hk, b);  // V of tile t-1
   }
 }
 
