@@ -242,17 +242,17 @@ def hopper_compute_dim(head_dim: int) -> int:
 
 
 def hopper_shared_bytes(head_dim: int, *, block_n: int | None = None,
-                        slots: tuple | None = None) -> int:
+                        slots: tuple | None = None, block_m: int | None = None) -> int:
     """Dynamic shared memory of the Hopper forward (mirrors ``pw90::FwdSmem<D>::BYTES``;
     checked by tests/test_traits_cpu.py): Q1 and Q2 tiles, the K and V rings
     (:data:`HOPPER_FWD_SLOTS` buffers of :data:`HOPPER_BLOCK_N` keys) as 64-column,
     128-byte-swizzled panels, a full and an empty mbarrier per buffer plus two (Q loaded;
-    Q released, for the persistent grid), and 1 KB to align the base. ``block_n`` and
-    ``slots`` (K, V) replace the table's for a build with other tile macros
+    Q released, for the persistent grid), and 1 KB to align the base. ``block_n``,
+    ``slots`` (K, V) and ``block_m`` replace the table's for a build with other tile macros
     (scripts/hopper_probe.py --variants); the package never passes them."""
     head_dim = hopper_compute_dim(head_dim)
     panels = head_dim // 64
-    q_tile = panels * HOPPER_BLOCK_M * 128
+    q_tile = panels * (block_m or HOPPER_BLOCK_M) * 128
     k_tile = panels * (block_n or HOPPER_BLOCK_N[head_dim]) * 128
     nslots = sum(slots or HOPPER_FWD_SLOTS[head_dim])
     return 2 * q_tile + nslots * k_tile + 8 * (2 + 2 * nslots) + 1024

@@ -55,8 +55,7 @@ from probe_common import ROOT, find_tool, say, splice  # noqa: E402
 
 SOURCE = "sm90/forward.cu"
 ELEM = {"bfloat16": "pw90::bf16", "float16": "pw90::f16"}
-THREADS = 384
-BM = 128
+BM = capability.HOPPER_BLOCK_M  # query rows per CTA of the default build (PW90_BM64 changes D = 64)
 #: key rows per tile of the default build (pw90::FwdCfg; -DPW90_BN128 changes D = 128)
 BN = {d: capability.HOPPER_BLOCK_N[d] for d in (64, 128)}
 LOG2E = 1.4426950408889634
@@ -93,11 +92,19 @@ def tiles(D: int, options=()) -> tuple:
     return bn, ks, vs
 
 
+def block_m(D: int, options=()) -> int:
+    """Query rows per CTA of pw90::FwdCfg<D> built with ``options`` (-DPW90_BM64=192: three
+    consumer warpgroups at D = 64); the kernel runs 128 threads per 64 rows plus a producer
+    warpgroup."""
+    return macro_value(options, "PW90_BM64", BM) if D == 64 else BM
+
+
 def smem_bytes(D: int, options=()) -> int:
     """Dynamic shared memory of pw90_forward<T, D, *> built with ``options``: the package's
     figure (capability.hopper_shared_bytes) with the tiles those macros set."""
     bn, ks, vs = tiles(D, options)
-    return capability.hopper_shared_bytes(D, block_n=bn, slots=(ks, vs))
+    return capability.hopper_shared_bytes(D, block_n=bn, slots=(ks, vs),
+                                          block_m=block_m(D, options))
 
 
 def source_of(options=()) -> str:
@@ -162,6 +169,7 @@ class Kernels:
             k.max_dynamic_shared_size_bytes = smem_bytes(D, opts)
             self.fns[n] = (k, smem_bytes(D, opts))
         self.bn = {D: tiles(D, opts)[0] for D in (64, 128)}
+        self.bm = {D: block_m(D, opts) for D in (64, 128)}
 
     def launch(self, q1, k1, q2, k2, v, o, lse, w, causal, sm_scale=None):
         """o, lse: preallocated torch tensors ((B,H,M,D) unit-stride D; (B,H,M) contiguous)."""
@@ -178,7 +186,8 @@ class Kernels:
         assert N > 0, "N == 0 is the caller's (o = 0, lse = -inf)"
         k, smem = self.fns[name_expr(dtype, D, causal)]
         bn = self.bn[D]
-        maps = [tma.tensor_map_bhld(t.data_ptr(), t.shape, t.stride(), dtype, BM) for t in (q1, q2)]
+        bm = self.bm[D]
+        maps = [tma.tensor_map_bhld(t.data_ptr(), t.shape, t.stride(), dtype, bm) for t in (q1, q2)]
         maps += [tma.tensor_map_bhld(t.data_ptr(), t.shape, t.stride(), dtype, bn) for t in (k1, k2, v)]
         scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
         nd = M + N + 1
@@ -188,7 +197,7 @@ class Kernels:
         fields = (o.data_ptr(), o.stride(0), o.stride(1), o.stride(2),
                   lse.data_ptr() if lse is not None else 0, H, H // Hkv, M, N, wc, N - M,
                   scale * LOG2E, scale)
-        grid = ((M + BM - 1) // BM, H, B)
+        grid = ((M + bm - 1) // bm, H, B)
         params = ctypes.create_string_buffer(struct.pack("<Qqqq Q qqqqqq ff q QQ", *fields, B, 0, 0))
         if self.persist and not causal:  # the kernel's PERSIST: dense, non-causal
             grid = (min(grid[0] * H * B, self.sms), 1, 1)
@@ -198,7 +207,7 @@ class Kernels:
         ptrs.append(ctypes.addressof(params))
         args = (ctypes.c_void_p * 6)(*ptrs)
         stream = torch.cuda.current_stream().cuda_stream
-        cupy.cuda.driver.launchKernel(k.kernel.ptr, grid[0], grid[1], grid[2], THREADS, 1, 1, smem,
+        cupy.cuda.driver.launchKernel(k.kernel.ptr, grid[0], grid[1], grid[2], 128 + 2 * bm, 1, 1, smem,
                                       stream, ctypes.addressof(args), 0)
         self._keep = (maps, params, args)  # alive until the launch has copied them (it has)
 

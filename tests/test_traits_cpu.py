@@ -147,12 +147,12 @@ def test_hopper_forward_tiles_match_the_kernel(nvrtc):
 
 
 def test_hopper_shared_bytes_follow_the_tile_macros(nvrtc):
-    """hopper_shared_bytes with block_n / slots (what scripts/hopper_probe.py asks for a
-    --variants build) equals FwdSmem<D>::BYTES built with the matching macros."""
+    """hopper_shared_bytes with block_n / slots / block_m (what scripts/hopper_probe.py asks
+    for a --variants build) equals FwdSmem<D>::BYTES built with the matching macros."""
     src = ("#define PW90_BN128 96\n#define PW90_KSLOTS128 4\n#define PW90_KSLOTS64 2\n"
-           + source("sm90/forward.cu"))
-    for d, bn, slots in ((128, 96, (4, 2)), (64, 128, (2, 2))):
-        figure = capability.hopper_shared_bytes(d, block_n=bn, slots=slots)
+           "#define PW90_BM64 192\n" + source("sm90/forward.cu"))
+    for d, bn, slots, bm in ((128, 96, (4, 2), None), (64, 128, (2, 2), 192)):
+        figure = capability.hopper_shared_bytes(d, block_n=bn, slots=slots, block_m=bm)
         assert figure != capability.hopper_shared_bytes(d)  # the override is not the default
         src += (f"\nstatic_assert(pw90::FwdSmem<{d}>::BYTES == {figure}, "
                 f"\"FwdSmem<{d}> != capability.hopper_shared_bytes override\");")

@@ -8,8 +8,9 @@
 //                K1, far-only K2, straddling tiles K1 and K2) into a ring of K slots, and V
 //                into a ring of V slots, each slot guarded by full/empty mbarriers; causally
 //                empty key tiles are never visited. setmaxnreg.dec to 40 registers (24
-//                with PW90_CONSUMER_REGS=240).
-//   warpgroups 1, 2  consumers, 64 query rows each (setmaxnreg.inc to 232): S = Q·Kᵀ with
+//                with PW90_CONSUMER_REGS=240 or three consumers).
+//   warpgroups 1, 2  consumers, 64 query rows each (setmaxnreg.inc to 232; -DPW90_BM64=192:
+//                three consumer warpgroups at 160 at D = 64, FwdWarps): S = Q·Kᵀ with
 //                wgmma m64nBNk16 (both operands shared-memory descriptors), on straddling
 //                tiles both products (the second in parts of at most 64 keys) and a
 //                per-element select, masking only on edge/diagonal tiles, online softmax in
@@ -85,6 +86,14 @@
 #ifndef PW90_KSLOTS128
 #define PW90_KSLOTS128 3
 #endif
+// Query rows per CTA at D = 64: 192 runs three consumer warpgroups of 64 rows (160 registers
+// each, 512 threads), so each K/V tile feeds 192 rows, as FlashAttention-3 does at head dim
+// 64 (bench/NOTES.md: the D = 64 forward is latency-bound with two). With 128-key tiles the
+// consumers spill (64-448 bytes) and ptxas serialises their wgmma; with -DPW90_BN64=96 (or
+// 64) neither, as the build tests check. Compiled offline only; not yet timed on a GPU.
+#ifndef PW90_BM64
+#define PW90_BM64 128
+#endif
 // Key rows per tile at D = 64: 192 (three 64-key parts on straddling tiles) needs
 // -DPW90_CONSUMER_REGS=240 (else spills and serialised wgmma); within the probe's noise of
 // the default on an H200.
@@ -153,38 +162,50 @@ template <bool VARLEN> PW90 SeqRows seq_rows(const FwdParams& p, int b) {
   return s;
 }
 
-constexpr int BM = 128;       // query rows per CTA (two consumer warpgroups x 64)
-constexpr int THREADS = 384;  // producer warpgroup + 2 consumer warpgroups
 #ifndef PW90_CONSUMER_REGS
 #define PW90_CONSUMER_REGS 232
 #endif
-// 128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536: 232 / 40, or 240 / 24 as in
-// FlashAttention-3 (-DPW90_CONSUMER_REGS=240: no consistent gain with 128-key tiles)
-constexpr int CONSUMER_REGS = PW90_CONSUMER_REGS, PRODUCER_REGS = CONSUMER_REGS > 232 ? 24 : 40;
-static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168 && CONSUMER_REGS % 8 == 0,
-              "setmaxnreg: the warpgroups share the 384 x 168 registers the kernel launches with");
 
+// BM query rows per CTA (64 per consumer warpgroup: the host's capability.HOPPER_BLOCK_M);
 // BN key rows per tile; KSLOTS / VSLOTS buffers of BN x D in the K / V rings (the host's
 // capability.HOPPER_BLOCK_N, HOPPER_FWD_SLOTS); PAIRS: causal dense batches in the
 // persistent grid over pairs of query tiles (capability.HOPPER_CAUSAL_PAIRS).
 template <int D> struct FwdCfg;
 template <> struct FwdCfg<64> {
-  static constexpr int BN = PW90_BN64, KSLOTS = PW90_KSLOTS64, VSLOTS = 2;
+  static constexpr int BM = PW90_BM64, BN = PW90_BN64, KSLOTS = PW90_KSLOTS64, VSLOTS = 2;
   static constexpr bool PAIRS = PW90_PAIRS64;
 };
 template <> struct FwdCfg<128> {
-  static constexpr int BN = PW90_BN128, KSLOTS = PW90_KSLOTS128, VSLOTS = 2;
+  static constexpr int BM = 128, BN = PW90_BN128, KSLOTS = PW90_KSLOTS128, VSLOTS = 2;
   static constexpr bool PAIRS = PW90_PAIRS128;
 };
 // D = 256: Q1 and Q2 alone take 128 KB, so the rings hold 32-key tiles (48-key tiles in
 // 4 + 2 slots would need 144 KB). O is 128 float32 registers per thread. Pairs not timed.
 template <> struct FwdCfg<256> {
-  static constexpr int BN = 32, KSLOTS = 4, VSLOTS = 2;
+  static constexpr int BM = 128, BN = 32, KSLOTS = 4, VSLOTS = 2;
   static constexpr bool PAIRS = false;
 };
 
+// Warpgroups and their registers: a producer warpgroup and BM / 64 consumer warpgroups.
+// The CTA launches with 65536 / THREADS registers per thread (rounded down to 8: 168 for 384
+// threads, 128 for 512), which setmaxnreg moves from the producer to the consumers. Two
+// consumers: 232 / 40, or 240 / 24 as in FlashAttention-3 (-DPW90_CONSUMER_REGS=240: no
+// consistent gain with 128-key tiles); three (BM = 192): 160 / 24, as FlashAttention-3 at
+// head dim 64.
+template <int D> struct FwdWarps {
+  static constexpr int CONSUMERS = FwdCfg<D>::BM / 64, THREADS = 128 * (1 + CONSUMERS);
+  static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8 > 255 ? 248 : 65536 / THREADS / 8 * 8;
+  static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? PW90_CONSUMER_REGS : 160;
+  static constexpr int PRODUCER_REGS = CONSUMERS == 2 && CONSUMER_REGS <= 232 ? 40 : 24;
+  static_assert(FwdCfg<D>::BM % 64 == 0 && (CONSUMERS == 2 || CONSUMERS == 3), "BM: 128 or 192");
+  static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS * LAUNCH_REGS &&
+                    CONSUMER_REGS % 8 == 0,
+                "setmaxnreg: the warpgroups share the registers the kernel launches with");
+  static_assert(!PW90_PINGPONG || CONSUMERS == 2, "ping-pong pairs two consumer warpgroups");
+};
+
 template <int D> struct FwdSmem {
-  static constexpr int BN = FwdCfg<D>::BN, PANELS = D / 64;
+  static constexpr int BM = FwdCfg<D>::BM, BN = FwdCfg<D>::BN, PANELS = D / 64;
   static constexpr int KSLOTS = FwdCfg<D>::KSLOTS, VSLOTS = FwdCfg<D>::VSLOTS;
   static constexpr int Q_PANEL = BM * 128, K_PANEL = BN * 128;  // bytes of a 64-column panel
   static constexpr int Q_TILE = PANELS * Q_PANEL, K_TILE = PANELS * K_PANEL;
@@ -285,7 +306,7 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& 
                         const VRing<D>& vr, int m0, int h, const SeqRows& sr, int ntiles,
                         int& kc, int kg, u32 qpar, u32 qempty) {
   using S = FwdSmem<D>;
-  constexpr int BN = S::BN;
+  constexpr int BN = S::BN, BM = S::BM;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wg = __shfl_sync(0xffffffffu, warp / 4 - 1, 0), wl = warp % 4;
   const int M = sr.M, N = sr.N, P = sr.P, w = (int)p.w;
@@ -356,7 +377,8 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& 
       // The second product goes PART keys at a time through a small temporary, so a
       // straddling tile (rare: about two per query tile) costs PART/2 extra registers, not
       // a second score tile.
-      constexpr int PART = BN % 64 == 0 ? 64 : BN / 2;
+      // (32 with three consumer warpgroups: their 160 registers leave no room for 64)
+      constexpr int PART = FwdWarps<D>::CONSUMERS == 3 ? 32 : BN % 64 == 0 ? 64 : BN / 2;
 #pragma unroll
       for (int part = 0; part < BN / PART; ++part) {
         float s2[PART / 2];
@@ -520,7 +542,7 @@ PW90 void produce_pipe(const TmaDesc* tq1, const TmaDesc* tq2, const TmaDesc* tk
                        const KRing<D>& kr, const VRing<D>& vr, int m0, int h, int b, int hk,
                        int ntiles, int& kc, int kg, int qn, int P, int w, int q0, int k0) {
   using S = FwdSmem<D>;
-  constexpr int BN = S::BN;
+  constexpr int BN = S::BN, BM = S::BM;
 #if PW90_PERSIST
   if (qn > 0) mbar_wait(qempty, (qn - 1) & 1);
 #endif
@@ -557,13 +579,13 @@ PW90 void produce_pipe(const TmaDesc* tq1, const TmaDesc* tq2, const TmaDesc* tk
 // boxes that reach past them fill zeros, so the products see D columns of which the last
 // D - DV are zero (S unchanged, O's padding columns zero), and only DV columns are stored.
 template <typename T, int D, bool CAUSAL, bool VARLEN = false, int DV = D>
-__global__ void __launch_bounds__(pw90::THREADS, 1)
+__global__ void __launch_bounds__(pw90::FwdWarps<D>::THREADS, 1)
     pw90_forward(const __grid_constant__ pw90::TmaDesc tq1, const __grid_constant__ pw90::TmaDesc tq2,
                  const __grid_constant__ pw90::TmaDesc tk1, const __grid_constant__ pw90::TmaDesc tk2,
                  const __grid_constant__ pw90::TmaDesc tv, const pw90::FwdParams p) {
   using namespace pw90;
   using S = FwdSmem<D>;
-  constexpr int BN = S::BN;
+  constexpr int BN = S::BN, BM = S::BM, NC = FwdWarps<D>::CONSUMERS;  // NC consumer warpgroups
   static_assert(DV % 16 == 0 && DV <= D && (DV > D / 2 || D == 64), "stored head dim");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -590,13 +612,13 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
     mbar_init(qbar, 1);
     for (int s = 0; s < S::KSLOTS; ++s) {
       mbar_init(kr.full(s), 1);         // the producer's arrive.expect_tx
-      mbar_init(kr.empty(s), 2 * 128);  // every consumer thread
+      mbar_init(kr.empty(s), NC * 128);  // every consumer thread
     }
     for (int s = 0; s < S::VSLOTS; ++s) {
       mbar_init(vr.full(s), 1);
-      mbar_init(vr.empty(s), 2 * 128);
+      mbar_init(vr.empty(s), NC * 128);
     }
-    mbar_init(qempty, 2 * 128);
+    mbar_init(qempty, NC * 128);
     mbar_init_fence();
   }
   __syncthreads();
@@ -632,7 +654,7 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
   };
   int kc = 0, kg = 0, qn = 0;  // K-ring uses, V-ring uses (key tiles), work tiles with keys
   if (warp < 4) {  // ---------------------------------------------------------------- producer
-    regs_dec<PRODUCER_REGS>();
+    regs_dec<FwdWarps<D>::PRODUCER_REGS>();
     if (warp == 0 && lane == 0) {
       tma_prefetch_desc(&tk1);
       tma_prefetch_desc(&tk2);
@@ -650,7 +672,7 @@ __global__ void __launch_bounds__(pw90::THREADS, 1)
       });
     }
   } else {  // ------------------------------------------------------------------------ consumers
-    regs_inc<CONSUMER_REGS>();
+    regs_inc<FwdWarps<D>::CONSUMER_REGS>();
     each_work([&](int m0w, int hw, int bw) {
       const SeqRows sw = seq_rows<VARLEN>(p, bw);
       const int nt = key_tiles(m0w, sw);
