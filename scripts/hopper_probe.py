@@ -26,7 +26,11 @@ as -D options) in turn get a 128-case check (the 96 of phase 2 plus 32 more: bot
 64/128, causal or not, ragged M/N, negative w, GQA, the blhd layout) and bf16 timings at L = 2048 and 8192 (B = 16384 / L, H =
 2048 / D, w = L / 4), beside SDPA cuDNN and flash; a table compares them (about 1 minute
 per variant). Each timing sample is a batch of VT_BATCH launches (this probe encodes the
-tensor maps on the host at every launch). Tile-shape macros (PW90_BN128, PW90_KSLOTS128,
+tensor maps on the host at every launch). ``--rounds 3`` times every build three times in
+interleaved order (the check runs once) and tables the medians with each build's spread
+over the rounds: the causal cells of one build vary by up to 10% from run to run on an
+H200, so a difference smaller than the spread is not one. ``--vt-lengths 2048,8192,16384``
+widens the timing grid. Tile-shape macros (PW90_BN128, PW90_KSLOTS128,
 PW90_BN64, PW90_KSLOTS64) are read by tiles() for the tensor-map boxes and shared memory;
 -DPW90_PROBE_SOURCE=NAME builds kernels_cu/sm90/NAME.cu instead of forward.cu, e.g. the
 previous kernel written out by `git show REV:kernels_cu/sm90/forward.cu`.
@@ -42,6 +46,7 @@ import ctypes
 import math
 import os
 import re
+import statistics
 import struct
 import subprocess
 import sys
@@ -517,8 +522,14 @@ def _time_config(torch, F, kern, SDPBackend, sdpa_kernel, cupy_piecewise, B, L, 
 
 # ============================================================================ --variants
 
-#: timing grid of --variants: bf16, B = 16384 / L, H = 2048 / D, w = L / 4
-VT_CONFIGS = [(L, D, c) for L in (2048, 8192) for D in (64, 128) for c in (False, True)]
+#: timing grid of --variants: bf16, B = 16384 / L, H = 2048 / D, w = L / 4, at these lengths
+#: (--vt-lengths replaces them), D 64 and 128, causal or not
+VT_LENGTHS = (2048, 8192)
+
+
+def vt_configs(lengths=VT_LENGTHS) -> list:
+    """The --variants timing cells: (L, D, causal) for each length, D 64/128, causal or not."""
+    return [(L, D, c) for L in lengths for D in (64, 128) for c in (0, 1)]
 #: (no -DPW90_WAIT_SPIN_LIMIT in --variants: it changes register allocation, e.g. spills in
 #: PW90_PINGPONG=1 PW90_OVERLAP=1 PW90_PERSIST=0, so the check would not run the timed code; a deadlock
 #: shows as a hung worker instead, killed after PHASES["vrun"][1] s of silence, its last
@@ -566,7 +577,8 @@ def phase_vrun(args):
     sms = kern.sms
     if kern.persist:
         kern.sms = 3  # the check's grids are small: make each CTA walk several work tiles
-    cases = make_cases() + reduced_cases()  # 128 cases, a few seconds on an H200
+    # 128 cases, a few seconds on an H200 (none in a later round: --time-only)
+    cases = [] if args.time_only else make_cases() + reduced_cases()
     npass = nfail = 0
     worst = 0.0
     for i, c in enumerate(cases):
@@ -590,8 +602,9 @@ def phase_vrun(args):
             except Exception:
                 say(f"VCHECK {tag}: {npass} pass, {nfail} fail, CUDA context lost at case {i}")
                 return 3
-    say(f"VCHECK {tag}: {npass} pass, {nfail} fail of {len(cases) - args.start} "
-        f"(worst o error / bound {worst:.2f})")
+    if not args.time_only:
+        say(f"VCHECK {tag}: {npass} pass, {nfail} fail of {len(cases) - args.start} "
+            f"(worst o error / bound {worst:.2f})")
     if args.skip_ours:
         return 0
     kern.sms = sms
@@ -600,8 +613,8 @@ def phase_vrun(args):
     except Exception as e:
         cupy_piecewise = None
         say(f"cupy_piecewise import failed (no large-scale agreement check): {e!r}")
-    for L, D, causal in VT_CONFIGS:
-        _vtime_ours(torch, kern, tag, L, D, causal, cupy_piecewise)
+    for L, D, causal in vt_configs(args.vt_lengths):
+        _vtime_ours(torch, kern, tag, L, D, bool(causal), cupy_piecewise if not args.time_only else None)
         torch.cuda.empty_cache()
     return 0
 
@@ -639,8 +652,8 @@ def phase_vbase(args):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    for L, D, causal in VT_CONFIGS:
-        _vtime_sdpa(torch, F, SDPBackend, sdpa_kernel, L, D, causal)
+    for L, D, causal in vt_configs(args.vt_lengths):
+        _vtime_sdpa(torch, F, SDPBackend, sdpa_kernel, L, D, bool(causal))
         torch.cuda.empty_cache()
     return 0
 
@@ -664,63 +677,92 @@ def _vtime_sdpa(torch, F, SDPBackend, sdpa_kernel, L, D, causal):
             torch.cuda.synchronize()
 
 
-def run_variants(specs, via, log, budget_s=225.0):
-    """--variants: baselines, then the default build and each variant in its own worker;
-    prints the comparison table. Stays within budget_s seconds."""
+def run_variants(specs, via, log, budget_s=225.0, rounds=1, lengths=VT_LENGTHS):
+    """--variants: the default build and each variant in its own worker, ``rounds`` times in
+    interleaved order (default, A, B, default, A, B, ...), each round after a run of the SDPA
+    baselines; the first round also checks each build (128 cases), later ones time only.
+    Prints the comparison table (:func:`variants_table`). Stays within budget_s seconds."""
     t0 = time.time()
     specs = [""] + [" ".join(v.split()) for v in specs if v.strip()]
-    log("=" * 20 + f" variants: {len(specs)} builds (the default first), budget {budget_s:.0f} s")
-    status, lines = run_worker("vbase", ["--via", via], 40, 30, log)
-    log(f"[vbase worker: {status}]")
-    allines = list(lines)
-    checks = {}
-    for i, spec in enumerate(specs):
-        left = budget_s - (time.time() - t0)
-        share = left / (len(specs) - i)
-        if share < 15:
-            log(f"[variants: out of time before '{spec or '(default)'}']")
-            break
-        opts = variant_options(spec)
-        extra = ["--via", via] + [f"--opt={o}" for o in opts]
-        status, lines = run_worker("vrun", extra, min(share, 90), 25, log)
-        log(f"[vrun worker '{spec or '(default)'}': {status}]")
+    grid = ["--vt-lengths", ",".join(map(str, lengths))]
+    log("=" * 20 + f" variants: {len(specs)} builds (the default first), {rounds} round(s), "
+        f"L {', '.join(map(str, lengths))}, budget {budget_s:.0f} s")
+    allines, checks = [], {}
+    runs_left = rounds * len(specs)
+    for r in range(rounds):
+        status, lines = run_worker("vbase", ["--via", via] + grid, 40 + 10 * len(lengths), 30, log)
+        log(f"[round {r + 1}: vbase worker: {status}]")
         allines += lines
-        tag = spec or "(default)"
-        vc = [ln for ln in lines if ln.startswith("VCHECK")]
-        started = [ln for ln in lines if re.match(r"CASE \d+ START", ln)]
-        checks[tag] = (vc[-1].split(":", 1)[1].strip() if vc else
-                       f"no result ({status}{'; last: ' + started[-1] if started else ''})")
-    # table
+        for spec in specs:
+            tag = spec or "(default)"
+            share = (budget_s - (time.time() - t0)) / runs_left
+            runs_left -= 1
+            if share < 15:
+                log(f"[variants: out of time before round {r + 1} of '{tag}']")
+                continue
+            extra = ["--via", via] + grid + [f"--opt={o}" for o in variant_options(spec)]
+            if r > 0:
+                extra.append("--time-only")
+            status, lines = run_worker("vrun", extra, min(share, 90), 25, log)
+            log(f"[round {r + 1}: vrun worker '{tag}': {status}]")
+            allines += lines
+            if r == 0:
+                vc = [ln for ln in lines if ln.startswith("VCHECK")]
+                started = [ln for ln in lines if re.match(r"CASE \d+ START", ln)]
+                checks[tag] = (vc[-1].split(":", 1)[1].strip() if vc else
+                               f"no result ({status}{'; last: ' + started[-1] if started else ''})")
+    for line in variants_table(allines, [s or "(default)" for s in specs], checks, lengths):
+        log(line)
+    log(f"[variants done in {time.time() - t0:.0f} s]")
+
+
+def variants_table(lines, tags, checks, lengths=VT_LENGTHS) -> list:
+    """The --variants comparison from the workers' VTIME / VAGREE lines: per build (``tags``,
+    then sdpa_cudnn and sdpa_flash) and cell, the median TFLOP/s over the rounds that timed
+    it; under each build its ratio to sdpa_cudnn's median, and with several rounds the
+    spread (max - min) / median in percent, so that a difference can be read against the
+    noise of the same build. ``checks``: tag -> the first round's check verdict."""
     times = {}
-    for ln in allines:
+    for ln in lines:
         m = re.match(r"VTIME (.+?) \| L=(\d+) D=(\d+) causal=(\d) \| ([\d.]+) ms ([\d.]+) TFLOP/s", ln)
         if m:
-            times[(m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)))] = float(m.group(6))
+            key = (m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)))
+            times.setdefault(key, []).append(float(m.group(6)))
     agree = {}
-    for ln in allines:
+    for ln in lines:
         m = re.match(r"VAGREE (.+?) \| .*\| ([\d.e+-]+)$", ln)
         if m:
             agree[m.group(1)] = max(agree.get(m.group(1), 0.0), float(m.group(2)))
         elif ln.startswith("VAGREE") and "ERROR" in ln:
             agree[ln.split("|")[0][7:].strip()] = float("nan")
+    checks = dict(checks)
     for tag in checks:
         if tag in agree:
             checks[tag] += f"; vs package fwd at scale: max rel {agree[tag]:.1e}"
-    rows = [s or "(default)" for s in specs] + ["sdpa_cudnn", "sdpa_flash"]
-    cols = [(L, D, int(c)) for L, D, c in VT_CONFIGS]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    several = any(len(v) > 1 for v in times.values())
+    cols = vt_configs(lengths)
     head = "".join("{:>12s}".format(f"L{L // 1024}k D{D}" + (" c" if c else "")) for L, D, c in cols)
-    log("=" * 20 + " variants table: bf16 TFLOP/s (B = 16384/L, H = 2048/D, w = L/4); "
-        "second line per variant: ratio to sdpa_cudnn")
-    log(f"{'variant':34s}{head}  check")
-    for r in rows:
-        vals = [times.get((r,) + c) for c in cols]
-        log(f"{r[:34]:34s}" + "".join(f"{v:12.1f}" if v else f"{'-':>12s}" for v in vals)
-            + (f"  {checks.get(r, '')}" if r in checks else ""))
+    out = ["=" * 20 + " variants table: bf16 TFLOP/s (B = 16384/L, H = 2048/D, w = L/4), median "
+           "over rounds; under each variant: ratio to sdpa_cudnn"
+           + ("; spread = (max - min) / median over rounds, %" if several else ""),
+           f"{'variant':34s}{head}  check"]
+    for r in list(tags) + ["sdpa_cudnn", "sdpa_flash"]:
+        vals = [med.get((r,) + c) for c in cols]
+        out.append(f"{r[:34]:34s}" + "".join(f"{v:12.1f}" if v else f"{'-':>12s}" for v in vals)
+                   + (f"  {checks.get(r, '')}" if r in checks else ""))
         if r not in ("sdpa_cudnn", "sdpa_flash"):
-            ref = [times.get(("sdpa_cudnn",) + c) for c in cols]
-            log(f"{'  / cudnn':34s}" + "".join(f"{v / b:12.3f}" if v and b else f"{'-':>12s}"
-                                              for v, b in zip(vals, ref)))
-    log(f"[variants done in {time.time() - t0:.0f} s]")
+            ref = [med.get(("sdpa_cudnn",) + c) for c in cols]
+            out.append(f"{'  / cudnn':34s}" + "".join(f"{v / b:12.3f}" if v and b else f"{'-':>12s}"
+                                                     for v, b in zip(vals, ref)))
+        if several:
+            spread = []
+            for c in cols:
+                v = times.get((r,) + c, [])
+                spread.append(f"{100 * (max(v) - min(v)) / statistics.median(v):11.1f}%"
+                              if len(v) > 1 else f"{'-':>12s}")
+            out.append(f"{'  spread (n = rounds timed)':34s}" + "".join(spread))
+    return out
 
 
 # ============================================================================ parent
@@ -749,6 +791,13 @@ def main():
                          "runs first. Per "
                          "build: 128-case check against float64, then bf16 timing at L 2048/8192, D "
                          "64/128, causal or not; SDPA cuDNN/flash once; a comparison table. < 4 min.")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="--variants: time every build this many times, interleaved (the first "
+                         "round also checks); the table gives medians and the spread")
+    ap.add_argument("--vt-lengths", type=lambda t: tuple(int(x) for x in t.split(",")),
+                    default=VT_LENGTHS, help="--variants: sequence lengths of the timing grid "
+                    "(default 2048,8192; each L takes B = 16384 / L)")
+    ap.add_argument("--time-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--budget-s", type=float, default=225.0,
                     help="--variants: seconds for the whole comparison (default 225; about 30-60 "
                          "per build)")
@@ -780,7 +829,8 @@ def main():
     except Exception:
         pass
     if args.variants is not None:
-        run_variants(args.variants.split(";"), args.via, log, args.budget_s)
+        run_variants(args.variants.split(";"), args.via, log, args.budget_s, args.rounds,
+                     args.vt_lengths)
         log(f"hopper_probe done in {time.time() - t_start:.0f} s")
         if out:
             out.close()

@@ -1,0 +1,65 @@
+"""scripts/hopper_probe.py's --variants bookkeeping, without a GPU: the comparison table
+from the workers' output lines (medians over interleaved rounds, the spread, ratios to
+cuDNN), and the tile figures it derives from the -D options of a variant."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
+hopper_probe = pytest.importorskip("hopper_probe")  # (imports cupy_piecewise only)
+
+
+def _vtime(tag, L, D, c, tflops):
+    return f"VTIME {tag} | L={L} D={D} causal={c} | 1.0000 ms {tflops:.1f} TFLOP/s"
+
+
+def test_variants_table_takes_medians_and_reports_the_spread():
+    lines = []
+    for r, (a, b, cudnn) in enumerate(((300.0, 330.0, 400.0), (320.0, 310.0, 420.0),
+                                       (310.0, 350.0, 410.0))):
+        lines += [_vtime("(default)", 2048, 64, 1, a), _vtime("PW90_X=1", 2048, 64, 1, b),
+                  _vtime("sdpa_cudnn", 2048, 64, 1, cudnn)]
+    lines.append("VAGREE PW90_X=1 | L=2048 D=64 causal=1 | 1.5e-05")
+    out = hopper_probe.variants_table(lines, ["(default)", "PW90_X=1"],
+                                      {"(default)": "128 pass", "PW90_X=1": "128 pass"},
+                                      lengths=(2048,))
+    cols = hopper_probe.vt_configs((2048,))
+    i = cols.index((2048, 64, 1))  # the only cell with data
+    rows = {ln[:34].strip(): ln[34:] for ln in out[2:]}
+    cell = lambda text: text[12 * i:12 * (i + 1)].strip()  # noqa: E731
+    assert cell(rows["(default)"]) == "310.0" and cell(rows["PW90_X=1"]) == "330.0"
+    assert cell(rows["sdpa_cudnn"]) == "410.0"
+    assert "vs package fwd at scale: max rel 1.5e-05" in rows["PW90_X=1"]
+    ratio = [ln for ln in out if ln.startswith("  / cudnn")]
+    assert [cell(ln[34:]) for ln in ratio] == [f"{310 / 410:.3f}", f"{330 / 410:.3f}"]
+    spread = [ln for ln in out if ln.startswith("  spread")]
+    # (default): (320 - 300) / 310; PW90_X=1: (350 - 310) / 330; cudnn; flash (no data)
+    assert [cell(ln[34:]) for ln in spread] == ["6.5%", "12.1%", "4.9%", "-"]
+    j = cols.index((2048, 128, 0))  # a cell no line timed
+    assert rows["(default)"][12 * j:12 * (j + 1)].strip() == "-"
+
+
+def test_variants_table_one_round_has_no_spread_line():
+    lines = [_vtime("(default)", 8192, 128, 0, 550.0), _vtime("sdpa_cudnn", 8192, 128, 0, 600.0)]
+    out = hopper_probe.variants_table(lines, ["(default)"], {}, lengths=(8192,))
+    assert not any(ln.startswith("  spread") for ln in out)
+    assert any("0.917" in ln for ln in out if ln.startswith("  / cudnn"))
+
+
+def test_variant_tiles_follow_the_macros():
+    """block_m / tiles / smem_bytes of a --variants build: the package's figures unless the
+    macros change them (PW90_BM64 only at D = 64)."""
+    from cupy_piecewise import capability
+
+    opts = ["-DPW90_BM64=192", "-DPW90_BN64=96"]
+    assert hopper_probe.block_m(64, opts) == 192 and hopper_probe.block_m(128, opts) == 128
+    assert hopper_probe.block_m(64) == capability.HOPPER_BLOCK_M
+    assert hopper_probe.tiles(64, opts)[0] == 96
+    assert hopper_probe.smem_bytes(64, opts) == capability.hopper_shared_bytes(
+        64, block_n=96, slots=capability.HOPPER_FWD_SLOTS[64], block_m=192)
+    assert hopper_probe.smem_bytes(128) == capability.hopper_shared_bytes(128)
+    assert hopper_probe.vt_configs((2048, 16384)) == [
+        (L, D, c) for L in (2048, 16384) for D in (64, 128) for c in (0, 1)]
