@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import cupy_piecewise as cpw
@@ -95,11 +95,15 @@ def test_q_offset_none_is_the_default_alignment(k_offset):
 
 
 def _masks(M, N, P, w):
-    x = np.arange(M)[:, None] - np.arange(N)[None, :]
-    return x + P >= w, x + P >= 0
+    """(far, admissible) masks of d = i - j + P in Python integers: P and w range over
+    +-2**63 here, where int64 arithmetic would overflow."""
+    d = [[i - j + P for j in range(N)] for i in range(M)]
+    return (np.array([[x >= w for x in row] for row in d], dtype=bool),
+            np.array([[x >= 0 for x in row] for row in d], dtype=bool))
 
 
 @settings(max_examples=400, deadline=None)
+@example(M=1, N=1, q0=2**62, k0=-2**62, w=0, default=False)  # shift 2**63: past int64
 @given(M=st.integers(0, 40), N=st.integers(0, 40),
        q0=st.integers(-2**62, 2**62), k0=st.integers(-2**62, 2**62),
        w=st.integers(-2**63, 2**63), default=st.booleans())
