@@ -164,9 +164,12 @@ class Kernels:
         self.persist = not macro_off(opts, "PW90_PERSIST")
         #: FwdCfg<D>::PAIRS (PW90_PAIRS64 / PW90_PAIRS128): causal launches of that head dim
         #: get the persistent grid too, over units of two query tiles
-        self.pairs = {D: self.persist and bool(macro_value(opts, f"PW90_PAIRS{D}",
-                                                      int(capability.HOPPER_CAUSAL_PAIRS[D])))
-                      for D in (64, 128)}
+        #: (a -DPW90_PROBE_SOURCE kernel may predate the pairs walk: off unless the macro
+        #: says otherwise)
+        older = any(o.startswith("-DPW90_PROBE_SOURCE=") for o in opts)
+        self.pairs = {D: self.persist and bool(macro_value(
+            opts, f"PW90_PAIRS{D}", 0 if older else int(capability.HOPPER_CAUSAL_PAIRS[D])))
+            for D in (64, 128)}
         self.sms = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
         for n in NAMES:
             k = get(n)
@@ -688,15 +691,17 @@ def run_variants(specs, via, log, budget_s=225.0, rounds=1, lengths=VT_LENGTHS):
     log("=" * 20 + f" variants: {len(specs)} builds (the default first), {rounds} round(s), "
         f"L {', '.join(map(str, lengths))}, budget {budget_s:.0f} s")
     allines, checks = [], {}
-    runs_left = rounds * len(specs)
+    # a first-round run checks and times (about twice a later round's time-only run)
+    weight_left = (2 + (rounds - 1)) * len(specs)
     for r in range(rounds):
         status, lines = run_worker("vbase", ["--via", via] + grid, 40 + 10 * len(lengths), 30, log)
         log(f"[round {r + 1}: vbase worker: {status}]")
         allines += lines
         for spec in specs:
             tag = spec or "(default)"
-            share = (budget_s - (time.time() - t0)) / runs_left
-            runs_left -= 1
+            weight = 2 if r == 0 else 1
+            share = (budget_s - (time.time() - t0)) * weight / weight_left
+            weight_left -= weight
             if share < 15:
                 log(f"[variants: out of time before round {r + 1} of '{tag}']")
                 continue
@@ -828,6 +833,8 @@ def main():
         log(f"git HEAD {rev}")
     except Exception:
         pass
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if args.variants is not None:
         run_variants(args.variants.split(";"), args.via, log, args.budget_s, args.rounds,
                      args.vt_lengths)

@@ -435,12 +435,13 @@ def test_long_rows_keep_o_and_lse_within_the_rule(kernel_path, dtype):
 
 @pytest.mark.parametrize("cap", [None, "3"])
 @pytest.mark.parametrize("D, M, N", [(128, 640, 640), (128, 1100, 1300), (96, 900, 300),
-                                     (128, 2000, 2100)])
+                                     (128, 2000, 2100), (80, 2000, 100)])
 def test_causal_pairs_walk_every_query_tile(monkeypatch, cap, D, M, N):
     """The Hopper forward's causal persistent grid (capability.HOPPER_CAUSAL_PAIRS: units of
     query tiles nmt-1-u and u of one head) at odd tile counts (a middle tile alone: 640 rows
-    are 5 tiles, 1100 are 9), with M > N (leading query tiles that see no key), with the
-    grid of one CTA per SM and capped at 3 CTAs (each walks many units); backward too."""
+    are 5 tiles, 1100 are 9), with M > N (leading query tiles that see no key; at M = 2000,
+    N = 100 units whose two tiles both see none), with the grid of one CTA per SM and capped
+    at 3 CTAs (each walks many units); backward too."""
     from cupy_piecewise import capability
 
     assert capability.HOPPER_CAUSAL_PAIRS[capability.hopper_compute_dim(D)]

@@ -58,8 +58,10 @@ def test_variant_tiles_follow_the_macros():
     assert hopper_probe.block_m(64, opts) == 192 and hopper_probe.block_m(128, opts) == 128
     assert hopper_probe.block_m(64) == capability.HOPPER_BLOCK_M
     assert hopper_probe.tiles(64, opts)[0] == 96
-    assert hopper_probe.smem_bytes(64, opts) == capability.hopper_shared_bytes(
-        64, block_n=96, slots=capability.HOPPER_FWD_SLOTS[64], block_m=192)
+    # Q1, Q2 of 192 x 64; 4 K + 2 V slots of 96 x 64 (2-byte elements); 14 mbarriers; 1 KB
+    # alignment slack
+    assert capability.HOPPER_FWD_SLOTS[64] == (4, 2)
+    assert hopper_probe.smem_bytes(64, opts) == 2 * 192 * 128 + 6 * 96 * 128 + 8 * 14 + 1024
     assert hopper_probe.smem_bytes(128) == capability.hopper_shared_bytes(128)
     assert hopper_probe.vt_configs((2048, 16384)) == [
         (L, D, c) for L in (2048, 16384) for D in (64, 128) for c in (0, 1)]

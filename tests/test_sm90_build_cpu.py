@@ -29,6 +29,10 @@ NAMES = [f"pw90_forward<{ELEM[t]}, {d}, {'true' if c else 'false'}>"
 # the rings replaced. PW90_BN64=192 PW90_CONSUMER_REGS=240: 192-key tiles at D = 64, which fit
 # only in FlashAttention-3's 240/24 register split (at 232/40 they spill and serialise).
 # PW90_KSLOTS64=2: the K-ring depth at D = 64 of the layout the rings replaced.
+# PW90_PAIRS64=1 PW90_PAIRS128=0: the causal persistent walk over pairs of query tiles at D = 64
+# and one CTA per query tile at D = 128 (the defaults the other way round).
+# PW90_BM64=192 PW90_BN64=96: three consumer warpgroups at D = 64 (512 threads, 160 registers
+# each); with 128-key tiles they spill.
 VARIANTS = ["PW90_OVERLAP=0 PW90_PERSIST=0", "PW90_PERSIST=0",
             "PW90_PINGPONG=1 PW90_OVERLAP=0 PW90_PERSIST=0",
             "PW90_PINGPONG=1 PW90_OVERLAP=1 PW90_PERSIST=0", "PW90_OVERLAP=0",
@@ -63,6 +67,10 @@ def test_variants_no_spills_no_serialisation(variant_build):
     # the variant really took its path
     if "PW90_PINGPONG=1" in spec:
         assert re.search(r"bar\.arrive", ptx) and re.search(r"bar\.sync\s+%r", ptx), spec
+    if "PW90_BM64=192" in spec:  # the D = 64 kernels: 4 warpgroups, consumers raised to 160
+        assert ".maxntid 512" in ptx and "setmaxnreg.inc.sync.aligned.u32 160;" in ptx, spec
+    else:
+        assert ".maxntid 512" not in ptx, spec
     if "PW90_OVERLAP=0" not in spec:  # on by default
         assert "wgmma.wait_group.sync.aligned 1;" in ptx, spec
     else:

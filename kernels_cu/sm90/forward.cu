@@ -2,7 +2,8 @@
 // specialisation.
 //
 // A CTA works on (128-row query tile, head, batch) work tiles (one, or several in the
-// persistent grid: PW90_PERSIST below), 384 threads = 3 warpgroups:
+// persistent grid: PW90_PERSIST below) of BM = 128 rows, 384 threads = 3 warpgroups (BM = 192
+// and 512 threads = 4 warpgroups with -DPW90_BM64=192 at D = 64):
 //   warpgroup 0  producer: one thread issues the TMA loads (128-byte swizzle) of Q1 and Q2 once
 //                and, per key tile, only the key projections the tile needs (near-only tiles
 //                K1, far-only K2, straddling tiles K1 and K2) into a ring of K slots, and V
@@ -20,7 +21,7 @@
 //                S = Q·Kᵀ of tile t, so the softmax of t overlaps it (PW90_OVERLAP).
 //                Epilogue: O / l stored directly to global memory, lse (natural log, float32).
 //
-// Shared memory: Q1, Q2 (2 x 128 x D x 2 bytes), then KSLOTS K slots and VSLOTS V slots of
+// Shared memory: Q1, Q2 (2 x BM x D x 2 bytes), then KSLOTS K slots and VSLOTS V slots of
 // BN x D x 2 bytes. A tile takes one K slot, a straddling one two (K1 and K2), so a K ring
 // of 3 slots keeps a straddling tile and the next one in flight; the V ring of 2 holds V of
 // tile t-1 (read by P·V) while V of tile t loads.
@@ -89,8 +90,8 @@
 // Query rows per CTA at D = 64: 192 runs three consumer warpgroups of 64 rows (160 registers
 // each, 512 threads), so each K/V tile feeds 192 rows, as FlashAttention-3 does at head dim
 // 64 (bench/NOTES.md: the D = 64 forward is latency-bound with two). With 128-key tiles the
-// consumers spill (64-448 bytes) and ptxas serialises their wgmma; with -DPW90_BN64=96 (or
-// 64) neither, as the build tests check. Compiled offline only; not yet timed on a GPU.
+// consumers spill (192 bytes with the 32-key parts below; 448 with 64-key parts) and ptxas
+// serialises their wgmma; with -DPW90_BN64=96 (or 64) neither, as the build tests check. Compiled offline only; not yet timed on a GPU.
 #ifndef PW90_BM64
 #define PW90_BM64 128
 #endif
@@ -101,7 +102,7 @@
 #define PW90_BN64 128
 #endif
 // K slots at D = 64. The rings cost D = 64 2-4% against the two-stage layout, whose K depth
-// was two tiles (bench/NOTES.md); 2 and 3 timed within 1-3% of 4 on an H200.
+// was two tiles (bench/NOTES.md); 2 and 3 timed within -2.7% to +1.3% of 4 on an H200.
 #ifndef PW90_KSLOTS64
 #define PW90_KSLOTS64 4
 #endif
@@ -355,8 +356,8 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& 
 #endif
     reg_fence(o);
     wg_fence();
-    // S is issued even for a tile whose rows are all causally masked (at most one per
-    // warpgroup at BN >= 64, two at D = 256's 32): a conditional S product makes ptxas
+    // S is issued even for a tile whose rows are all causally masked (a few per work tile,
+    // for the warpgroups below the CTA's last rows): a conditional S product makes ptxas
     // serialise the wgmma (C7515).
     qk<T, D, BN, BN>(s1, mode == 2 ? q2a : q1a, mode == 2 ? k2a : k1a);
     wg_commit();
@@ -567,13 +568,13 @@ PW90 void produce_pipe(const TmaDesc* tq1, const TmaDesc* tq2, const TmaDesc* tk
 
 }  // namespace pw90
 
-// Grid: (ceil(M / 128), H, B), or for the persistent walks (dense non-causal; dense causal
-// where FwdCfg<D>::PAIRS) (at most the work units, 1, 1); 384 threads; dynamic shared
-// memory pw90::FwdSmem<D>::BYTES.
-// Tensor maps (cupy_piecewise/tma.py): 4-D {D, rows, heads, batch}, box {64, 128 (Q) or BN
+// Grid: (ceil(M / BM), H, B), or for the persistent walks (dense non-causal; dense causal
+// where FwdCfg<D>::PAIRS) (at most the work units, 1, 1); FwdWarps<D>::THREADS threads
+// (384; 512 with -DPW90_BM64=192); dynamic shared memory pw90::FwdSmem<D>::BYTES.
+// Tensor maps (cupy_piecewise/tma.py): 4-D {D, rows, heads, batch}, box {64, BM (Q) or BN
 // (K, V), 1, 1}, 128-byte swizzle, zero fill out of bounds; q1/q2 over (M, H), k1/k2/v over
 // (N, Hkv).
-// VARLEN (a packed variable-length batch): the grid is (ceil(longest sequence / 128), H, B)
+// VARLEN (a packed variable-length batch): the grid is (ceil(longest sequence / BM), H, B)
 // and a CTA whose query tile starts past its sequence's end leaves at once.
 // DV < D (head dims 80 and 96 on the D = 128 kernel): the tensors have DV columns; the TMA
 // boxes that reach past them fill zeros, so the products see D columns of which the last
