@@ -1,6 +1,7 @@
-"""scripts/hopper_probe.py's --variants bookkeeping, without a GPU: the comparison table
-from the workers' output lines (medians over interleaved rounds, the spread, ratios to
-cuDNN), and the tile figures it derives from the -D options of a variant."""
+"""The GPU-free parts of the tuning scripts: scripts/hopper_probe.py's --variants
+bookkeeping (the comparison table from the workers' output lines: medians over interleaved
+rounds, the spread, ratios to cuDNN; the tile figures it derives from the -D options of a
+variant) and scripts/causal_schedule_model.py's makespans."""
 from __future__ import annotations
 
 import os
@@ -65,3 +66,17 @@ def test_variant_tiles_follow_the_macros():
     assert hopper_probe.smem_bytes(128) == capability.hopper_shared_bytes(128)
     assert hopper_probe.vt_configs((2048, 16384)) == [
         (L, D, c) for L in (2048, 16384) for D in (64, 128) for c in (0, 1)]
+
+
+def test_causal_schedule_model_reproduces_the_notes():
+    """scripts/causal_schedule_model.py: the makespans by hand on a tiny case, and the bench
+    rows the NOTES quote (pairs 1.19x, 1.06x, 0.99x at L = 2048, 8192, 16384)."""
+    model = pytest.importorskip("causal_schedule_model")
+    # L = 512: 4 query tiles of 1-4 key tiles; pairs (3, 0) and (2, 1) hold 5 each
+    assert model.pairs(1, 4) == 5.0
+    assert model.one_cta_per_tile(1, 4, c=0.0) == 4.0  # every tile on its own SM
+    assert model.one_cta_per_tile(1, 4, sms=1, c=1.0) == 4 * 1.0 + (1 + 2 + 3 + 4)
+    # 3 units of one head on 2 CTAs: CTA 0 takes units 0 and 2 (the middle tile alone)
+    assert model.pairs(1, 5, sms=2) == 6.0 + 3.0
+    got = [round(model.speedup(16384 * 16 // L, L), 2) for L in (2048, 8192, 16384)]
+    assert got == [1.19, 1.06, 0.99]
