@@ -28,7 +28,7 @@ as -D options) in turn get a 128-case check (the 96 of phase 2 plus 32 more: bot
 per variant). Each timing sample is a batch of VT_BATCH launches (this probe encodes the
 tensor maps on the host at every launch). ``--rounds 3`` times every build three times in
 interleaved order (the check runs once) and tables the medians with each build's spread
-over the rounds: the causal cells of one build vary by up to 10% from run to run on an
+over the rounds: the causal cells of one build vary by up to 11% from run to run on an
 H200, so a difference smaller than the spread is not one. ``--vt-lengths 2048,8192,16384``
 widens the timing grid. Tile-shape macros (PW90_BN128, PW90_KSLOTS128,
 PW90_BN64, PW90_KSLOTS64) are read by tiles() for the tensor-map boxes and shared memory;
@@ -528,15 +528,15 @@ def _time_config(torch, F, kern, SDPBackend, sdpa_kernel, cupy_piecewise, B, L, 
 #: timing grid of --variants: bf16, B = 16384 / L, H = 2048 / D, w = L / 4, at these lengths
 #: (--vt-lengths replaces them), D 64 and 128, causal or not
 VT_LENGTHS = (2048, 8192)
+#: (no -DPW90_WAIT_SPIN_LIMIT in --variants: it changes register allocation, e.g. spills in
+#: PW90_PINGPONG=1 PW90_OVERLAP=1 PW90_PERSIST=0, so the check would not run the timed code; a deadlock
+#: shows as a hung worker instead, killed after PHASES["vrun"][1] s of silence, its last
+#: "CASE i START" line naming the case)
 
 
 def vt_configs(lengths=VT_LENGTHS) -> list:
     """The --variants timing cells: (L, D, causal) for each length, D 64/128, causal or not."""
     return [(L, D, c) for L in lengths for D in (64, 128) for c in (0, 1)]
-#: (no -DPW90_WAIT_SPIN_LIMIT in --variants: it changes register allocation, e.g. spills in
-#: PW90_PINGPONG=1 PW90_OVERLAP=1 PW90_PERSIST=0, so the check would not run the timed code; a deadlock
-#: shows as a hung worker instead, killed after PHASES["vrun"][1] s of silence, its last
-#: "CASE i START" line naming the case)
 
 
 def reduced_cases():

@@ -91,7 +91,8 @@
 // each, 512 threads), so each K/V tile feeds 192 rows, as FlashAttention-3 does at head dim
 // 64 (bench/NOTES.md: the D = 64 forward is latency-bound with two). With 128-key tiles the
 // consumers spill (192 bytes with the 32-key parts below; 448 with 64-key parts) and ptxas
-// serialises their wgmma; with -DPW90_BN64=96 (or 64) neither, as the build tests check. Compiled offline only; not yet timed on a GPU.
+// serialises their wgmma; with -DPW90_BN64=96 (or 64) neither, as the build tests check.
+// Compiled offline only; not yet timed on a GPU.
 #ifndef PW90_BM64
 #define PW90_BM64 128
 #endif
@@ -195,7 +196,7 @@ template <> struct FwdCfg<256> {
 // head dim 64.
 template <int D> struct FwdWarps {
   static constexpr int CONSUMERS = FwdCfg<D>::BM / 64, THREADS = 128 * (1 + CONSUMERS);
-  static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8 > 255 ? 248 : 65536 / THREADS / 8 * 8;
+  static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;  // (THREADS is 384 or 512)
   static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? PW90_CONSUMER_REGS : 160;
   static constexpr int PRODUCER_REGS = CONSUMERS == 2 && CONSUMER_REGS <= 232 ? 40 : 24;
   static_assert(FwdCfg<D>::BM % 64 == 0 && (CONSUMERS == 2 || CONSUMERS == 3), "BM: 128 or 192");
