@@ -137,37 +137,66 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     }
 }
 
-// Merges the key splits of a split-KV forward: lse = log sum_s exp(lse_s) and
-// o = sum_s exp(lse_s - lse) o_s. One warp per query row; splits with no admissible key
-// (lse_s = -inf) weigh nothing, and a row with none at all gives o = 0, lse = -inf.
+// One warp merges query row `row` of a split-KV forward: nsplit partial results, each
+// normalised by its own row sum, at lse_part[s * rows_all + row] (natural log, -inf: the
+// split saw no admissible key) and o_part[(s * rows_all + row) * D ...]. Writes
+// o = sum_s exp(lse_s - lse) o_s to o_row (D elements, unit stride) and, when lse_out is not
+// null, lse = log sum_s exp(lse_s) (o = 0, lse = -inf when no split saw a key). Latency is
+// what it costs (a few rows, a few splits), so the lanes load 32 splits' lse at a time and
+// share the weights by shuffles, and each lane's loads of o for successive splits do not
+// wait for one another (the loop it replaced waited on one L2 round trip per split, twice).
+// Loads bypass L1 (ld.global.cg): nothing is reused from it. pw_forward_combine's warps call
+// this, one row each.
 template <typename T, int D>
-__global__ void __launch_bounds__(256) pw_forward_combine(const Params p) {
+PW_DEVICE void merge_split_row(const float* lse_part, const float* o_part, i64 rows_all, i64 row,
+                               int nsplit, int lane, u16* o_row, float* lse_out) {
   constexpr int PER_LANE = (D + 31) / 32;
-  const i64 row = (i64)blockIdx.x * 8 + threadIdx.x / 32;  // over H * M
-  const int lane = threadIdx.x % 32;
-  if (row >= p.H * p.M) return;
-  const i64 b = blockIdx.y, h = row / p.M, i = row % p.M;
-  const i64 rows_all = p.H * p.M * (i64)gridDim.y;  // B * H * M
-  const i64 idx = b * p.H * p.M + row;
   float mx = PW_NEG_INF;
-  for (int s = 0; s < p.nsplit; ++s) mx = fmaxf(mx, p.lse_part[s * rows_all + idx]);
+  for (int s0 = 0; s0 < nsplit; s0 += 32)
+    if (s0 + lane < nsplit) mx = fmaxf(mx, __ldcg(lse_part + (s0 + lane) * rows_all + row));
+#pragma unroll
+  for (int k = 16; k >= 1; k /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, k));
   float acc[PER_LANE], total = 0.f;
 #pragma unroll
   for (int k = 0; k < PER_LANE; ++k) acc[k] = 0.f;
   if (mx != PW_NEG_INF) {
-    for (int s = 0; s < p.nsplit; ++s) {
-      const float wgt = fast_exp2((p.lse_part[s * rows_all + idx] - mx) * PW_LOG2E);
-      total += wgt;
-      const float* op = p.o_part + (s * rows_all + idx) * D;
+    for (int s0 = 0; s0 < nsplit; s0 += 32) {
+      const float l = s0 + lane < nsplit ? __ldcg(lse_part + (s0 + lane) * rows_all + row)
+                                         : PW_NEG_INF;
+      const float wl = fast_exp2((l - mx) * PW_LOG2E);  // exp2(-inf) = 0
+      total += wl;
+      const int count = nsplit - s0 < 32 ? nsplit - s0 : 32;
+      const float* op = o_part + (s0 * rows_all + row) * D;
+#pragma unroll 8
+      for (int j = 0; j < count; ++j) {
+        const float wgt = __shfl_sync(0xffffffffu, wl, j);
 #pragma unroll
-      for (int k = 0; k < PER_LANE; ++k)
-        if (lane + 32 * k < D) acc[k] += wgt * op[lane + 32 * k];
+        for (int k = 0; k < PER_LANE; ++k)
+          if (lane + 32 * k < D) acc[k] += wgt * __ldcg(op + j * rows_all * D + lane + 32 * k);
+      }
     }
   }
-  u16* o = p.o.mut(b, h) + i * p.o.sr;
+#pragma unroll
+  for (int k = 16; k >= 1; k /= 2) total += __shfl_xor_sync(0xffffffffu, total, k);
   const float inv = total > 0.f ? 1.f / total : 0.f;
 #pragma unroll
   for (int k = 0; k < PER_LANE; ++k)
-    if (lane + 32 * k < D) o[lane + 32 * k] = Elem<T>::from_float(acc[k] * inv);
-  if (lane == 0 && p.lse) p.lse[idx] = total > 0.f ? mx + __logf(total) : PW_NEG_INF;
+    if (lane + 32 * k < D) o_row[lane + 32 * k] = Elem<T>::from_float(acc[k] * inv);
+  if (lane == 0 && lse_out) *lse_out = total > 0.f ? mx + __logf(total) : PW_NEG_INF;
+}
+
+// Merges the key splits of a split-KV forward (merge_split_row): lse = log sum_s exp(lse_s)
+// and o = sum_s exp(lse_s - lse) o_s. One warp per query row; splits with no admissible key
+// (lse_s = -inf) weigh nothing, and a row with none at all gives o = 0, lse = -inf.
+// Min-blocks 1: with no min-blocks hint ptxas capped this kernel at 40-48 registers and
+// spilled; a merge is a few rows, latency-bound, not occupancy-bound.
+template <typename T, int D>
+__global__ void __launch_bounds__(256, 1) pw_forward_combine(const Params p) {
+  const i64 row = (i64)blockIdx.x * 8 + threadIdx.x / 32;  // over H * M
+  if (row >= p.H * p.M) return;
+  const i64 b = blockIdx.y, h = row / p.M, i = row % p.M;
+  const i64 rows_all = p.H * p.M * (i64)gridDim.y;  // B * H * M
+  const i64 idx = b * p.H * p.M + row;
+  merge_split_row<T, D>(p.lse_part, p.o_part, rows_all, idx, (int)p.nsplit, threadIdx.x % 32,
+                        p.o.mut(b, h) + i * p.o.sr, p.lse ? p.lse + idx : nullptr);
 }

@@ -74,44 +74,66 @@ from cupy_piecewise import kvcache, tolerance  # noqa: E402
 from cupy_piecewise.gpu_arrays import round_to  # noqa: E402
 
 rng = np.random.default_rng(0)
+
+
+def kv_case(D, dtype, causal, M, paths):
+    """One KV-cache call per path in ``paths`` and cache layout (contiguous, paged), new
+    keys appended, against the float64 reference."""
+    B, H, Hkv, N, bs = 2, 4, 2, 192, 64
+    nd = _np_dtype(dtype)
+    seq = np.array([0, 150], np.int32)
+    q1, q2 = (round_to(rng.standard_normal((B, H, M, D)).astype(np.float32), dtype) for _ in range(2))
+    host = [round_to(rng.standard_normal((B, Hkv, N, D)).astype(np.float32), dtype) for _ in range(3)]
+    new = [round_to(rng.standard_normal((B, Hkv, M, D)).astype(np.float32), dtype) for _ in range(3)]
+    full = [c.copy() for c in host]
+    for c, n in zip(full, new):
+        for b in range(B):
+            c[b, :, seq[b]:seq[b] + M] = n[b]
+    ref, low = _expected(q1, q2, full, 40, seq, M, True, causal, 1 / np.sqrt(D), dtype)
+    table = np.arange(B * N // bs, dtype=np.int32)[::-1].reshape(B, N // bs).copy()
+    for path in paths:
+        os.environ[capability.PATH_VAR] = path
+        capability.refresh_env_override()
+        for paged in (False, True):
+            caches = [cupy.asarray(c.astype(nd)) for c in host]
+            if paged:  # page p of sequence b is table[b, p]: the rows moved there
+                caches = [cupy.asarray(np.stack([c[b, :, j * bs:(j + 1) * bs]
+                                                 for b in range(B) for j in range(N // bs)])
+                                       [np.argsort(table.ravel())].astype(nd)) for c in host]
+            o, lse = kvcache.attention_with_kvcache(
+                cupy.asarray(q1.astype(nd)), cupy.asarray(q2.astype(nd)), *caches, 40,
+                cache_seqlens=cupy.asarray(seq), causal=causal, return_lse=True,
+                block_table=cupy.asarray(table) if paged else None,
+                k1_new=cupy.asarray(new[0].astype(nd)), k2_new=cupy.asarray(new[1].astype(nd)),
+                v_new=cupy.asarray(new[2].astype(nd)))
+            for name, g, r, lw in zip(("o", "lse"), (cupy.asnumpy(o), cupy.asnumpy(lse)), ref, low):
+                tolerance.assert_close(name, np.asarray(g, np.float64), r, lw, dtype)
+    os.environ.pop(capability.PATH_VAR)
+    capability.refresh_env_override()
+
+
 for D in _dims(kvcache.KV_HEAD_DIMS) if "kvcache" not in _skip else ():
     for dtype in ("float16", "bfloat16"):
-        # M = 1 runs kvdecode (one token: one key slot per stage), M = 3 kvcache
+        # M = 1 runs kvdecode (one token: one key slot per stage), M = 3 kvcache; on Hopper
+        # M = 1 runs the TMA decode (kernels_cu/sm90/kvdecode.cu), and the cp.async decode
+        # it replaces there is forced once too (three splits of 64 keys and their merge)
         for causal, M in [(c, m) for c in (False, True) for m in (1, 3)]:
-            B, H, Hkv, N, bs = 2, 4, 2, 192, 64
-            nd = _np_dtype(dtype)
-            seq = np.array([0, 150], np.int32)
-            q1, q2 = (round_to(rng.standard_normal((B, H, M, D)).astype(np.float32), dtype) for _ in range(2))
-            host = [round_to(rng.standard_normal((B, Hkv, N, D)).astype(np.float32), dtype) for _ in range(3)]
-            new = [round_to(rng.standard_normal((B, Hkv, M, D)).astype(np.float32), dtype) for _ in range(3)]
-            full = [c.copy() for c in host]
-            for c, n in zip(full, new):
-                for b in range(B):
-                    c[b, :, seq[b]:seq[b] + M] = n[b]
-            ref, low = _expected(q1, q2, full, 40, seq, M, True, causal, 1 / np.sqrt(D), dtype)
-            table = np.arange(B * N // bs, dtype=np.int32)[::-1].reshape(B, N // bs).copy()
-            # on Hopper M = 1 runs the TMA decode (kernels_cu/sm90/kvdecode.cu); the
-            # cp.async decode it replaces there is forced once too
-            for path in ("auto", "mma") if hopper and M == 1 else ("auto",):
-                os.environ[capability.PATH_VAR] = path
-                capability.refresh_env_override()
-                for paged in (False, True):
-                    caches = [cupy.asarray(c.astype(nd)) for c in host]
-                    if paged:  # page p of sequence b is table[b, p]: the rows moved there
-                        caches = [cupy.asarray(np.stack([c[b, :, j * bs:(j + 1) * bs]
-                                                         for b in range(B) for j in range(N // bs)])
-                                               [np.argsort(table.ravel())].astype(nd)) for c in host]
-                    o, lse = kvcache.attention_with_kvcache(
-                        cupy.asarray(q1.astype(nd)), cupy.asarray(q2.astype(nd)), *caches, 40,
-                        cache_seqlens=cupy.asarray(seq), causal=causal, return_lse=True,
-                        block_table=cupy.asarray(table) if paged else None,
-                        k1_new=cupy.asarray(new[0].astype(nd)), k2_new=cupy.asarray(new[1].astype(nd)),
-                        v_new=cupy.asarray(new[2].astype(nd)))
-                    for name, g, r, lw in zip(("o", "lse"), (cupy.asnumpy(o), cupy.asnumpy(lse)), ref, low):
-                        tolerance.assert_close(name, np.asarray(g, np.float64), r, lw, dtype)
-            os.environ.pop(capability.PATH_VAR)
-            capability.refresh_env_override()
+            kv_case(D, dtype, causal, M, ("auto", "mma") if hopper and M == 1 else ("auto",))
             print(f"ok kvcache {dtype} causal={causal} D={D} M={M} (contiguous, paged)", flush=True)
+    if hopper and D in capability.KV90_HEAD_DIMS:
+        # the TMA decode's splits (one 64-key tile each, three of them), merged by
+        # pw_forward_combine and inside a cluster of three
+        from cupy_piecewise import kvcache_launch
+
+        saved = capability.KV90_MIN_TILES[D], capability.KV90_MAX_CLUSTER
+        capability.KV90_MIN_TILES[D] = 1
+        for most in (1, 4):
+            capability.KV90_MAX_CLUSTER = most
+            kvcache_launch._plans._data.clear()
+            kv_case(D, "bfloat16", True, 1, ("auto",))
+            print(f"ok kvdecode split D={D} clusters<={most}", flush=True)
+        capability.KV90_MIN_TILES[D], capability.KV90_MAX_CLUSTER = saved
+        kvcache_launch._plans._data.clear()
 
 # Packed variable-length batches (the VARLEN kernels): empty sequences, tile edges, every
 # head dim, dtype and causal flag, forward and backward with a gradient into lse

@@ -149,13 +149,26 @@ def test_append_writes_exactly_the_new_positions(paged):
         np.testing.assert_array_equal(bits, want)
 
 
-def test_torch_decode_loop_in_a_cuda_graph_matches_eager():
+@pytest.mark.parametrize("split", [False, True])
+def test_torch_decode_loop_in_a_cuda_graph_matches_eager(split, monkeypatch):
     """A decode step (append one token, attend) captured once in a CUDA graph and replayed
     for several steps with the lengths advanced on the device gives the eager results, and
-    leaves the same caches."""
+    leaves the same caches. ``split``: on the Hopper decode, the keys in 8 splits that
+    pw_forward_combine merges (a second kernel node, reading the graph's workspace)."""
     torch = pytest.importorskip("torch")
     import cupy_piecewise
+    from cupy_piecewise import capability, kvcache_launch as kl
 
+    if split:  # one 64-key tile per split at least: the 512-row cache makes 8 splits
+        monkeypatch.setitem(capability.KV90_MIN_TILES, 128, 1)
+    kl._plans._data.clear()  # plans keep their split count, which the knobs do not key
+    try:
+        _check_decode_graph(torch, cupy_piecewise, kl, split)
+    finally:
+        kl._plans._data.clear()
+
+
+def _check_decode_graph(torch, cupy_piecewise, kl, split):
     g = torch.Generator(device="cuda").manual_seed(0)
     B, H, Hkv, D, N, steps, bs = 3, 8, 2, 128, 512, 5, 64
     dt = torch.bfloat16
@@ -194,6 +207,9 @@ def test_torch_decode_loop_in_a_cuda_graph_matches_eager():
         assert torch.equal(out[1], eager[t][1]), f"lse differs at step {t}"
     for a, b in zip(caches_g, caches_e):
         assert torch.equal(a, b)
+    (plan,) = [pl for (shape, _), pl in kl._plans._data.items() if shape.capacity == N]
+    if plan._maps is not None:  # the Hopper decode, whose split count the knob sets
+        assert (plan.nsplit > 1) == split and bool(plan._combine) == split, plan.nsplit
 
 
 def test_split_and_unsplit_grids_agree_with_the_reference():
@@ -421,3 +437,54 @@ def _check_decode_splits(splits, monkeypatch, kl, capability):
     clustered = splits <= capability.KV90_MAX_CLUSTER
     assert plan.cluster == (splits if clustered else 1)
     assert (plan.workspace_bytes > 0) == (not clustered and splits > 1)
+
+
+@pytest.mark.parametrize("path", ["auto", "mma"])
+def test_sixty_four_splits_merge_by_lse(path, monkeypatch):
+    """The most key splits a KV-cache call makes (kvcache_launch.MAX_SPLITS = 64: one key
+    head, two sequences, 79 key tiles, no cluster), merged by pw_forward_combine, whose warp
+    takes the splits' lse 32 at a time (two rounds here). Many splits hold no key at all
+    (2 tiles each: splits 40-63 are empty, as is every split of the empty sequence), so
+    their lse is -inf and they must weigh nothing. Against the float64 reference, outputs
+    NaN-poisoned, NaN in every cache row past a length. ``auto``: the Hopper decode on
+    compute capability 9.0; ``mma``: the cp.async kernel."""
+    import cupy
+
+    from cupy_piecewise import capability, kvcache_launch as kl
+
+    if path == "mma":
+        monkeypatch.setenv(capability.PATH_VAR, "mma")
+        capability.refresh_env_override()
+    monkeypatch.setitem(capability.KV90_MIN_TILES, 128, 1)
+    monkeypatch.setattr(capability, "KV90_MAX_CLUSTER", 1)
+    kl._plans._data.clear()  # plans keep their split count, which the knobs do not key
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    rng = np.random.default_rng(seed)
+    dtype, D, B, H, Hkv, N = "float16", 128, 2, 1, 1, 64 * 79 - 5
+    seq = np.array([0, N], np.int32)
+    nd = _np_dtype(dtype)
+    q1, q2 = (round_to(rng.standard_normal((B, H, 1, D)).astype(np.float32), dtype)
+              for _ in range(2))
+    host = [round_to(rng.standard_normal((B, Hkv, N, D)).astype(np.float32), dtype)
+            for _ in range(3)]
+    stale = [c.copy() for c in host]
+    for c in stale:
+        c[0] = np.nan  # every row of the empty sequence
+    w = int(rng.integers(1, N))
+    ref, low = _expected(q1, q2, host, w, seq, 1, False, True, 1 / np.sqrt(D), dtype)
+    _poisoned_outputs(monkeypatch)
+    try:
+        o, lse = kvcache.attention_with_kvcache(
+            *[cupy.asarray(x.astype(nd)) for x in (q1, q2)],
+            *[cupy.asarray(c.astype(nd)) for c in stale], w, cache_seqlens=cupy.asarray(seq),
+            return_lse=True)
+        (plan,) = [pl for (shape, _), pl in kl._plans._data.items() if shape.capacity == N]
+        assert plan.nsplit == kl.MAX_SPLITS and plan._combine, plan.nsplit
+    finally:
+        kl._plans._data.clear()
+        if path == "mma":
+            monkeypatch.delenv(capability.PATH_VAR)
+            capability.refresh_env_override()
+    for name, g, r, lw in zip(("o", "lse"), (cupy.asnumpy(o), cupy.asnumpy(lse)), ref, low):
+        verdict = tolerance.compare(name, np.asarray(g, np.float64), r, lw, dtype)
+        assert verdict.passed, f"{path} w={w}: {verdict} (input seed {seed})"
