@@ -188,8 +188,9 @@ PW_DEVICE void merge_split_row(const float* lse_part, const float* o_part, i64 r
 // Merges the key splits of a split-KV forward (merge_split_row): lse = log sum_s exp(lse_s)
 // and o = sum_s exp(lse_s - lse) o_s. One warp per query row; splits with no admissible key
 // (lse_s = -inf) weigh nothing, and a row with none at all gives o = 0, lse = -inf.
-// Min-blocks 1: with no min-blocks hint ptxas capped this kernel at 40-48 registers and
-// spilled; a merge is a few rows, latency-bound, not occupancy-bound.
+// Min-blocks 1: with no min-blocks hint ptxas capped this kernel at 32-48 registers and
+// spilled (bench/results/2026-12-01-h200-kvdecode-merge/ptxas_combine.txt); a merge is a
+// few rows, latency-bound, not occupancy-bound.
 template <typename T, int D>
 __global__ void __launch_bounds__(256, 1) pw_forward_combine(const Params p) {
   const i64 row = (i64)blockIdx.x * 8 + threadIdx.x / 32;  // over H * M

@@ -157,8 +157,10 @@ def test_torch_decode_loop_in_a_cuda_graph_matches_eager(split, monkeypatch):
     pw_forward_combine merges (a second kernel node, reading the graph's workspace)."""
     torch = pytest.importorskip("torch")
     import cupy_piecewise
-    from cupy_piecewise import capability, kvcache_launch as kl
+    from cupy_piecewise import capability, kvcache_launch as kl, launch
 
+    if split and launch._compute_capability(0) != (9, 0):
+        pytest.skip("the split-count knob is the Hopper decode's (compute capability 9.0)")
     if split:  # one 64-key tile per split at least: the 512-row cache makes 8 splits
         monkeypatch.setitem(capability.KV90_MIN_TILES, 128, 1)
     kl._plans._data.clear()  # plans keep their split count, which the knobs do not key
@@ -210,6 +212,8 @@ def _check_decode_graph(torch, cupy_piecewise, kl, split):
     (plan,) = [pl for (shape, _), pl in kl._plans._data.items() if shape.capacity == N]
     if plan._maps is not None:  # the Hopper decode, whose split count the knob sets
         assert (plan.nsplit > 1) == split and bool(plan._combine) == split, plan.nsplit
+    else:  # the cp.async decode (only unsplit-knob runs get here: see the skip above)
+        assert not split
 
 
 def test_split_and_unsplit_grids_agree_with_the_reference():
@@ -441,13 +445,15 @@ def _check_decode_splits(splits, monkeypatch, kl, capability):
 
 @pytest.mark.parametrize("path", ["auto", "mma"])
 def test_sixty_four_splits_merge_by_lse(path, monkeypatch):
-    """The most key splits a KV-cache call makes (kvcache_launch.MAX_SPLITS = 64: one key
-    head, two sequences, 79 key tiles, no cluster), merged by pw_forward_combine, whose warp
+    """The most key splits a KV-cache call makes (kvcache_launch.MAX_SPLITS = 64 on an H200:
+    one key head, two sequences, 79 key tiles), merged by pw_forward_combine, whose warp
     takes the splits' lse 32 at a time (two rounds here). Many splits hold no key at all
     (2 tiles each: splits 40-63 are empty, as is every split of the empty sequence), so
     their lse is -inf and they must weigh nothing. Against the float64 reference, outputs
     NaN-poisoned, NaN in every cache row past a length. ``auto``: the Hopper decode on
-    compute capability 9.0; ``mma``: the cp.async kernel."""
+    compute capability 9.0; ``mma``: the cp.async kernel. A GPU whose resident blocks call
+    for 32 splits or fewer (split_count) checks the result, then skips: its merge takes one
+    round."""
     import cupy
 
     from cupy_piecewise import capability, kvcache_launch as kl
@@ -455,8 +461,7 @@ def test_sixty_four_splits_merge_by_lse(path, monkeypatch):
     if path == "mma":
         monkeypatch.setenv(capability.PATH_VAR, "mma")
         capability.refresh_env_override()
-    monkeypatch.setitem(capability.KV90_MIN_TILES, 128, 1)
-    monkeypatch.setattr(capability, "KV90_MAX_CLUSTER", 1)
+    monkeypatch.setitem(capability.KV90_MIN_TILES, 128, 1)  # 64 splits > any cluster
     kl._plans._data.clear()  # plans keep their split count, which the knobs do not key
     seed = int(np.random.SeedSequence().entropy % 2**63)
     rng = np.random.default_rng(seed)
@@ -479,12 +484,12 @@ def test_sixty_four_splits_merge_by_lse(path, monkeypatch):
             *[cupy.asarray(c.astype(nd)) for c in stale], w, cache_seqlens=cupy.asarray(seq),
             return_lse=True)
         (plan,) = [pl for (shape, _), pl in kl._plans._data.items() if shape.capacity == N]
-        assert plan.nsplit == kl.MAX_SPLITS and plan._combine, plan.nsplit
     finally:
         kl._plans._data.clear()
-        if path == "mma":
-            monkeypatch.delenv(capability.PATH_VAR)
-            capability.refresh_env_override()
+    assert plan.nsplit > 1 and plan._combine, plan.nsplit
     for name, g, r, lw in zip(("o", "lse"), (cupy.asnumpy(o), cupy.asnumpy(lse)), ref, low):
         verdict = tolerance.compare(name, np.asarray(g, np.float64), r, lw, dtype)
         assert verdict.passed, f"{path} w={w}: {verdict} (input seed {seed})"
+    if plan.nsplit <= 32:
+        pytest.skip(f"{plan.nsplit} splits on this GPU (64 on an H200): result checked, but "
+                    "the merge's second round of 32 splits was not exercised")
