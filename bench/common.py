@@ -27,9 +27,11 @@ PHASE_LABEL = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward+backward
 #: the GPU (on an H100/H200 the Hopper wgmma + TMA forward and backward); ``piecewise_det``: the
 #: same with ``deterministic=True``; ``piecewise_mma``: the mma.sync path forced
 #: (CUPY_PIECEWISE_PATH=mma); ``flex_composite``: two compiled FlexAttention calls (d < w,
-#: d >= w) merged by log-sum-exp, what a PyTorch user writes without this package.
+#: d >= w) merged by log-sum-exp, what a PyTorch user writes without this package;
+#: ``sdpa_efficient``: SDPA's memory-efficient backend, the one that takes float32 (the peer
+#: of float32 rows, where flash and cuDNN refuse the dtype).
 PROVIDERS = ("piecewise", "piecewise_det", "piecewise_mma", "flex_composite", "sdpa_flash", "sdpa_cudnn",
-             "torch_plain", "flag_attn")
+             "sdpa_efficient", "torch_plain", "flag_attn")
 SECTIONS = ("main", "wsweep", "decode", "memory")
 DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -39,7 +41,7 @@ DTYPES = {
 DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 REF_PROVIDERS = ("sdpa_flash", "sdpa_cudnn")
 #: Every main row also gets ratio_vs_<p> for these (time of p / time of the row; > 1: the row is faster).
-RATIO_PROVIDERS = REF_PROVIDERS + ("flex_composite", "piecewise_mma")
+RATIO_PROVIDERS = REF_PROVIDERS + ("flex_composite", "piecewise_mma", "sdpa_efficient")
 
 
 # ----------------------------------------------------------------------------- FLOPs / bytes

@@ -9,7 +9,9 @@ Names (docs/semantics.md / SPEC "Benchmark results format"):
                   cupy_piecewise.capability.refresh_env_override() for the measurement, restored after
   flex_composite  two torch.compile'd FlexAttention calls (d < w on q1, k1; d >= w on q2, k2) merged
                   by log-sum-exp (bench/flex_composite.py): what a PyTorch user writes without us
-  sdpa_flash, sdpa_cudnn   F.scaled_dot_product_attention on q1, k1, v (standard attention)
+  sdpa_flash, sdpa_cudnn, sdpa_efficient
+                  F.scaled_dot_product_attention on q1, k1, v (standard attention), one backend
+                  each; the memory-efficient one also takes float32
   torch_plain     two score matrices, torch.where, float32 softmax, @ v
   flag_attn       flag_attn.piecewise_attention (the original Triton design) when it imports
 """
@@ -145,7 +147,8 @@ class Sdpa(Provider):
         super().__init__(env, plain_mem_bytes)
         from torch.nn.attention import SDPBackend
         self.backend = getattr(SDPBackend, backend_name)
-        self.name = {"FLASH_ATTENTION": "sdpa_flash", "CUDNN_ATTENTION": "sdpa_cudnn"}[backend_name]
+        self.name = {"FLASH_ATTENTION": "sdpa_flash", "CUDNN_ATTENTION": "sdpa_cudnn",
+                     "EFFICIENT_ATTENTION": "sdpa_efficient"}[backend_name]
 
     def context(self):
         from torch.nn.attention import sdpa_kernel
@@ -298,6 +301,8 @@ def make_providers(names, env, plain_mem_bytes):
             out[n] = Sdpa(env, plain_mem_bytes, "FLASH_ATTENTION")
         elif n == "sdpa_cudnn":
             out[n] = Sdpa(env, plain_mem_bytes, "CUDNN_ATTENTION")
+        elif n == "sdpa_efficient":
+            out[n] = Sdpa(env, plain_mem_bytes, "EFFICIENT_ATTENTION")
         elif n == "torch_plain":
             out[n] = TorchPlain(env, plain_mem_bytes)
         elif n == "flag_attn":

@@ -8,7 +8,7 @@ import os
 from common import PROVIDERS, RATIO_PROVIDERS, _err_text, _f
 
 #: Optional summary columns: (provider, short label), shown when the run has rows of it.
-SUMMARY_EXTRA = (("piecewise_mma", "mma"), ("flex_composite", "flex"))
+SUMMARY_EXTRA = (("piecewise_mma", "mma"), ("flex_composite", "flex"), ("sdpa_efficient", "eff"))
 
 
 def annotate_ratios(rows):

@@ -47,6 +47,15 @@ class Runner:
         self._log = open(self.log_path, "w")
         self._seen_errors = set()
         self._section = None
+        if "float32" in args.dtypes and env.cuda:
+            # float32 rows: every provider may use TF32 tensor cores, as cupy_piecewise's
+            # float32 kernels do (SPEC: float32 on the GPU is TF32); without this the peers'
+            # float32 matmuls run on the FP32 pipe and the comparison says nothing
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+            self.results["notes"].append(
+                "float32 rows: torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32 set, so the "
+                "peers may use TF32 tensor cores as cupy_piecewise's float32 kernels do")
         path = (os.environ.get("CUPY_PIECEWISE_PATH") or "").strip().lower()
         if path not in ("", "auto") and "piecewise" in self.providers:
             self.results["notes"].append(f"CUPY_PIECEWISE_PATH={path} is set: provider 'piecewise' runs that path, "
