@@ -108,8 +108,10 @@ def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None,
     - NumPy: float16, float32, float64 (float64 reference on the CPU);
     - torch CPU: float16, bfloat16, float32, float64;
     - CUDA (CuPy arrays, torch CUDA tensors, DLPack producers in CUDA
-      memory): float16 and bfloat16 (CuPy's ``bfloat16`` needs ml_dtypes);
-      head dims 16, 32, 64, 80, 96, 128, 256;
+      memory): float16 and bfloat16 (CuPy's ``bfloat16`` needs ml_dtypes),
+      head dims 16, 32, 64, 80, 96, 128, 256; float32 with TF32 products
+      and float32 outputs, head dims 16 to 128 (docs/semantics.md,
+      "float32 on the GPU"; head dim 256 raises ValueError);
       GPUs sm_80, sm_86, sm_89, sm_90 (newer ones fall back to the nearest
       listed table). A last dimension that is not unit-stride, or strides
       the kernels cannot load aligned, is copied once. Inputs are never

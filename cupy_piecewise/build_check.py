@@ -29,7 +29,7 @@ def variants_for(cc, hopper: bool = False) -> list[Variant]:
     if hopper:
         return [Variant(phase, dtype, d, capability.kv90_tiles(d) if phase == "kvdecode_sm90"
                         else None, causal, varlen, cluster) for phase in HOPPER_KERNELS
-                for dtype in capability.TABLE_DTYPES for d in capability.hopper_head_dims(phase)
+                for dtype in capability.HALF_DTYPES for d in capability.hopper_head_dims(phase)
                 for causal in ((False,) if phase in HOPPER_UNCAUSAL else (False, True))
                 for varlen in ((False, True) if phase in HOPPER_VARLEN_PHASES else (False,))
                 for cluster in (capability.KV90_CLUSTERS if phase == "kvdecode_sm90" else (1,))]

@@ -73,6 +73,10 @@ __all__ = [
     "hopper_bwd_shared_bytes",
     "hopper_bwd_helper_grid",
     "shared_bytes",
+    "elem_bytes",
+    "HALF_DTYPES",
+    "TABLE_DTYPES",
+    "TF32_TABLE",
     "check_config",
     "lookup",
     "selectable_configs",
@@ -327,8 +331,13 @@ BLOCK_SIZES = (16, 32, 64, 128)
 STAGES = (2,)  # the kernels are double-buffered; deeper pipelines are future work
 #: the KV-cache kernel's ring (memory-bound: more bytes in flight per block)
 KV_STAGES = (2, 3, 4)
-#: dtypes the table is written for (2-byte elements in shared memory).
-TABLE_DTYPES = ("float16", "bfloat16")
+#: dtypes the mma.sync kernels of the table take: float16 and bfloat16 (m16n8k16), and
+#: float32 (TF32 products, m16n8k8; 4-byte elements in shared memory, tiles from
+#: :data:`TF32_TABLE` where the 16-bit entry does not fit).
+TABLE_DTYPES = ("float16", "bfloat16", "float32")
+#: dtypes of the Hopper kernels (kernels_cu/sm90/) and of the KV-cache kernels (phases
+#: :data:`KV_PHASES`): 16-bit only.
+HALF_DTYPES = ("float16", "bfloat16")
 
 #: Largest dynamic shared memory per block (bytes, opt-in), per compute capability.
 SHARED_LIMIT = {
@@ -345,7 +354,8 @@ SHARED_LIMIT = {
 def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> int:
     """Shared memory (bytes) one block of ``phase`` needs with tiles ``cfg``.
 
-    Rows are padded by 8 elements (bank-conflict-free ``ldmatrix``). fwd keeps
+    Rows are padded by 16 bytes (bank-conflict-free ``ldmatrix``); ``elem_bytes`` is 4
+    for float32 inputs (:func:`elem_bytes`), 2 otherwise. fwd keeps
     q1, q2 and ``stages`` copies of k1, k2, v; bwd_dq adds do (and 8 bytes per
     row for lse and delta); bwd_dkv keeps the key tile (k1, k2, v) and
     ``stages`` copies of the query-side tiles (q1, q2, do) plus lse/delta.
@@ -358,18 +368,15 @@ def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2
     with NVRTC (a ``static_assert`` per variant, no GPU needed). Change both
     together. (bwd_dq's 8 bytes per row are reserved there, not read.)
     """
-    stride = head_dim + 8  # padded rows, elements
+    row = elem_bytes * head_dim + 16  # padded rows (Pitch<D * width> of common.cuh), bytes
     if phase in ("fwd", "fwd_decode", "kvcache"):  # kvcache: 16 query rows, two key slots
-        return elem_bytes * (2 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * stride
+        return (2 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * row
     if phase == "kvdecode":  # one key slot and v per stage
-        return elem_bytes * (2 * cfg.block_m + 2 * cfg.stages * cfg.block_n) * stride
+        return (2 * cfg.block_m + 2 * cfg.stages * cfg.block_n) * row
     if phase == "bwd_dq":
-        return elem_bytes * (3 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * stride + 8 * cfg.block_m
+        return (3 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * row + 8 * cfg.block_m
     if phase == "bwd_dkv":
-        return (
-            elem_bytes * (3 * cfg.block_n + 3 * cfg.stages * cfg.block_m) * stride
-            + 8 * cfg.stages * cfg.block_m
-        )
+        return (3 * cfg.block_n + 3 * cfg.stages * cfg.block_m) * row + 8 * cfg.stages * cfg.block_m
     raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
 
 
@@ -465,10 +472,65 @@ VARLEN_TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
 #: Phases with a packed-batch kernel.
 VARLEN_PHASES = ("fwd", "bwd_dq", "bwd_dkv")
 
-del _T
+#: float32 tiles of compute capability 8.6 and 8.9 (99 KiB shared per block).
+_SM86_89_TF32 = {
+    "fwd": {256: None, 128: _T(32, 16, 2), 96: _T(64, 16, 4), 80: _T(64, 16, 4),
+            64: _T(64, 32, 4)},
+    "fwd_decode": {256: None, 128: _T(16, 16, 1), 96: _T(16, 16, 1), 80: _T(16, 16, 1),
+                   64: _T(16, 32, 1)},
+    "bwd_dq": {256: None, 128: _T(16, 16, 1), 96: _T(32, 16, 2), 80: _T(64, 16, 4),
+               64: _T(64, 16, 4)},
+    "bwd_dkv": {256: None, 128: _T(16, 16, 1), 96: _T(16, 32, 2), 80: _T(16, 64, 4),
+                64: _T(16, 64, 4)},
+}
+#: Head dim 256 with float32 inputs: on sm_86/89 no tile fits (16 x 16 tiles of 4-byte rows
+#: need 130 KB), and elsewhere the tiles that fit leave the backward kernels (and the sm_80
+#: forward) spilling 8-124 bytes (ptxas, NVRTC 13; the TF32 operand rounding costs the last
+#: registers a D = 256 accumulator leaves). Not offered until that is solved.
+_NO_256 = {phase: {256: None} for phase in ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv")}
+
+#: float32 inputs (TF32 products) keep 4-byte elements in shared memory: twice the 16-bit
+#: tiles' bytes. Where a TABLE entry does not fit the architecture's limit that way, or
+#: spills with the TF32 rounding's extra registers, float32 takes the entry here (dense and
+#: packed batches alike); ``None``: no float32 kernel at that head dim (``_NO_256``), and a
+#: call raises ValueError before any kernel runs. Chosen to fit without spills, keeping the
+#: warps and the rows per warp of the 16-bit entry where possible; not timed except on
+#: sm_90 (bench/NOTES.md).
+TF32_TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
+    (8, 0): {
+        "fwd": {128: _T(64, 16, 4), 96: _T(64, 32, 4), 80: _T(64, 32, 4), 64: _T(64, 64, 4)},
+        "fwd_decode": {96: _T(16, 16, 1), 80: _T(16, 16, 1)},
+        "bwd_dq": {128: _T(64, 16, 4), 96: _T(64, 32, 4), 80: _T(64, 32, 4), 32: _T(64, 64, 4)},
+        "bwd_dkv": {128: _T(16, 64, 4), 96: _T(16, 64, 4)},
+    },
+    (8, 6): _SM86_89_TF32,
+    (8, 9): _SM86_89_TF32,
+    (9, 0): {
+        "fwd": {128: _T(64, 32, 4), 96: _T(64, 32, 4), 64: _T(64, 64, 4)},
+        "fwd_decode": {96: _T(16, 16, 1), 80: _T(16, 16, 1)},
+        "bwd_dq": {128: _T(64, 32, 4), 96: _T(64, 16, 4), 80: _T(64, 32, 4), 64: _T(64, 32, 4),
+                   16: _T(64, 64, 4)},
+        "bwd_dkv": {128: _T(16, 64, 4),
+                    64: {(None, True): _T(32, 64, 4), (None, None): _T(64, 64, 4)},
+                    16: _T(64, 64, 4)},
+    },
+}
+for _row in (TF32_TABLE[(8, 0)], TF32_TABLE[(9, 0)]):
+    for _phase, _dims in _NO_256.items():
+        _row.setdefault(_phase, {}).update(_dims)
+del _row, _phase, _dims
+
+del _T, _SM86_89_TF32, _NO_256
+
+_NO_ENTRY = object()
 
 
-def _table_entry(arch, phase: str, head_dim: int, varlen: bool):
+def _table_entry(arch, phase: str, head_dim: int, varlen: bool, dtype: str = "bfloat16"):
+    """The table's entry (TileConfig, refinement dict, or None: nothing fits) for a variant."""
+    if dtype == "float32":
+        entry = TF32_TABLE.get(arch, {}).get(phase, {}).get(head_dim, _NO_ENTRY)
+        if entry is not _NO_ENTRY:
+            return entry
     if varlen:
         entry = VARLEN_TABLE.get(arch, {}).get(phase, {}).get(head_dim)
         if entry is not None:
@@ -482,7 +544,9 @@ def head_dims(cc: tuple[int, int]) -> tuple[int, ...]:
     return tuple(sorted(TABLE[arch]["fwd"]))
 
 
-def _elem_bytes(dtype: str) -> int:
+def elem_bytes(dtype: str) -> int:
+    """Bytes of one element of ``dtype`` in the kernels' shared-memory tiles (4 for
+    float32, 2 for float16 and bfloat16)."""
     return 4 if dtype == "float32" else 2
 
 
@@ -622,8 +686,10 @@ def lookup(
     cc = (int(cc[0]), int(cc[1]))
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
-    if dtype not in TABLE_DTYPES:
-        raise ValueError(f"dtype {dtype!r} has no tile table; expected one of {', '.join(TABLE_DTYPES)}")
+    dtypes = HALF_DTYPES if phase in KV_PHASES else TABLE_DTYPES
+    if dtype not in dtypes:
+        raise ValueError(f"dtype {dtype!r} has no tile table for {phase}; expected one of "
+                         f"{', '.join(dtypes)}")
     arch = resolve_arch(cc, max_shared)
 
     chosen = None
@@ -639,14 +705,19 @@ def lookup(
             if phase in parsed:
                 chosen, source = parsed[phase], f"{ENV_VAR}={env!r}"
     if chosen is not None:
-        problems = check_config(phase, head_dim, chosen, cc, max_shared=max_shared, elem_bytes=_elem_bytes(dtype))
+        problems = check_config(phase, head_dim, chosen, cc, max_shared=max_shared, elem_bytes=elem_bytes(dtype))
         if problems:
             raise ValueError(f"{source}: tiles {chosen} for {phase} are invalid: " + "; ".join(problems))
         return chosen
 
     if varlen and phase not in VARLEN_PHASES:
         raise ValueError(f"phase {phase!r} has no packed-batch kernel; those are {VARLEN_PHASES}")
-    entry = _table_entry(arch, phase, head_dim, varlen)
+    entry = _table_entry(arch, phase, head_dim, varlen, dtype)
+    if entry is None and dtype == "float32" and head_dim in TABLE[arch][phase]:
+        raise ValueError(
+            f"head_dim {head_dim} with float32 inputs has no kernel on sm_{arch[0]}{arch[1]} "
+            "(capability.TF32_TABLE: its tiles of 4-byte elements do not fit the shared memory "
+            "or the registers); use bfloat16 or float16 inputs at this head dim")
     if entry is None:
         raise ValueError(
             f"head_dim {head_dim} has no tile entry; expected one of "
@@ -667,8 +738,10 @@ def selectable_configs(cc: tuple[int, int], *, max_shared: int | None = None,
     out = set()
     for phase in (VARLEN_PHASES if varlen else PHASES):
         for head_dim in sorted(TABLE[arch][phase]):
-            entry = _table_entry(arch, phase, head_dim, varlen)
-            for dtype in TABLE_DTYPES:
+            for dtype in (HALF_DTYPES if phase in KV_PHASES else TABLE_DTYPES):
+                entry = _table_entry(arch, phase, head_dim, varlen, dtype)
+                if entry is None:  # float32 where no tile fits (TF32_TABLE)
+                    continue
                 for causal in (False, True):
                     out.add((phase, head_dim, dtype, causal, _refine(entry, dtype, causal)))
     return out

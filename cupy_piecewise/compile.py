@@ -54,7 +54,8 @@ HOPPER_UNCAUSAL = HOPPER_ROW_KERNELS + ("kvdecode_sm90",)
 #: threads of a Hopper forward or backward block: a producer warpgroup and two consumer
 #: warpgroups
 HOPPER_THREADS = 384
-_ELEM = {"float16": "half_t", "bfloat16": "bf16_t"}
+#: element tags of common.cuh: float32 inputs run the mma.sync kernels in TF32
+_ELEM = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "tf32_t"}
 #: the Hopper kernels' own element tags (kernels_cu/sm90/hopper.cuh)
 _ELEM90 = {"float16": "pw90::f16", "bfloat16": "pw90::bf16"}
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
@@ -82,7 +83,7 @@ class Variant:
     """One template instantiation: everything that is a compile-time constant."""
 
     phase: str  # 'fwd' | 'fwd_decode' | 'bwd_dq' | 'bwd_dkv' or a row kernel (ROW_KERNELS)
-    dtype: str  # 'float16' | 'bfloat16'
+    dtype: str  # 'float16' | 'bfloat16' | 'float32' (mma.sync phases and their row kernels)
     head_dim: int
     tiles: TileConfig | None  # None for the row kernels (kvdecode_sm90: capability.kv90_tiles)
     causal: bool = False

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import reference, validate
-from .validate import GPU_DTYPES, GPU_MAX_LENGTH
+from .validate import GPU_MAX_LENGTH, KV_DTYPES
 
 #: Head dims of the KV-cache kernels (the capability table's kvcache and kvdecode rows;
 #: 80, 96 and 256 have no KV-cache tiles yet).
@@ -152,8 +152,11 @@ def check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cach
         raise ValueError(f"sm_scale must stay below 2e38 (its product with log2(e) is a "
                          f"float32 in the kernels), got {sm_scale!r}")
     if on_gpu:
-        if dtype not in GPU_DTYPES:
-            raise ValueError(f"q1: the CUDA kernels take {' and '.join(GPU_DTYPES)}, got {dtype}")
+        if dtype not in KV_DTYPES:
+            extra = (" (float32 KV caches are not supported on the GPU: keep the cache in "
+                     "bfloat16 or float16)") if dtype == "float32" else ""
+            raise ValueError(f"q1: the KV-cache kernels take {' and '.join(KV_DTYPES)}, got "
+                             f"{dtype}{extra}")
         if D not in KV_HEAD_DIMS:
             raise ValueError(f"q1: the KV-cache kernels take head dims {KV_HEAD_DIMS}, got {D}")
         from .launch import kernel_ready

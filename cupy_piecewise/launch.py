@@ -47,7 +47,8 @@ def kernel_ready(shape, strides, ptr: int, itemsize: int) -> bool:
     """True when the kernels can read this array in place.
 
     They need unit stride along the last axis, 16-byte aligned rows (every other stride a
-    non-negative multiple of 8 elements of a 2-byte type) and a 16-byte aligned pointer.
+    non-negative multiple of 16 bytes: 8 elements of a 2-byte type, 4 of float32) and a
+    16-byte aligned pointer.
     Axes of length 1 may have any stride. Anything else is copied once by the caller.
     """
     if ptr % 16:
@@ -153,7 +154,7 @@ def _kernel(device: int, variant: Variant) -> tuple[int, int]:
         smem = _HOPPER_SMEM.get(variant.phase, lambda d: 0)(variant.head_dim)
     else:
         smem = 0 if variant.tiles is None else capability.shared_bytes(
-            variant.phase, variant.head_dim, variant.tiles)
+            variant.phase, variant.head_dim, variant.tiles, capability.elem_bytes(variant.dtype))
     with cupy.cuda.Device(device):
         kernel = get_function(device, variant)  # a cupy.RawKernel
         if smem > 48 * 1024:  # above 48 KB a kernel must opt in
@@ -203,11 +204,13 @@ def _clamped(problem) -> tuple[int, int]:
 
 def _pack(problem, strides: dict, split=(1, 0, 0, 0)) -> bytes:
     """The parameter block for ``problem`` with every pointer 0: ``strides`` maps the
-    names in :data:`TENSORS` to element strides (absent views get zeros)."""
+    names in :data:`TENSORS` to element strides (absent views get zeros). The kernels
+    count strides in 16-bit units (params.cuh): a float32 stride is doubled here."""
     slots = []
+    unit = 2 if problem.dtype == "float32" else 1
     for name in TENSORS:
         s = strides.get(name)
-        slots += (0, 0, 0, 0) if s is None else (0, s[0], s[1], s[2])
+        slots += (0, 0, 0, 0) if s is None else (0, unit * s[0], unit * s[1], unit * s[2])
     P, w = _clamped(problem)
     scales = struct.unpack("<q", struct.pack("<ff", problem.sm_scale * _LOG2E, problem.sm_scale))[0]
     slots += (0, 0, problem.H, problem.H // problem.Hkv, problem.M, problem.N, w, scales) + tuple(split)

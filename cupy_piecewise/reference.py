@@ -36,6 +36,7 @@ __all__ = [
     "lowp_forward",
     "lowp_backward",
     "round_to_bf16",
+    "round_to_tf32",
     "default_chunk_rows",
 ]
 
@@ -72,8 +73,22 @@ def round_to_bf16(x) -> np.ndarray:
     return out.reshape(a.shape)
 
 
+def round_to_tf32(x) -> np.ndarray:
+    """Round to TF32 (float32 with 10 mantissa bits; to nearest, ties away from zero, as
+    ``cvt.rna.tf32.f32`` does), returned as float32. Infinities and NaN are kept."""
+    a = np.asarray(x, dtype=np.float32)
+    bits = a.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + np.uint64(0x1000)) & np.uint64(0xFFFFE000)).astype(np.uint32)
+    out = rounded.view(np.float32).copy()
+    keep = ~np.isfinite(a)
+    if keep.any():
+        out[keep] = a[keep]
+    return out
+
+
 def _rounder(dtype):
-    """-> (name, function rounding a float32 array to ``dtype``, returning float32)."""
+    """-> (name, function rounding a float32 array to ``dtype``, returning float32).
+    ``'tf32'``: float32 inputs on the GPU, whose products round their operands to TF32."""
     name = str(dtype).replace("torch.", "").lower()
     name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16",
             "fp32": "float32", "float": "float32"}.get(name, name)
@@ -83,7 +98,9 @@ def _rounder(dtype):
         return name, round_to_bf16
     if name == "float32":
         return name, lambda a: np.asarray(a, np.float32)
-    raise ValueError(f"dtype: expected 'float16', 'bfloat16' or 'float32', got {dtype!r}")
+    if name == "tf32":
+        return name, round_to_tf32
+    raise ValueError(f"dtype: expected 'float16', 'bfloat16', 'float32' or 'tf32', got {dtype!r}")
 
 
 # --------------------------------------------------------------------------- validation
@@ -199,7 +216,7 @@ def _split_ds(ds, use2):
 
 
 def _forward_impl(q1, k1, q2, k2, v, w, causal, sm_scale, chunk_rows, ct, rnd,
-                  q_offset=None, k_offset=0):
+                  q_offset=None, k_offset=0, round_out=True):
     w = _check_w(w)
     B, H, Hkv, M, N, D = _check_inputs(q1, k1, q2, k2, v)
     P = _offset(M, N, q_offset, k_offset)
@@ -236,13 +253,15 @@ def _forward_impl(q1, k1, q2, k2, v, w, causal, sm_scale, chunk_rows, ct, rnd,
                 lrow[empty] = -np.inf
                 o[b, h, r0:r1] = acc
                 lse[b, h, r0:r1] = lrow
-    if rnd is not None:
+    if rnd is not None and round_out:
         o = rnd(o)
     return o, lse
 
 
 def _backward_impl(q1, k1, q2, k2, v, o, lse, do, w, causal, sm_scale, chunk_rows, ct, rnd,
-                   q_offset=None, k_offset=0, dlse=None):
+                   q_offset=None, k_offset=0, dlse=None, round_out=True, do_mm=None):
+    """``do_mm``: ``do`` as the products see it (TF32-rounded), where delta takes ``do``
+    itself; ``round_out``: round the gradients with ``rnd``."""
     w = _check_w(w)
     B, H, Hkv, M, N, D = _check_inputs(q1, k1, q2, k2, v)
     _check_grad_inputs(q1.shape, o, lse, do)
@@ -274,7 +293,7 @@ def _backward_impl(q1, k1, q2, k2, v, o, lse, do, w, causal, sm_scale, chunk_row
             for r0 in range(0, M, cr):
                 r1 = min(M, r0 + cr)
                 q1c, q2c = q1[b, h, r0:r1], q2[b, h, r0:r1]
-                doc = do[b, h, r0:r1]
+                doc = (do if do_mm is None else do_mm)[b, h, r0:r1]
                 s, use2 = _block_scores(q1c, q2c, k1g, k2g, r0, r1, M, N, w,
                                         causal, scale, ct, P)
                 # p = exp(s - lse); rows with lse = -inf (no admissible key) give p = 0.
@@ -299,7 +318,7 @@ def _backward_impl(q1, k1, q2, k2, v, o, lse, do, w, causal, sm_scale, chunk_row
                     dq2[b, h, r0:r1] = (ds2 @ k2g) * sc
                     dk2[b, g] += (ds2.T @ q2c) * sc
                 del ds1, ds2
-    if rnd is not None:
+    if rnd is not None and round_out:
         dq1, dk1, dq2, dk2, dv = (rnd(x) for x in (dq1, dk1, dq2, dk2, dv))
     return dq1, dk1, dq2, dk2, dv
 
@@ -344,33 +363,45 @@ def backward(q1, k1, q2, k2, v, o, lse, do, w, causal=False, sm_scale=None, *, c
 
 def lowp_forward(q1, k1, q2, k2, v, w, causal=False, sm_scale=None, *, dtype, chunk_rows=None,
                  q_offset=None, k_offset=0):
-    """Plain forward in the precision ``dtype`` ('float16', 'bfloat16', 'float32').
+    """Plain forward in the precision ``dtype`` ('float16', 'bfloat16', 'float32', 'tf32').
 
     Operands rounded to ``dtype``; scores, softmax and accumulation in float32; the
     unnormalised probabilities rounded to ``dtype`` before the product with v; o rounded
     to ``dtype``.  -> (o, lse) float32 arrays (o holds dtype-rounded values).  Offsets as
-    in :func:`forward`.
+    in :func:`forward`.  ``'tf32'`` (float32 inputs on the GPU): q, k, v and the
+    probabilities rounded to TF32, as the products see them; o stays float32.
     """
-    _, rnd = _rounder(dtype)
+    name, rnd = _rounder(dtype)
     q1, k1, q2, k2, v = (rnd(np.asarray(a)) for a in (q1, k1, q2, k2, v))
     return _forward_impl(q1, k1, q2, k2, v, w, bool(causal), sm_scale, chunk_rows,
-                         np.float32, rnd, q_offset, k_offset)
+                         np.float32, rnd, q_offset, k_offset, round_out=name != "tf32")
 
 
 def lowp_backward(q1, k1, q2, k2, v, o, lse, do, w, causal=False, sm_scale=None, *, dtype,
                   chunk_rows=None, q_offset=None, k_offset=0, dlse=None):
-    """Plain backward in the precision ``dtype`` ('float16', 'bfloat16', 'float32').
+    """Plain backward in the precision ``dtype`` ('float16', 'bfloat16', 'float32', 'tf32').
 
     Operands (q, k, v, o, do) rounded to ``dtype``, lse taken as float32; p, dp, ds and
     accumulation in float32; p rounded to ``dtype`` before p^T·do and ds rounded before
     ds·k and ds^T·q; gradients rounded to ``dtype``.
     -> (dq1, dk1, dq2, dk2, dv) float32 arrays holding dtype-rounded values.  Offsets
-    and ``dlse`` (taken as float32) as in :func:`backward`.
+    and ``dlse`` (taken as float32) as in :func:`backward`.  ``'tf32'``: q, k, v, p, ds
+    and ``do`` where it enters a product rounded to TF32; delta from float32 o and do;
+    gradients stay float32.
     """
-    _, rnd = _rounder(dtype)
-    q1, k1, q2, k2, v, o, do = (rnd(np.asarray(a)) for a in (q1, k1, q2, k2, v, o, do))
+    name, rnd = _rounder(dtype)
+    tf32 = name == "tf32"
+    q1, k1, q2, k2, v = (rnd(np.asarray(a)) for a in (q1, k1, q2, k2, v))
+    if tf32:  # o and do stay float32 (delta = rowsum(do * o) is no product); do is rounded
+        # where it enters a product
+        o, do = (np.asarray(a, dtype=np.float32) for a in (o, do))
+        do_mm = rnd(do)
+    else:
+        o, do = rnd(np.asarray(o)), rnd(np.asarray(do))
+        do_mm = None
     lse = np.asarray(lse, dtype=np.float32)
     if dlse is not None:
         dlse = np.asarray(dlse, dtype=np.float32)
     return _backward_impl(q1, k1, q2, k2, v, o, lse, do, w, bool(causal), sm_scale,
-                          chunk_rows, np.float32, rnd, q_offset, k_offset, dlse)
+                          chunk_rows, np.float32, rnd, q_offset, k_offset, dlse,
+                          round_out=not tf32, do_mm=do_mm)

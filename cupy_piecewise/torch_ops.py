@@ -324,10 +324,12 @@ def attention(
             means ``k_offset + N - M``): ``d = (q_offset + i) - (k_offset + j)``.
 
     Devices and dtypes:
-        CUDA: float16 or bfloat16, ``D`` in 16, 32, 64, 80, 96, 128, 256 (float32 inputs are run in
-        the autocast dtype under ``torch.autocast("cuda")``). Inputs are read in place;
-        one whose last dimension is not unit-stride (or other strides not multiples of 8
-        elements, or a data pointer not 16-byte aligned) is copied once. Launched on
+        CUDA: float16 or bfloat16, ``D`` in 16, 32, 64, 80, 96, 128, 256; float32 with TF32
+        products and float32 outputs and gradients, ``D`` up to 128 (under
+        ``torch.autocast("cuda")`` float32 inputs run in the autocast dtype instead).
+        Inputs are read in place; one whose last dimension is not unit-stride (or other
+        strides not multiples of 16 bytes, or a data pointer not 16-byte aligned) is
+        copied once. Launched on
         torch's current stream; no host-device synchronisation (CUDA-graph safe).
         CPU: float16, bfloat16, float32 (computed in float32) and float64 (computed in
         float64); under ``torch.autocast("cpu")`` float32 inputs run in the autocast dtype.

@@ -29,12 +29,17 @@ __all__ = [
     "library_of",
     "dtype_name",
     "GPU_DTYPES",
+    "KV_DTYPES",
     "GPU_HEAD_DIMS",
     "CPU_DTYPES",
 ]
 
-#: dtypes the CUDA kernels take (tensor cores, float32 accumulation).
-GPU_DTYPES = ("float16", "bfloat16")
+#: dtypes the CUDA kernels take (tensor cores, float32 accumulation). float32 inputs run the
+#: mma.sync kernels with TF32 products (docs/semantics.md, float32 on the GPU); the Hopper
+#: kernels and the KV-cache kernels take 16-bit inputs only (:data:`KV_DTYPES`).
+GPU_DTYPES = ("float16", "bfloat16", "float32")
+#: dtypes of the KV-cache entry point's caches and queries on the GPU.
+KV_DTYPES = ("float16", "bfloat16")
 #: head dims the CUDA kernels are instantiated for.
 GPU_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 #: The kernels keep row indices and distances in 32-bit integers (i + N - M - j, tile
@@ -397,7 +402,7 @@ def check_gpu_support(problem: Problem) -> None:
     if problem.device is None:
         raise ValueError("q1 is on the CPU; the CUDA kernels need arrays on a CUDA device")
     if problem.dtype not in GPU_DTYPES:
-        extra = " (float32 inputs: cast to bfloat16 or float16 first)" if problem.dtype == "float32" else ""
+        extra = " (float64 inputs: cast to float32 or a 16-bit type first)" if problem.dtype == "float64" else ""
         raise TypeError(
             f"dtype {problem.dtype} is not supported by the CUDA kernels; expected one of "
             f"{', '.join(GPU_DTYPES)}{extra}"

@@ -23,14 +23,22 @@ __global__ void __launch_bounds__(256) pw_backward_delta(const Params p) {
   const u16* o = p.o.at(b, h) + i * p.o.sr;
   const u16* d = p.dout.at(b, h) + i * p.dout.sr;
   float acc = 0.f;
-  for (int c = lane; c < D / 8; c += 32) {
-    const uint4 ov = *reinterpret_cast<const uint4*>(o + 8 * c);
-    const uint4 dv = *reinterpret_cast<const uint4*>(d + 8 * c);
-    const u32 ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+  if constexpr (Elem<T>::width == 2) {  // float32: four elements per 16-byte load
+    for (int c = lane; c < D / 4; c += 32) {
+      const float4 ov = reinterpret_cast<const float4*>(o)[c];
+      const float4 dv = reinterpret_cast<const float4*>(d)[c];
+      acc += ov.x * dv.x + ov.y * dv.y + ov.z * dv.z + ov.w * dv.w;
+    }
+  } else {
+    for (int c = lane; c < D / 8; c += 32) {
+      const uint4 ov = *reinterpret_cast<const uint4*>(o + 8 * c);
+      const uint4 dv = *reinterpret_cast<const uint4*>(d + 8 * c);
+      const u32 ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      acc += Elem<T>::to_float((u16)(ow[k] & 0xffff)) * Elem<T>::to_float((u16)(dw[k] & 0xffff));
-      acc += Elem<T>::to_float((u16)(ow[k] >> 16)) * Elem<T>::to_float((u16)(dw[k] >> 16));
+      for (int k = 0; k < 4; ++k) {
+        acc += Elem<T>::to_float((u16)(ow[k] & 0xffff)) * Elem<T>::to_float((u16)(dw[k] & 0xffff));
+        acc += Elem<T>::to_float((u16)(ow[k] >> 16)) * Elem<T>::to_float((u16)(dw[k] >> 16));
+      }
     }
   }
 #pragma unroll
@@ -46,7 +54,8 @@ __global__ void __launch_bounds__(256) pw_backward_delta(const Params p) {
 
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) {
-  using L = BwdDqTraits<D, BM, BN, WARPS>;  // shared-memory layout and warp split (traits.cuh)
+  constexpr int DS = D * Elem<T>::width;  // a row in 16-bit units (common.cuh, Elem)
+  using L = BwdDqTraits<DS, BM, BN, WARPS>;  // shared-memory layout and warp split (traits.cuh)
   constexpr int MW = L::MW;                 // 16-row blocks per warp (1 or 2, checked there)
   constexpr int THREADS = L::threads;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -67,9 +76,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
   const u16* k2 = p.k2.at(b, hk, sq.k0);
   const u16* vv = p.v.at(b, hk, sq.k0);
 
-  load_rows<BM, D, THREADS>(smem_addr(sQ1), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
-  load_rows<BM, D, THREADS>(smem_addr(sQ2), p.q2.at(b, h, sq.q0), p.q2.sr, m0, M);
-  load_rows<BM, D, THREADS>(smem_addr(sDO), p.dout.at(b, h, sq.q0), p.dout.sr, m0, M);
+  load_rows<BM, DS, THREADS>(smem_addr(sQ1), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
+  load_rows<BM, DS, THREADS>(smem_addr(sQ2), p.q2.at(b, h, sq.q0), p.q2.sr, m0, M);
+  load_rows<BM, DS, THREADS>(smem_addr(sDO), p.dout.at(b, h, sq.q0), p.dout.sr, m0, M);
 
   float lse2[MW][2], delta[MW][2];
 #pragma unroll
@@ -92,9 +101,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
     const i64 n0 = (i64)t * BN;
     const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
     u16* st = sKV + stage * L::stage_elems;
-    if (mode & 1) load_rows<BN, D, THREADS>(smem_addr(st + L::k1_in_stage), k1, p.k1.sr, n0, N);
-    if (mode & 2) load_rows<BN, D, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
-    load_rows<BN, D, THREADS>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
+    if (mode & 1) load_rows<BN, DS, THREADS>(smem_addr(st + L::k1_in_stage), k1, p.k1.sr, n0, N);
+    if (mode & 2) load_rows<BN, DS, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
+    load_rows<BN, DS, THREADS>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
   };
   const int warp_off = warp * L::warp_rows * L::pitch;
   const u32 aQ1 = smem_addr(sQ1 + warp_off), aQ2 = smem_addr(sQ2 + warp_off);
@@ -146,7 +155,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
 
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p) {
-  using L = BwdDkvTraits<D, BM, BN, WARPS>;  // shared-memory layout and warp split (traits.cuh)
+  constexpr int DS = D * Elem<T>::width;  // a row in 16-bit units (common.cuh, Elem)
+  using L = BwdDkvTraits<DS, BM, BN, WARPS>;  // shared-memory layout and warp split (traits.cuh)
   constexpr int MW = L::MW;                  // 16-row (key) blocks per warp (1 or 2)
   constexpr int THREADS = L::threads;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -163,9 +173,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
   if (VARLEN && n0 >= N) return;  // a packed batch's grid covers its longest sequence
   const i64 row0 = n0 + warp * 16 * MW;  // rows are keys here
 
-  load_rows<BN, D, THREADS>(smem_addr(sK1), p.k1.at(b, hk, sq.k0), p.k1.sr, n0, N);
-  load_rows<BN, D, THREADS>(smem_addr(sK2), p.k2.at(b, hk, sq.k0), p.k2.sr, n0, N);
-  load_rows<BN, D, THREADS>(smem_addr(sV), p.v.at(b, hk, sq.k0), p.v.sr, n0, N);
+  load_rows<BN, DS, THREADS>(smem_addr(sK1), p.k1.at(b, hk, sq.k0), p.k1.sr, n0, N);
+  load_rows<BN, DS, THREADS>(smem_addr(sK2), p.k2.at(b, hk, sq.k0), p.k2.sr, n0, N);
+  load_rows<BN, DS, THREADS>(smem_addr(sV), p.v.at(b, hk, sq.k0), p.v.sr, n0, N);
 
   // Query tiles that can see this key tile at all, then the sub-ranges touching each pair:
   // pair 1 (some d < w) is a prefix of them, pair 2 (some d >= w) a suffix.
@@ -189,12 +199,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
     const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
     u16* st = sQ + stage * L::stage_elems;
     if (mode & 1)
-      load_rows<BM, D, THREADS>(smem_addr(st + L::q1_in_stage), p.q1.at(b, h, sq.q0), p.q1.sr,
+      load_rows<BM, DS, THREADS>(smem_addr(st + L::q1_in_stage), p.q1.at(b, h, sq.q0), p.q1.sr,
                                 m0, M);
     if (mode & 2)
-      load_rows<BM, D, THREADS>(smem_addr(st + L::q2_in_stage), p.q2.at(b, h, sq.q0), p.q2.sr,
+      load_rows<BM, DS, THREADS>(smem_addr(st + L::q2_in_stage), p.q2.at(b, h, sq.q0), p.q2.sr,
                                 m0, M);
-    load_rows<BM, D, THREADS>(smem_addr(st + L::do_in_stage), p.dout.at(b, h, sq.q0), p.dout.sr,
+    load_rows<BM, DS, THREADS>(smem_addr(st + L::do_in_stage), p.dout.at(b, h, sq.q0), p.dout.sr,
                               m0, M);
     const i64 base = stat_row0<VARLEN>(p, sq, b, h);
     float* ss = sStat + stage * L::stats_stage_floats;

@@ -15,10 +15,15 @@ typedef long long i64;
 // ---------------------------------------------------------------- element types
 struct half_t {};  // IEEE binary16
 struct bf16_t {};  // bfloat16
+struct tf32_t {};  // float32 inputs and outputs, products on tensor cores in TF32
 
+// Elem<T>::width is an element's size in 16-bit units. Tiles, row pitches and the strides the
+// kernels receive all count 16-bit units, so a float32 row of D elements is stored and copied
+// as a row of 2D units: the loaders and the shared-memory layout serve every type unchanged.
 template <typename T> struct Elem;
 
 template <> struct Elem<half_t> {
+  static constexpr int width = 1;
   // cvt.*x2 puts its first source in the upper half: pass (hi, lo).
   static PW_DEVICE u32 pack(float lo, float hi) {
     u32 r;
@@ -45,6 +50,7 @@ template <> struct Elem<half_t> {
 };
 
 template <> struct Elem<bf16_t> {
+  static constexpr int width = 1;
   static PW_DEVICE u32 pack(float lo, float hi) {
     u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -65,6 +71,69 @@ template <> struct Elem<bf16_t> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 };
+
+// float32 inputs: each product runs as m16n8k8 TF32 mma (float32 accumulation). The tensor
+// cores read only the upper 19 bits of a TF32 operand: they truncate (measured on an H200,
+// scripts/tf32_probe.py). Operands are rounded to nearest first, which halves the error and
+// removes truncation's bias toward zero: half a TF32 ulp (bit 12) is added to the float32
+// bit pattern and the hardware's truncation does the rest. That is round to nearest, ties
+// away from zero, exactly cvt.rna.tf32.f32's result as the tensor cores see it (a carry into
+// the exponent rounds up correctly, infinities stay infinite, NaN stays NaN), in one integer
+// add; cvt.rna compiles to a compare-and-select sequence on sm_90 (the D = 128 forward:
+// 4744 instructions with it, 3832 with the add, 320 mma each; bench/NOTES.md). CUTLASS
+// calls this round_half_ulp_truncate. Every fragment read from shared memory passes through
+// `frag` (a no-op for the 16-bit types). -DPW_TF32_CVT=1 builds the cvt.rna form instead,
+// for A/B runs (scripts/tf32_probe.py --cvt).
+#ifndef PW_TF32_CVT
+#define PW_TF32_CVT 0
+#endif
+template <> struct Elem<tf32_t> {
+  static constexpr int width = 2;
+  static constexpr u32 HALF_ULP = 0x1000u;  // half of TF32's last mantissa bit (bit 13)
+  static PW_DEVICE u32 round_bits(u32 x) {
+#if PW_TF32_CVT
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(__uint_as_float(x)));
+    return r;
+#else
+    return x + HALF_ULP;
+#endif
+  }
+  static PW_DEVICE u32 round(float x) { return round_bits(__float_as_uint(x)); }
+  template <int N> static PW_DEVICE void frag(u32 (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) r[i] = round_bits(r[i]);
+  }
+  // Fragment layout (PTX ISA, m16n8k8 .tf32): a thread holds A at rows g, g+8 (g = lane/4)
+  // and columns t, t+4 (t = lane%4) as a[0] (g,t), a[1] (g+8,t), a[2] (g,t+4), a[3] (g+8,t+4);
+  // B at rows (k) t, t+4 of column g; the accumulator as for m16n8k16.
+  static PW_DEVICE void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// Stores of output elements (pointers count 16-bit units): `store2` writes two adjacent
+// elements at `at`, `store1` element c of the row at `row`.
+template <typename T> PW_DEVICE void store2(u16* at, float x0, float x1) {
+  if constexpr (Elem<T>::width == 2)
+    *reinterpret_cast<float2*>(at) = make_float2(x0, x1);
+  else
+    *reinterpret_cast<u32*>(at) = Elem<T>::pack(x0, x1);
+}
+template <typename T> PW_DEVICE void store1(u16* row, int c, float x) {
+  if constexpr (Elem<T>::width == 2)
+    reinterpret_cast<float*>(row)[c] = x;
+  else
+    row[c] = Elem<T>::from_float(x);
+}
+// Fragments read from shared memory, made ready for the element type's mma (TF32 rounding).
+template <typename T, int N> PW_DEVICE void ready(u32 (&r)[N]) {
+  if constexpr (Elem<T>::width == 2) Elem<T>::frag(r);
+}
 
 // ---------------------------------------------------------------- small math
 #define PW_LOG2E 1.4426950408889634f
@@ -93,6 +162,12 @@ PW_DEVICE u32 smem_addr(const void* p) {
 PW_DEVICE void ldsm_x4(u32 r[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+PW_DEVICE u32 lds32(u32 addr) {
+  u32 r;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(addr));
+  return r;
 }
 
 PW_DEVICE void ldsm_x4_trans(u32 r[4], u32 addr) {
@@ -126,8 +201,10 @@ template <int D> struct Pitch {
 // threads divide evenly into a row's 16-byte chunks (head dims 16, 32, 64, 128, 256), each
 // thread keeps one chunk column and walks rows with a running pointer: precomputed per-row
 // addresses would otherwise be hoisted out of the tile loop and pin dozens of registers.
-// Head dims such as 80 and 96 (10 and 12 chunks a row) walk the tile's chunks in order
-// instead, each thread recomputing its row and column per copy.
+// Rows of more chunks than the block has threads (float32 rows on one or two warps) keep the
+// same running pointers, a few chunk columns per thread. Head dims such as 80 and 96 (10
+// and 12 chunks a row) on more threads walk the tile's chunks in order instead, each thread
+// recomputing its row and column per copy.
 template <int ROWS, int D, int THREADS>
 PW_DEVICE void load_rows(u32 dst, const u16* src, i64 rs, i64 row0, i64 nvalid) {
   constexpr int CPR = D / 8;  // 16-byte chunks per row
@@ -147,6 +224,25 @@ PW_DEVICE void load_rows(u32 dst, const u16* src, i64 rs, i64 row0, i64 nvalid) 
       gr += RSTEP;
       g += RSTEP * rs;
       d += RSTEP * Pitch<D>::bytes;
+    }
+  } else if constexpr (THREADS < CPR) {
+    // Rows wider than the block (float32 rows of 64 or more elements on one or two warps):
+    // each thread keeps the chunk columns ch, ch + THREADS, ... and walks the rows.
+    constexpr int PASSES = (CPR + THREADS - 1) / THREADS;
+    const int ch = (int)threadIdx.x;
+    i64 gr = row0;
+    const u16* g = src + gr * rs + ch * 8;
+    u32 d = dst + ch * 16;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const bool ok = gr < nvalid;
+#pragma unroll
+      for (int j = 0; j < PASSES; ++j)
+        if (CPR % THREADS == 0 || ch + j * THREADS < CPR)
+          cp_async16(d + j * THREADS * 16, ok ? g + j * THREADS * 8 : src, ok);
+      gr += 1;
+      g += rs;
+      d += Pitch<D>::bytes;
     }
   } else {
     constexpr int CHUNKS = ROWS * CPR;
@@ -203,14 +299,24 @@ template <int D> PW_DEVICE void load_b(u32 b[4], u32 sB, int np, int k, int lane
                  (k * 16 + ((lane / 8) % 2) * 8) * 2);
 }
 
+// The products below take the head dim D in elements; tiles in shared memory are rows of
+// DS = D * Elem<T>::width 16-bit units (Pitch<DS>). One k-step reads 32 bytes of each row:
+// 16 elements of a 16-bit type (m16n8k16), 8 floats for TF32 (m16n8k8). ldmatrix hands each
+// thread 32-bit words at (row lane/4, word lane%4) of each 8 x 16-byte matrix, which is the
+// TF32 A and B fragment layout as well, so the same loads serve both.
+
 // acc(16MW x 16, column block np of the tile) += A(16MW x D) * B(16 rows np*16.., D)^T.
 template <typename T, int D, int MW>
 PW_DEVICE void mma_abt_block(float acc[MW][2][4], u32 sA, u32 sB, int np, int lane) {
+  constexpr int DS = D * Elem<T>::width;
 #pragma unroll
-  for (int k = 0; k < D / 16; ++k) {
+  for (int k = 0; k < DS / 16; ++k) {
     u32 a[MW][4], b[4];
-    load_a<D, MW>(a, sA, k, lane);
-    load_b<D>(b, sB, np, k, lane);
+    load_a<DS, MW>(a, sA, k, lane);
+    load_b<DS>(b, sB, np, k, lane);
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) ready<T>(a[mi]);
+    ready<T>(b);
 #pragma unroll
     for (int mi = 0; mi < MW; ++mi) {
       Elem<T>::mma(acc[mi][0], a[mi], b[0], b[1]);
@@ -223,14 +329,18 @@ PW_DEVICE void mma_abt_block(float acc[MW][2][4], u32 sA, u32 sB, int np, int la
 // memory (A: the warp's rows). Scores, dP and their transposes all take this form.
 template <typename T, int D, int BN, int MW>
 PW_DEVICE void mma_abt(float acc[MW][BN / 8][4], u32 sA, u32 sB, int lane) {
+  constexpr int DS = D * Elem<T>::width;
 #pragma unroll
-  for (int k = 0; k < D / 16; ++k) {
+  for (int k = 0; k < DS / 16; ++k) {
     u32 a[MW][4];
-    load_a<D, MW>(a, sA, k, lane);
+    load_a<DS, MW>(a, sA, k, lane);
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) ready<T>(a[mi]);
 #pragma unroll
     for (int np = 0; np < BN / 16; ++np) {
       u32 b[4];
-      load_b<D>(b, sB, np, k, lane);
+      load_b<DS>(b, sB, np, k, lane);
+      ready<T>(b);
 #pragma unroll
       for (int mi = 0; mi < MW; ++mi) {
         Elem<T>::mma(acc[mi][2 * np], a[mi], b[0], b[1]);
@@ -243,27 +353,59 @@ PW_DEVICE void mma_abt(float acc[MW][BN / 8][4], u32 sA, u32 sB, int lane) {
 // acc(16MW x D) += X(16MW x BN, float accumulator fragments rounded to T) * B(BN x D), B
 // row-major in shared memory and read transposed by ldmatrix. P·V, dS·K, Pᵀ·dO and dSᵀ·Q take
 // this form: the accumulator layout of two adjacent 8-column blocks is an m16n8k16 A fragment.
+//
+// TF32: each 8-column block of x is one k8 step. The accumulator gives a thread columns 2t and
+// 2t+1 of rows g, g+8 (t = lane%4, g = lane/4), an A fragment wants k-slots t and t+4; the
+// step's k order is free, so slot t takes column 2t and slot t+4 column 2t+1, and B's rows
+// follow: b0 = B[2t][g], b1 = B[2t+1][g] of each 8-column block, read word by word (no
+// transposing ldmatrix for 32-bit data). With the row pitch of (D + 4) words those 32 reads
+// hit 32 distinct banks for every D that is a multiple of 16.
 template <typename T, int D, int BN, int MW>
 PW_DEVICE void mma_xb(float acc[MW][D / 8][4], const float x[MW][BN / 8][4], u32 sB, int lane) {
+  if constexpr (Elem<T>::width == 2) {
+    constexpr int RB = Pitch<2 * D>::bytes;
 #pragma unroll
-  for (int kk = 0; kk < BN / 16; ++kk) {
-    u32 a[MW][4];
-#pragma unroll
-    for (int mi = 0; mi < MW; ++mi) {
-      a[mi][0] = Elem<T>::pack(x[mi][2 * kk][0], x[mi][2 * kk][1]);
-      a[mi][1] = Elem<T>::pack(x[mi][2 * kk][2], x[mi][2 * kk][3]);
-      a[mi][2] = Elem<T>::pack(x[mi][2 * kk + 1][0], x[mi][2 * kk + 1][1]);
-      a[mi][3] = Elem<T>::pack(x[mi][2 * kk + 1][2], x[mi][2 * kk + 1][3]);
-    }
-#pragma unroll
-    for (int dp = 0; dp < D / 16; ++dp) {
-      u32 b[4];
-      ldsm_x4_trans(b, sB + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * Pitch<D>::bytes +
-                           (dp * 16 + (lane / 16) * 8) * 2);
+    for (int kb = 0; kb < BN / 8; ++kb) {
+      u32 a[MW][4];
 #pragma unroll
       for (int mi = 0; mi < MW; ++mi) {
-        Elem<T>::mma(acc[mi][2 * dp], a[mi], b[0], b[1]);
-        Elem<T>::mma(acc[mi][2 * dp + 1], a[mi], b[2], b[3]);
+        a[mi][0] = Elem<T>::round(x[mi][kb][0]);
+        a[mi][1] = Elem<T>::round(x[mi][kb][2]);
+        a[mi][2] = Elem<T>::round(x[mi][kb][1]);
+        a[mi][3] = Elem<T>::round(x[mi][kb][3]);
+      }
+      const u32 row = sB + (kb * 8 + 2 * (lane % 4)) * RB + (lane / 4) * 4;
+#pragma unroll
+      for (int dp = 0; dp < D / 8; ++dp) {
+        u32 b[2];
+        b[0] = lds32(row + dp * 32);
+        b[1] = lds32(row + RB + dp * 32);
+        ready<T>(b);
+#pragma unroll
+        for (int mi = 0; mi < MW; ++mi) Elem<T>::mma(acc[mi][dp], a[mi], b[0], b[1]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      u32 a[MW][4];
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi) {
+        a[mi][0] = Elem<T>::pack(x[mi][2 * kk][0], x[mi][2 * kk][1]);
+        a[mi][1] = Elem<T>::pack(x[mi][2 * kk][2], x[mi][2 * kk][3]);
+        a[mi][2] = Elem<T>::pack(x[mi][2 * kk + 1][0], x[mi][2 * kk + 1][1]);
+        a[mi][3] = Elem<T>::pack(x[mi][2 * kk + 1][2], x[mi][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        u32 b[4];
+        ldsm_x4_trans(b, sB + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * Pitch<D>::bytes +
+                             (dp * 16 + (lane / 16) * 8) * 2);
+#pragma unroll
+        for (int mi = 0; mi < MW; ++mi) {
+          Elem<T>::mma(acc[mi][2 * dp], a[mi], b[0], b[1]);
+          Elem<T>::mma(acc[mi][2 * dp + 1], a[mi], b[2], b[3]);
+        }
       }
     }
   }
@@ -375,7 +517,8 @@ PW_DEVICE void keep_pair(float x[MW][BN / 8][4], int pair, const Geom& g, int la
       }
 }
 
-// Writes a warp's 16MW x D float fragment to a row-major (L, D) output of type T, row block
+// Writes a warp's 16MW x D float fragment to a row-major (L, D) output of type T (row stride
+// `rs` in 16-bit units), row block
 // mi's half h scaled by scale[mi][h], skipping rows at or past nvalid.
 template <typename T, int D, int MW>
 PW_DEVICE void store_rows(u16* dst, i64 rs, i64 row0, i64 nvalid, const float acc[MW][D / 8][4],
@@ -386,11 +529,12 @@ PW_DEVICE void store_rows(u16* dst, i64 rs, i64 row0, i64 nvalid, const float ac
     for (int h = 0; h < 2; ++h) {
       const i64 r = row0 + mi * 16 + lane / 4 + 8 * h;
       if (r < nvalid) {
-        u16* p = dst + r * rs + 2 * (lane % 4);
+        constexpr int W = Elem<T>::width;
+        u16* p = dst + r * rs + 2 * (lane % 4) * W;
 #pragma unroll
         for (int nb = 0; nb < D / 8; ++nb)
-          *reinterpret_cast<u32*>(p + nb * 8) = Elem<T>::pack(acc[mi][nb][2 * h] * scale[mi][h],
-                                                              acc[mi][nb][2 * h + 1] * scale[mi][h]);
+          store2<T>(p + nb * 8 * W, acc[mi][nb][2 * h] * scale[mi][h],
+                    acc[mi][nb][2 * h + 1] * scale[mi][h]);
       }
     }
 }

@@ -6,8 +6,9 @@
 
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
-  using L = FwdTraits<D, BM, BN, WARPS>;  // shared-memory layout and warp split (traits.cuh)
-  constexpr int MW = L::MW;               // 16-row blocks per warp (1 or 2, checked there)
+  constexpr int DS = D * Elem<T>::width;   // a row in 16-bit units (common.cuh, Elem)
+  using L = FwdTraits<DS, BM, BN, WARPS>;  // shared-memory layout and warp split (traits.cuh)
+  constexpr int MW = L::MW;                // 16-row blocks per warp (1 or 2, checked there)
   constexpr int THREADS = L::threads;
   extern __shared__ __align__(16) unsigned char smem[];
   u16* sQ1 = reinterpret_cast<u16*>(smem + L::q1_offset);
@@ -33,16 +34,16 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   const int t_begin = (int)min((i64)all_tiles, split * p.split_tiles);
   const int ntiles = (int)min((i64)all_tiles, (split + 1) * p.split_tiles);
 
-  load_rows<BM, D, THREADS>(smem_addr(sQ1), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
-  load_rows<BM, D, THREADS>(smem_addr(sQ2), p.q2.at(b, h, sq.q0), p.q2.sr, m0, M);
+  load_rows<BM, DS, THREADS>(smem_addr(sQ1), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
+  load_rows<BM, DS, THREADS>(smem_addr(sQ2), p.q2.at(b, h, sq.q0), p.q2.sr, m0, M);
 
   auto issue = [&](int t, int stage) {
     const i64 n0 = (i64)t * BN;
     const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
     u16* st = sKV + stage * L::stage_elems;
-    if (mode & 1) load_rows<BN, D, THREADS>(smem_addr(st + L::k1_in_stage), k1, p.k1.sr, n0, N);
-    if (mode & 2) load_rows<BN, D, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
-    load_rows<BN, D, THREADS>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
+    if (mode & 1) load_rows<BN, DS, THREADS>(smem_addr(st + L::k1_in_stage), k1, p.k1.sr, n0, N);
+    if (mode & 2) load_rows<BN, DS, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
+    load_rows<BN, DS, THREADS>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
   };
 
   float acc[MW][D / 8][4];
@@ -141,7 +142,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
 // normalised by its own row sum, at lse_part[s * rows_all + row] (natural log, -inf: the
 // split saw no admissible key) and o_part[(s * rows_all + row) * D ...]. Writes
 // o = sum_s exp(lse_s - lse) o_s to o_row (D elements, unit stride) and, when lse_out is not
-// null, lse = log sum_s exp(lse_s) (o = 0, lse = -inf when no split saw a key). Latency is
+// null, lse = log sum_s exp(lse_s) (o = 0, lse = -inf when no split saw a key). o_row
+// counts 16-bit units (a float32 element is two). Latency is
 // what it costs (a few rows, a few splits), so the lanes load 32 splits' lse at a time and
 // share the weights by shuffles, and each lane's loads of o for successive splits do not
 // wait for one another (the loop it replaced waited on one L2 round trip per split, twice).
@@ -181,7 +183,7 @@ PW_DEVICE void merge_split_row(const float* lse_part, const float* o_part, i64 r
   const float inv = total > 0.f ? 1.f / total : 0.f;
 #pragma unroll
   for (int k = 0; k < PER_LANE; ++k)
-    if (lane + 32 * k < D) o_row[lane + 32 * k] = Elem<T>::from_float(acc[k] * inv);
+    if (lane + 32 * k < D) store1<T>(o_row, lane + 32 * k, acc[k] * inv);
   if (lane == 0 && lse_out) *lse_out = total > 0.f ? mx + __logf(total) : PW_NEG_INF;
 }
 

@@ -6,7 +6,9 @@
 
 struct Tensor {  // a (B, heads, rows, D) view with unit stride along D
   const u16* ptr;
-  i64 sb, sh, sr;  // batch, head and row strides in elements
+  // Batch, head and row strides in 16-bit units: elements of float16 and bfloat16, twice
+  // the element strides of float32 (launch._pack doubles them; common.cuh, Elem::width).
+  i64 sb, sh, sr;
   // Row `row0` of head h of batch entry b (row0: a packed sequence's first row, else 0).
   PW_DEVICE const u16* at(i64 b, i64 h, i64 row0 = 0) const {
     return ptr + b * sb + h * sh + row0 * sr;

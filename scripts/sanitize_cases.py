@@ -44,13 +44,26 @@ def _dims(dims):
     return [d for d in dims if not _only or d in _only]
 
 
+def _dtypes(path, D):
+    """float16 and bfloat16; float32 (TF32) too on the mma.sync path where the table has
+    float32 tiles of head dim D (capability.TF32_TABLE)."""
+    out = ["float16", "bfloat16"]
+    if path == "mma":
+        try:
+            capability.lookup(cc, "fwd", D, "float32", False)
+            out.append("float32")
+        except ValueError:
+            pass
+    return out
+
+
 for path in (("mma", "hopper") if hopper else ("mma",)) if "dense" not in _skip else ():
     os.environ[capability.PATH_VAR] = path
     capability.refresh_env_override()
     dims = _dims(capability.HOPPER_HEAD_DIMS if path == "hopper" else capability.head_dims(cc))
-    for dtype in ("float16", "bfloat16"):
-        for causal in (False, True):
-            for D in dims:
+    for D in dims:
+        for dtype in _dtypes(path, D):
+            for causal in (False, True):
                 for det in (False, True) if path == "hopper" else (False,):
                     # position offsets (P = 40, not N - M = 51) and a gradient into lse
                     run_case(D=D, dtype=dtype, causal=causal, M=150, N=201, w=40, group=2,
@@ -140,10 +153,10 @@ for D in _dims(kvcache.KV_HEAD_DIMS) if "kvcache" not in _skip else ():
 from test_varlen_gpu import run_packed  # noqa: E402
 
 for D in _dims(capability.head_dims(cc)) if "varlen" not in _skip else ():
-    for dtype in ("float16", "bfloat16"):
+    for dtype in _dtypes("mma", D):
         for causal in (False, True):
             run_packed([65, 0, 3], [40, 9, 129], D=D, dtype=dtype, causal=causal, w=20)
-            if hopper and D in capability.HOPPER_HEAD_DIMS:  # the Hopper packed kernels
+            if hopper and D in capability.HOPPER_HEAD_DIMS and dtype != "float32":  # the Hopper packed kernels
                 os.environ[capability.PATH_VAR] = "hopper"
                 capability.refresh_env_override()
                 for det in (False, True):  # dQ by atomics; dQ by the mma.sync dq kernel

@@ -50,22 +50,33 @@ def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatc
     head_dims = capability.head_dims(SM90)
     assert set(head_dims) >= {16, 32, 64, 80, 96, 128, 256}
     table = capability.TABLE[SM90]
+
+    def dtypes(phase):  # float32 (TF32) runs the mma.sync phases; the KV-cache ones are 16-bit
+        return capability.HALF_DTYPES if phase in capability.KV_PHASES else capability.TABLE_DTYPES
+
+    def offered(ph, d, dt):  # TF32_TABLE's None: no float32 kernel at that head dim
+        return not (dt == "float32" and capability.TF32_TABLE[SM90].get(ph, {}).get(d, 0) is None)
+
     expected = {(ph, d, dt, c) for ph in capability.PHASES for d in table[ph]
-                for dt in capability.TABLE_DTYPES for c in (False, True)}
+                for dt in dtypes(ph) for c in (False, True) if offered(ph, d, dt)}
     assert set(got) == expected
+    assert "float32" in capability.TABLE_DTYPES
     for (phase, head_dim, dtype, causal), tiles in got.items():
         assert tiles == capability.lookup(SM90, phase, head_dim, dtype, causal), (phase, head_dim, dtype, causal)
     # the packed-batch (VARLEN) kernels, with their own tiles where VARLEN_TABLE says so
     packed = {(v.phase, v.head_dim, v.dtype, v.causal): v.tiles for v in variants if v.varlen}
     assert set(packed) == {(ph, d, dt, c) for ph in capability.VARLEN_PHASES for d in table[ph]
-                           for dt in capability.TABLE_DTYPES for c in (False, True)}
+                           for dt in capability.TABLE_DTYPES for c in (False, True)
+                           if offered(ph, d, dt)}
     for (phase, head_dim, dtype, causal), tiles in packed.items():
         assert tiles == capability.lookup(SM90, phase, head_dim, dtype, causal, varlen=True)
     kv_dims = set(table["kvcache"])
     for row_kernel in ROW_KERNELS:  # the delta pre-pass, the split-KV combine, the KV append
         have = {(v.head_dim, v.dtype) for v in variants if v.phase == row_kernel}
         dims = kv_dims if row_kernel == "kv_append" else set(head_dims)
-        assert have == set(itertools.product(dims, capability.TABLE_DTYPES)), row_kernel
+        kinds = capability.HALF_DTYPES if row_kernel == "kv_append" else capability.TABLE_DTYPES
+        assert have == {(d, dt) for d, dt in itertools.product(dims, kinds)
+                        if offered("fwd", d, dt)}, row_kernel
     hopper = build_check.variants_for(SM90, hopper=True)
     # every Hopper kernel but the decode has a packed-batch (VARLEN) build: forward, backward
     # and its helpers
@@ -77,12 +88,12 @@ def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatc
     # sees every key)
     assert {(v.head_dim, v.dtype, v.causal, v.cluster) for v in hopper
             if v.phase == "kvdecode_sm90"} == set(itertools.product(
-                capability.KV90_HEAD_DIMS, capability.TABLE_DTYPES, (False,), range(1, 9)))
+                capability.KV90_HEAD_DIMS, capability.HALF_DTYPES, (False,), range(1, 9)))
     bwd_dims = (64, 80, 96, 128)
     for phase, dims in (("fwd_sm90", (64, 80, 96, 128, 256)), ("bwd_sm90", bwd_dims),
                         ("bwd_sm90_det", bwd_dims)):
         assert {(v.head_dim, v.dtype, v.causal) for v in hopper if v.phase == phase} == set(
-            itertools.product(dims, capability.TABLE_DTYPES, (False, True))), phase
+            itertools.product(dims, capability.HALF_DTYPES, (False, True))), phase
     assert {v.head_dim for v in hopper if v.phase in ("bwd_sm90_prep", "bwd_sm90_dq")} == set(bwd_dims)
     assert all(v.tiles is None for v in variants if v.phase in ROW_KERNELS)
 

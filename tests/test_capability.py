@@ -64,7 +64,8 @@ def test_shared_bytes_formula():
     cfg = TileConfig(64, 64, 4)
     assert shared_bytes("bwd_dq", 128, cfg) == 2 * (3 * 64 + 3 * 2 * 64) * 136 + 8 * 64
     assert shared_bytes("bwd_dkv", 128, cfg) == 2 * (3 * 64 + 3 * 2 * 64) * 136 + 8 * 2 * 64
-    assert shared_bytes("fwd", 64, cfg, elem_bytes=4) == 2 * shared_bytes("fwd", 64, cfg)
+    # float32: 4-byte elements, rows still padded by 16 bytes (Pitch<2 * D> of common.cuh)
+    assert shared_bytes("fwd", 64, cfg, elem_bytes=4) == (2 * 64 + 3 * 2 * 64) * (4 * 64 + 16)
     with pytest.raises(ValueError, match="phase"):
         shared_bytes("bwd", 64, cfg)
 
@@ -96,12 +97,43 @@ def test_lookup_returns_table_entry(cc):
 def test_selectable_configs_cover_lookup(cc):
     configs = selectable_configs(cc)
     arch = cap.resolve_arch(cc)
-    assert len(configs) == sum(len(TABLE[arch][ph]) for ph in PHASES) * len(DTYPES) * 2
+    expected = set()
     for phase in PHASES:
+        # float32 (TF32) runs the mma.sync attention phases, not the KV-cache ones
+        dtypes = cap.HALF_DTYPES if phase in cap.KV_PHASES else cap.TABLE_DTYPES
         for d in TABLE[arch][phase]:
-            for dtype in DTYPES:
+            for dtype in dtypes:
+                if dtype == "float32" and cap.TF32_TABLE.get(arch, {}).get(phase, {}).get(d, 0) is None:
+                    with pytest.raises(ValueError, match="float32"):
+                        lookup(cc, phase, d, dtype, False)
+                    continue
                 for causal in (False, True):
-                    assert (phase, d, dtype, causal, lookup(cc, phase, d, dtype, causal)) in configs
+                    expected.add((phase, d, dtype, causal, lookup(cc, phase, d, dtype, causal)))
+    assert configs == expected
+    assert any(c[2] == "float32" for c in configs)
+
+
+@pytest.mark.parametrize("cc", LISTED_ARCHS)
+def test_float32_tiles_fit_in_four_byte_elements(cc):
+    """Every float32 variant the table can select fits the architecture's shared memory with
+    4-byte elements (TF32_TABLE replaces the 16-bit entries that would not), and where
+    TF32_TABLE says none fits (sm_86/89 at head dim 256) the smallest tile indeed does not."""
+    for phase, d, dtype, causal, tiles in selectable_configs(cc) | selectable_configs(cc, varlen=True):
+        eb = cap.elem_bytes(dtype)
+        assert eb == (4 if dtype == "float32" else 2)
+        assert cap.check_config(phase, d, tiles, cc, elem_bytes=eb) == [], (phase, d, dtype, tiles)
+    for phase, by_dim in cap.TF32_TABLE[cc].items():
+        for d, entry in by_dim.items():
+            if entry is None:  # only head dim 256 lacks float32 kernels
+                assert d == 256, (phase, d)
+                if SHARED_LIMIT[cc] < 128 * 1024:  # sm_86/89: not even the smallest tile fits
+                    assert shared_bytes(phase, d, TileConfig(16, 16, 1), 4) > SHARED_LIMIT[cc]
+    with pytest.raises(ValueError, match="head_dim 256 with float32"):
+        lookup(cc, "fwd", 256, "float32", False)
+    # a float32 row is 4 * D + 16 bytes: Pitch<2 * D> of common.cuh
+    assert shared_bytes("fwd", 128, TileConfig(64, 32, 4), 4) == (2 * 64 + 3 * 2 * 32) * 528
+    with pytest.raises(ValueError, match="dtype 'float32' has no tile table for kvcache"):
+        lookup((9, 0), "kvcache", 64, "float32", False)
 
 
 def test_selectable_configs_ignore_env(monkeypatch):
@@ -314,7 +346,8 @@ def test_varlen_lookup_and_selectable_configs(cc):
     assert {c[0] for c in configs} == set(cap.VARLEN_PHASES)
     for phase, d, dtype, causal, tiles in configs:
         assert tiles == lookup(cc, phase, d, dtype, causal, varlen=True)
-        assert not cap.check_config(phase, d, tiles, cc), (phase, d, tiles)
+        assert not cap.check_config(phase, d, tiles, cc, elem_bytes=cap.elem_bytes(dtype)), (
+            phase, d, tiles)
     # entries of VARLEN_TABLE win; elsewhere the packed kernels take the dense tiles
     for phase, by_dim in cap.VARLEN_TABLE.get(cc, {}).items():
         for d in by_dim:

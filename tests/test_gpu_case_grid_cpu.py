@@ -18,3 +18,13 @@ def test_case_list_covers_every_axis():
     assert {-5, 0, 1, 63, 64} <= seen["w"]
     assert any(c["w"] == c["N"] // 2 and c["N"] > 128 for c in CASES)
     assert any(c["w"] == c["N"] + 5 for c in CASES)
+
+
+def test_float32_case_list_covers_every_head_dim_both_ways():
+    from test_float32_gpu import CASES as F32
+
+    assert {c["dtype"] for c in F32} == {"float32"}
+    assert {(c["D"], c["causal"]) for c in F32} == {
+        (d, c) for d in (16, 32, 64, 80, 96, 128, 256) for c in (False, True)}
+    assert {c["group"] for c in F32} == {1, 4} and {c["transposed"] for c in F32} == {False, True}
+    assert any(c["N"] == 1 for c in F32) and any(c["M"] == 1 for c in F32)

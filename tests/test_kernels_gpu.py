@@ -15,28 +15,41 @@ from cupy_piecewise.gpu_arrays import poisoned_outputs, round_to, to_device, to_
 
 pytestmark = pytest.mark.gpu
 
-def _case_list():
-    dims = (16, 32, 64, 128)
-    dtypes = ("float16", "bfloat16")
-    lengths = ((1, 1), (17, 17), (128, 128), (100, 300), (300, 100), (1000, 1000), (2048, 2048),
-               (1, 4096), (4096, 1))
+LENGTHS = ((1, 1), (17, 17), (128, 128), (100, 300), (300, 100), (1000, 1000), (2048, 2048),
+           (1, 4096), (4096, 1))
+
+
+def case_list(dims=(16, 32, 64, 128), dtypes=("float16", "bfloat16"), count=36, lengths=LENGTHS,
+              causal_every=8):
+    """``count`` cases walking head dims, dtypes, lengths, w (below, on and beyond tile
+    edges and distances), causal (flipping every ``causal_every`` cases), grouped-query
+    heads and strided inputs in step, so that every value of each meets many of the others."""
     ws = (-5, 0, 1, 63, 64, "N/2", "N+5")
     cases = []
-    for i in range(36):
+    for i in range(count):
         M, N = lengths[i % len(lengths)]
         w = ws[i % len(ws)]
         w = N // 2 if w == "N/2" else (N + 5 if w == "N+5" else w)
-        cases.append(dict(D=dims[i % 4], dtype=dtypes[(i // 4) % 2], causal=(i // 8) % 2 == 1,
-                          M=M, N=N, w=w, group=(1, 4)[(i // 2) % 2], transposed=i % 3 == 0))
+        cases.append(dict(D=dims[i % len(dims)], dtype=dtypes[(i // len(dims)) % len(dtypes)],
+                          causal=(i // causal_every) % 2 == 1, M=M, N=N, w=w,
+                          group=(1, 4)[(i // 2) % 2], transposed=i % 3 == 0))
     return cases
 
 
-CASES = _case_list()
+CASES = case_list()
 
 
-def _ids(c):
+def case_id(c):
     return (f"{c['dtype']}-D{c['D']}-{'causal' if c['causal'] else 'full'}-M{c['M']}-N{c['N']}"
             f"-w{c['w']}-g{c['group']}{'-T' if c['transposed'] else ''}")
+
+
+#: Standard deviation of the random inputs, per dtype. float32 (TF32 products) draws unit
+#: variance: at 1.5 the SPEC's TF32 yardstick itself misses the 2e-3 relative bound on dq/dk
+#: of few-row shapes (2 of 25 seeds of a 3-query, 700-key decode; test_reference.py::
+#: test_tf32_yardstick_at_wide_inputs), where the kernels track the yardstick to three digits
+#: (scripts/tf32_probe.py, bench/NOTES.md), so such a test would judge TF32, not the kernels.
+INPUT_SCALE = {"float16": 1.5, "bfloat16": 1.5, "float32": 1.0}
 
 
 def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1, deterministic=False,
@@ -44,7 +57,8 @@ def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1, deterministic=
     """One case through the public API on CuPy arrays: forward and the five gradients
     against the float64 reference by the tolerance rule, outputs NaN-poisoned. With
     ``q_offset``/``k_offset`` the call places the rows by position offsets; with
-    ``with_dlse`` the backward also gets a random gradient of lse (``dlse``)."""
+    ``with_dlse`` the backward also gets a random gradient of lse (``dlse``). Inputs are
+    normal with the standard deviation :data:`INPUT_SCALE` gives the dtype."""
     import cupy
 
     import cupy_piecewise
@@ -56,13 +70,16 @@ def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1, deterministic=
     rng = np.random.default_rng(seed)
     shapes = [(B, H, M, D), (B, Hkv, N, D), (B, H, M, D), (B, Hkv, N, D), (B, Hkv, N, D)]
     # Several standard deviations, never zeros; the two projections deliberately differ.
-    host = [round_to(rng.standard_normal(s).astype(np.float32) * 1.5, dtype) for s in shapes]
+    host = [round_to(rng.standard_normal(s).astype(np.float32) * INPUT_SCALE[dtype], dtype)
+            for s in shapes]
     do_h = round_to(rng.standard_normal((B, H, M, D)).astype(np.float32), dtype)
     sm_scale = 1.0 / np.sqrt(D)
 
     pos = dict(q_offset=q_offset, k_offset=k_offset)
+    # float32 inputs run TF32 products: the "tf32" yardstick and bound (SPEC, tolerance.py)
+    kind = "tf32" if dtype == "float32" else dtype
     o_ref, lse_ref = reference.forward(*host, w, causal, sm_scale, **pos)
-    o_low, lse_low = reference.lowp_forward(*host, w, causal, sm_scale, dtype=dtype, **pos)
+    o_low, lse_low = reference.lowp_forward(*host, w, causal, sm_scale, dtype=kind, **pos)
 
     dev = [to_device(x, dtype, transposed) for x in host]
     before = [a.copy() for a in dev]
@@ -72,7 +89,7 @@ def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1, deterministic=
     assert o.dtype == dev[0].dtype and lse.dtype == cupy.float32
     o_k, lse_k = to_host(o), cupy.asnumpy(lse).astype(np.float64)
     for name, got, ref, low in (("o", o_k, o_ref, o_low), ("lse", lse_k, lse_ref, lse_low)):
-        verdict = tolerance.compare(name, got, ref, low, dtype)
+        verdict = tolerance.compare(name, got, ref, low, kind)
         assert verdict.passed, f"{verdict} (input seed {seed})"
 
     # Backward from the kernel's own o and lse, as autograd would run it.
@@ -85,7 +102,7 @@ def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1, deterministic=
         do_h = do_h * np.float32(s)
         dlse_h = None if dlse_h is None else dlse_h * np.float32(s)
         grads_ref = [g * s for g in grads_ref]
-    grads_low = reference.lowp_backward(*host, o_used, lse_k, do_h, w, causal, sm_scale, dtype=dtype,
+    grads_low = reference.lowp_backward(*host, o_used, lse_k, do_h, w, causal, sm_scale, dtype=kind,
                                         dlse=dlse_h, **pos)
     do_d = to_device(do_h, dtype, transposed)
     dlse_d = None if dlse_h is None else cupy.asarray(dlse_h)
@@ -95,7 +112,16 @@ def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1, deterministic=
                                                  deterministic=deterministic, dlse=dlse_d, **pos)
     for name, got, ref, low in zip(("dq1", "dk1", "dq2", "dk2", "dv"), outs, grads_ref, grads_low):
         assert got.dtype == dev[0].dtype
-        verdict = tolerance.compare(name, to_host(got), ref, low, dtype)
+        verdict = tolerance.compare(name, to_host(got), ref, low, kind)
+        if kind == "tf32" and N == 1 and name != "dv":
+            # One key per row: p = 1, so the exact dq and dk are zero and what the reference
+            # returns at the kernel's o (tf32-rounded v) is that rounding's residue. The
+            # SPEC's TF32 yardstick itself misses the relative bound there by 100-1000x
+            # (tests/test_reference.py::test_tf32_single_key_gradients_are_rounding_residue);
+            # the absolute rule (twice the yardstick's error) and finiteness still hold.
+            assert verdict.finite and verdict.max_err <= verdict.bound, \
+                f"{verdict} (input seed {seed})"
+            continue
         assert verdict.passed, f"{verdict} (input seed {seed})"
     for a, b in zip(dev, before):
         assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), "an input was written"
@@ -125,7 +151,7 @@ def kernel_path(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_kernels_match_reference(kernel_path, case):
     run_case(**case)
 

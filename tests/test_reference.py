@@ -407,3 +407,87 @@ def test_gpu_arrays_round_to():
     np.testing.assert_array_equal(round_to(x, "float16"), x.astype(np.float16).astype(np.float32))
     np.testing.assert_array_equal(round_to(x, "bfloat16"), R.round_to_bf16(x))
     assert round_to(x, "bfloat16").dtype == np.float32
+
+
+def test_round_to_tf32_rounds_to_nearest_ties_away():
+    from cupy_piecewise.reference import round_to_tf32
+
+    ulp = 2.0 ** -10  # of 1.0 in TF32 (10 mantissa bits)
+    x = np.array([1.0, 1.0 + ulp / 2, -(1.0 + ulp / 2), 1.0 + ulp / 2 - 2.0 ** -23,
+                  1.0 + 3 * ulp / 2, np.inf, -np.inf, np.nan, 0.0], dtype=np.float32)
+    got = round_to_tf32(x)
+    assert got.dtype == np.float32
+    # ties go away from zero (cvt.rna), not to even: 1 + 3/2 ulp -> 1 + 2 ulp
+    want = [1.0, 1.0 + ulp, -(1.0 + ulp), 1.0, 1.0 + 2 * ulp, np.inf, -np.inf, np.nan, 0.0]
+    np.testing.assert_array_equal(got, np.array(want, dtype=np.float32))
+    r = np.random.default_rng(0).standard_normal(10000).astype(np.float32) * 100
+    t = round_to_tf32(r)
+    assert not (t.view(np.uint32) & 0x1FFF).any()  # 13 low mantissa bits cleared
+    assert np.max(np.abs(t - r) / np.abs(r)) <= 2.0 ** -11
+
+
+def test_lowp_tf32_rounds_products_only():
+    """The "tf32" yardstick: errors of TF32 products (about 2^-11 relative), outputs not
+    rounded further (float32 values with more than TF32's 10 mantissa bits)."""
+    rng = np.random.default_rng(5)
+    ins = [rng.standard_normal((1, 2, 64, 32)).astype(np.float32) for _ in range(5)]
+    o_ref, _ = R.forward(*ins, 10, True)
+    o_t, lse_t = R.lowp_forward(*ins, 10, True, dtype="tf32")
+    o_f, _ = R.lowp_forward(*ins, 10, True, dtype="float32")
+    err_t = np.linalg.norm(o_t - o_ref) / np.linalg.norm(o_ref)
+    err_f = np.linalg.norm(o_f - o_ref) / np.linalg.norm(o_ref)
+    assert 1e-5 < err_t < 2e-3 and err_f < 1e-5, (err_t, err_f)
+    assert (o_t.view(np.uint32) & 0x1FFF).any()  # o itself is not TF32-rounded
+    do = rng.standard_normal(o_t.shape).astype(np.float32)
+    g_ref = R.backward(*ins, o_t, lse_t, do, 10, True)
+    g_t = R.lowp_backward(*ins, o_t, lse_t, do, 10, True, dtype="tf32")
+    for r, t in zip(g_ref, g_t):
+        assert np.linalg.norm(t - r) / np.linalg.norm(r) < 2e-3
+    from cupy_piecewise import tolerance
+
+    assert tolerance.rel_bound("tf32") == 2e-3
+
+
+def test_tf32_single_key_gradients_are_rounding_residue():
+    """With one key per row (N = 1) p = 1, so the exact dq and dk vanish; the float64
+    reference at a TF32 kernel's o (o = tf32(v), not v) returns only the residue
+    do·(v - tf32(v)), and the SPEC's TF32 yardstick misses the 2e-3 relative bound on it by
+    far, while dv stays well inside. This is why tests/test_kernels_gpu.py judges float32 dq
+    and dk of N = 1 cases by the absolute rule alone."""
+    from cupy_piecewise import tolerance
+
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for _ in range(5):
+        ins = [(rng.standard_normal((1, 1, 1, 16)) * 1.5).astype(np.float32) for _ in range(5)]
+        do = rng.standard_normal((1, 1, 1, 16)).astype(np.float32)
+        o, lse = R.lowp_forward(*ins, -5, False, dtype="tf32")
+        ref = R.backward(*ins, o, lse, do, -5, False)
+        low = R.lowp_backward(*ins, o, lse, do, -5, False, dtype="tf32")
+        rel = [tolerance.compare(n, lw, r, lw, "tf32").rel_err
+               for n, r, lw in zip(("dq1", "dk1", "dq2", "dk2", "dv"), ref, low)]
+        worst = max(worst, rel[2], rel[3])
+        assert rel[4] < 2e-3
+    assert worst > 50 * 2e-3
+
+
+def test_tf32_yardstick_at_wide_inputs():
+    """Why the float32 GPU tests draw unit-variance inputs (test_kernels_gpu.INPUT_SCALE):
+    with 1.5-std inputs the SPEC's TF32 yardstick itself misses the 2e-3 relative bound on
+    dq1/dk1 of a 3-query, 700-key causal decode (seed 108 of a 25-seed scan: 2.5e-3, 2.7e-3);
+    at unit variance the same shape stays near 6e-4."""
+    from cupy_piecewise import tolerance
+
+    def worst(seed, scale):
+        rng = np.random.default_rng(seed)
+        shapes = [(2, 2, 3, 64), (2, 1, 700, 64)] * 2 + [(2, 1, 700, 64)]
+        host = [(rng.standard_normal(s) * scale).astype(np.float32) for s in shapes]
+        do = rng.standard_normal((2, 2, 3, 64)).astype(np.float32)
+        o, lse = R.lowp_forward(*host, 300, True, 0.125, dtype="tf32")
+        ref = R.backward(*host, o, lse, do, 300, True, 0.125)
+        low = R.lowp_backward(*host, o, lse, do, 300, True, 0.125, dtype="tf32")
+        return max(tolerance.compare(n, lw, r, lw, "tf32").rel_err
+                   for n, r, lw in zip(("dq1", "dk1", "dq2", "dk2", "dv"), ref, low))
+
+    assert worst(108, 1.5) > 2e-3
+    assert worst(108, 1.0) < 1e-3

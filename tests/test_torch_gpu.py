@@ -423,9 +423,9 @@ def test_unsupported_inputs_raise_before_launch(monkeypatch):
         raise AssertionError("a kernel was launched")
 
     monkeypatch.setattr(launch, "forward", boom)
-    ins32 = make(1, 2, 2, 16, 16, 64, torch.float32)
-    with pytest.raises(TypeError, match="float32"):
-        torch_ops.attention(*ins32, 3)
+    ins64 = make(1, 2, 2, 16, 16, 64, torch.float64)
+    with pytest.raises(TypeError, match="float64"):
+        torch_ops.attention(*ins64, 3)
     ins48 = make(1, 2, 2, 16, 16, 48, torch.bfloat16)  # no kernels for head dim 48
     with pytest.raises(ValueError, match="head_dim"):
         torch_ops.attention(*ins48, 3)

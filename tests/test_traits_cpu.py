@@ -37,8 +37,11 @@ def _checks(cc) -> dict[str, dict[tuple[str, int], list[str]]]:
     for phase, head_dim, dtype, causal, t in sorted(capability.selectable_configs(cc), key=str):
         # the KV-cache kernel: its ring depth and key slots (two, or one when decoding)
         stages = {"kvcache": f", {t.stages}, 2", "kvdecode": f", {t.stages}, 1"}.get(phase, "")
-        expr = f"{TRAITS[phase]}<{head_dim}, {t.block_m}, {t.block_n}, {t.num_warps}{stages}>"
-        figure = capability.shared_bytes(phase, head_dim, t)  # what launch.py passes
+        # the kernels instantiate the traits with the row width in 16-bit units (float32: 2D)
+        width = capability.elem_bytes(dtype) // 2
+        expr = (f"{TRAITS[phase]}<{head_dim * width}, {t.block_m}, {t.block_n}, "
+                f"{t.num_warps}{stages}>")
+        figure = capability.shared_bytes(phase, head_dim, t, capability.elem_bytes(dtype))
         label = f"{phase} D={head_dim} tiles {t} {dtype} causal={causal} on {_arch(cc)}"
         out.setdefault(SOURCE_FILE[phase], {}).setdefault((expr, figure), []).append(label)
     return out

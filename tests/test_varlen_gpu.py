@@ -14,7 +14,7 @@ import pytest
 import cupy_piecewise
 from cupy_piecewise import reference, tolerance
 from cupy_piecewise.gpu_arrays import poisoned_outputs, round_to, to_host
-from test_kernels_gpu import kernel_path  # noqa: F401  (fixture: mma / hopper paths)
+from test_kernels_gpu import INPUT_SCALE, kernel_path  # noqa: F401  (fixture: mma / hopper paths)
 
 pytestmark = pytest.mark.gpu
 
@@ -33,13 +33,19 @@ LENS = [
 def _packed_host(lq, lk, H, Hkv, D, dtype, rng):
     tq, tk = sum(lq), sum(lk)
     shapes = [(tq, H, D), (tk, Hkv, D), (tq, H, D), (tk, Hkv, D), (tk, Hkv, D)]
-    host = [round_to(rng.standard_normal(s).astype(np.float32) * 1.5, dtype) for s in shapes]
+    host = [round_to(rng.standard_normal(s).astype(np.float32) * INPUT_SCALE[dtype], dtype)
+            for s in shapes]
     cu = [np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lq, lk)]
     return host, cu
 
 
 def _seq(x, a, b):
     return x[a:b].transpose(1, 0, 2)[None]
+
+
+def _kind(dtype):
+    """The yardstick of ``dtype``'s kernels: float32 inputs run TF32 products."""
+    return "tf32" if dtype == "float32" else dtype
 
 
 def _reference(host, cu, w, causal, sm_scale, dtype, do=None, o=None, lse=None, dlse=None):
@@ -53,13 +59,13 @@ def _reference(host, cu, w, causal, sm_scale, dtype, do=None, o=None, lse=None, 
         seq = [_seq(x, *s) for x, s in zip(host, (qs, ks, qs, ks, ks))]
         if do is None:
             outs_ref.append(reference.forward(*seq, w, causal, sm_scale))
-            outs_low.append(reference.lowp_forward(*seq, w, causal, sm_scale, dtype=dtype))
+            outs_low.append(reference.lowp_forward(*seq, w, causal, sm_scale, dtype=_kind(dtype)))
         else:
             extra = (_seq(o, *qs), lse[:, qs[0]:qs[1]][None], _seq(do, *qs))
             d = None if dlse is None else dlse[:, qs[0]:qs[1]][None]
             outs_ref.append(reference.backward(*seq, *extra, w, causal, sm_scale, dlse=d))
             outs_low.append(reference.lowp_backward(*seq, *extra, w, causal, sm_scale,
-                                                    dtype=dtype, dlse=d))
+                                                    dtype=_kind(dtype), dlse=d))
     def pack(parts, which, kind):
         if kind == "lse":
             return np.concatenate([p[which][0] for p in parts], axis=1)
@@ -92,7 +98,7 @@ def run_packed(lq, lk, D=64, dtype="bfloat16", causal=False, w=3, H=4, Hkv=2, gi
     (o_ref, lse_ref), (o_low, lse_low) = _reference(host, cu, w, causal, sm_scale, dtype)
     o_k, lse_k = to_host(o), cupy.asnumpy(lse).astype(np.float64)
     for name, got, ref, low in (("o", o_k, o_ref, o_low), ("lse", lse_k, lse_ref, lse_low)):
-        verdict = tolerance.compare(name, got, ref, low, dtype)
+        verdict = tolerance.compare(name, got, ref, low, _kind(dtype))
         assert verdict.passed, f"{verdict} (seed {seed}, lengths {lq} / {lk})"
 
     o_used = round_to(o_k.astype(np.float32), dtype)
@@ -112,7 +118,7 @@ def run_packed(lq, lk, D=64, dtype="bfloat16", causal=False, w=3, H=4, Hkv=2, gi
             dlse=cupy.asarray(dlse_h), deterministic=deterministic, **kw)
     for name, got, ref, low in zip(("dq1", "dk1", "dq2", "dk2", "dv"), grads, grads_ref, grads_low):
         assert got.shape == ref.shape and got.dtype == dev[0].dtype
-        verdict = tolerance.compare(name, to_host(got), ref, low, dtype)
+        verdict = tolerance.compare(name, to_host(got), ref, low, _kind(dtype))
         assert verdict.passed, f"{verdict} (seed {seed}, lengths {lq} / {lk})"
     for a, b in zip(dev, before):
         assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), "an input was written"
