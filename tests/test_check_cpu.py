@@ -92,7 +92,8 @@ def test_cases_cover_the_axes(backend):
     assert regimes == {(causal, r) for causal in (False, True) for r in ("below", "inside", "beyond")}
     if backend == "cuda":
         assert {c.D for c in cases} == {64, 128}
-        assert {c.dtype for c in cases} == {"float16", "bfloat16"}
+        assert {c.dtype for c in cases} == {"float16", "bfloat16", "float32"}  # float32: TF32
+        assert all(c.N > 1 for c in cases if c.dtype == "float32")  # one-key rows: semantics.md
         assert {c.transposed for c in cases} == {False, True}
         quick = cases[:3]
         assert {c.dtype for c in quick} == {"float16", "bfloat16"} and {c.D for c in quick} == {64, 128}
