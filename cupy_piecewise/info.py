@@ -83,7 +83,21 @@ def _tiles(cc: tuple[int, int], max_shared: int | None = None) -> dict:
                 d: str(capability.lookup(cc, phase, d, "float16", False, max_shared=max_shared))
                 for d in capability.head_dims(cc) if d in capability.TABLE[arch][phase]
             }
-        return {"table_arch": f"sm_{arch[0]}{arch[1]}", "tiles": table,
+        # float32 (TF32) tiles of the attention phases, "none" where TF32_TABLE has no kernel
+        f32 = {}
+        for phase in capability.PHASES:
+            if phase in capability.KV_PHASES:
+                continue
+            row = {}
+            for d in capability.head_dims(cc):
+                if d in capability.TABLE[arch][phase]:
+                    try:
+                        row[d] = str(capability.lookup(cc, phase, d, "float32", False,
+                                                       max_shared=max_shared))
+                    except ValueError:
+                        row[d] = "none"
+            f32[phase] = row
+        return {"table_arch": f"sm_{arch[0]}{arch[1]}", "tiles": table, "tiles_float32": f32,
                 "forward_path": _forward_path(cc), "backward_path": _backward_path(cc),
                 "decode_path": _decode_path(cc)}
     except ValueError as exc:
@@ -124,7 +138,7 @@ def _forward_path(cc: tuple[int, int]) -> str:
     return (f"Hopper wgmma + TMA kernel (sm_90a) for float16/bfloat16, head dims {dims} "
             f"({tiles}; persistent grid: non-causal, and causal at D {pairs or 'none'} in "
             f"pairs of query tiles), more than 16 query rows, {small}; mma.sync kernels "
-            f"otherwise")
+            f"otherwise (float32 inputs always, in TF32)")
 
 
 def _backward_path(cc: tuple[int, int]) -> str:
@@ -137,7 +151,7 @@ def _backward_path(cc: tuple[int, int]) -> str:
     dims = "/".join(str(d) for d in capability.HOPPER_BWD_HEAD_DIMS)
     return (f"Hopper wgmma + TMA kernel (sm_90a) for float16/bfloat16, head dims {dims} (dQ by "
             f"float32 atomics; deterministic=True: dQ by the mma.sync kernel); mma.sync kernels "
-            f"otherwise")
+            f"otherwise (float32 inputs always, in TF32)")
 
 
 def _decode_path(cc: tuple[int, int]) -> str:
@@ -199,6 +213,10 @@ def _print_tiles(entry: dict, indent: str) -> None:
     print(f"{indent}KV-cache decode: {entry['decode_path']}")
     print(f"{indent}tile table {entry['table_arch']} (float16, non-causal; BMxBNxWARPSxSTAGES):")
     for phase, row in entry["tiles"].items():
+        cells = "  ".join(f"D{d}={cfg}" for d, cfg in row.items())
+        print(f"{indent}  {phase:<10} {cells}")
+    print(f"{indent}float32 (TF32) tiles, non-causal (none: no float32 kernel at that head dim):")
+    for phase, row in entry.get("tiles_float32", {}).items():
         cells = "  ".join(f"D{d}={cfg}" for d, cfg in row.items())
         print(f"{indent}  {phase:<10} {cells}")
 

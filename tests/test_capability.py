@@ -373,6 +373,10 @@ def test_info_tile_tables_list_each_phase_with_its_own_head_dims():
         for phase, row in entry["tiles"].items():
             assert set(row) == set(cap.TABLE[arch][phase]) & set(cap.head_dims(cc)), phase
         assert entry["decode_path"]
+        # float32: the attention phases only, 256 without a kernel, the rest the TF32 lookup
+        assert set(entry["tiles_float32"]) == set(cap.PHASES) - set(cap.KV_PHASES)
+        for phase, row in entry["tiles_float32"].items():
+            assert row[256] == "none" and row[64] == str(cap.lookup(cc, phase, 64, "float32", False))
 
 
 def test_hopper_decode_clusters_are_built_for_every_size_the_plan_picks():
