@@ -691,6 +691,13 @@ def lookup(
         raise ValueError(f"dtype {dtype!r} has no tile table for {phase}; expected one of "
                          f"{', '.join(dtypes)}")
     arch = resolve_arch(cc, max_shared)
+    if (dtype == "float32" and head_dim in TABLE[arch][phase]
+            and _table_entry(arch, phase, head_dim, varlen, dtype) is None):
+        # no float32 kernel at this head dim, whatever tiles an override names
+        raise ValueError(
+            f"head_dim {head_dim} with float32 inputs has no kernel on sm_{arch[0]}{arch[1]} "
+            "(capability.TF32_TABLE: its tiles of 4-byte elements do not fit the shared memory "
+            "or the registers); use bfloat16 or float16 inputs at this head dim")
 
     chosen = None
     source = None
@@ -713,11 +720,6 @@ def lookup(
     if varlen and phase not in VARLEN_PHASES:
         raise ValueError(f"phase {phase!r} has no packed-batch kernel; those are {VARLEN_PHASES}")
     entry = _table_entry(arch, phase, head_dim, varlen, dtype)
-    if entry is None and dtype == "float32" and head_dim in TABLE[arch][phase]:
-        raise ValueError(
-            f"head_dim {head_dim} with float32 inputs has no kernel on sm_{arch[0]}{arch[1]} "
-            "(capability.TF32_TABLE: its tiles of 4-byte elements do not fit the shared memory "
-            "or the registers); use bfloat16 or float16 inputs at this head dim")
     if entry is None:
         raise ValueError(
             f"head_dim {head_dim} has no tile entry; expected one of "

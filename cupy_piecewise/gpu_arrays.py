@@ -42,7 +42,7 @@ def round_to(x, dtype: str) -> np.ndarray:
 
 def to_device(x, dtype: str, transposed: bool = False):
     """A CuPy array of ``x`` (float32 holding ``dtype`` values, shape (B, H, L, D)) in
-    ``dtype`` (float16 or bfloat16). ``transposed``: stored as (B, L, H, D) memory and
+    ``dtype`` (float16, bfloat16 or float32). ``transposed``: stored as (B, L, H, D) memory and
     returned as a (B, H, L, D) view of it (strided, still kernel-readable)."""
     import cupy
 

@@ -74,29 +74,31 @@ template <> struct Elem<bf16_t> {
 
 // float32 inputs: each product runs as m16n8k8 TF32 mma (float32 accumulation). The tensor
 // cores read only the upper 19 bits of a TF32 operand: they truncate (measured on an H200,
-// scripts/tf32_probe.py). Operands are rounded to nearest first, which halves the error and
-// removes truncation's bias toward zero: half a TF32 ulp (bit 12) is added to the float32
-// bit pattern and the hardware's truncation does the rest. That is round to nearest, ties
-// away from zero, exactly cvt.rna.tf32.f32's result as the tensor cores see it (a carry into
-// the exponent rounds up correctly, infinities stay infinite, NaN stays NaN), in one integer
-// add; cvt.rna compiles to a compare-and-select sequence on sm_90 (the D = 128 forward:
-// 4744 instructions with it, 3832 with the add, 320 mma each; bench/NOTES.md). CUTLASS
-// calls this round_half_ulp_truncate. Every fragment read from shared memory passes through
-// `frag` (a no-op for the 16-bit types). -DPW_TF32_CVT=1 builds the cvt.rna form instead,
-// for A/B runs (scripts/tf32_probe.py --cvt).
-#ifndef PW_TF32_CVT
-#define PW_TF32_CVT 0
+// scripts/tf32_probe.py). Operands are rounded to nearest first (cvt.rna.tf32.f32: ties away
+// from zero), which halves the error and removes truncation's bias toward zero. Every
+// fragment read from shared memory passes through `frag` (a no-op for the 16-bit types).
+//
+// -DPW_TF32_ADD=1 builds the faster form instead: half a TF32 ulp (bit 12) added to the bit
+// pattern, the hardware's truncation doing the rest (CUTLASS's round_half_ulp_truncate).
+// It rounds every finite value exactly as cvt.rna does, in one integer add where cvt.rna
+// compiles to a compare-and-select sequence (D = 128 forward: 3832 instructions against
+// 4744, 320 mma each; 8-22% faster on an H200, bench/NOTES.md), but a NaN whose payload sits
+// at the top of its range, such as the GPU's canonical NaN 0x7fffffff, carries into the sign
+// bit and reads as zero: NaN inputs would give finite outputs. Guarding the add costs more
+// than cvt.rna, so the default keeps cvt.rna; rounding once per tile in shared memory
+// instead of once per fragment per warp is the way to get the speed back (NOTES).
+#ifndef PW_TF32_ADD
+#define PW_TF32_ADD 0
 #endif
 template <> struct Elem<tf32_t> {
   static constexpr int width = 2;
-  static constexpr u32 HALF_ULP = 0x1000u;  // half of TF32's last mantissa bit (bit 13)
   static PW_DEVICE u32 round_bits(u32 x) {
-#if PW_TF32_CVT
+#if PW_TF32_ADD
+    return x + 0x1000u;  // half of TF32's last mantissa bit (bit 13)
+#else
     u32 r;
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(__uint_as_float(x)));
     return r;
-#else
-    return x + HALF_ULP;
 #endif
   }
   static PW_DEVICE u32 round(float x) { return round_bits(__float_as_uint(x)); }
@@ -196,15 +198,14 @@ template <int D> struct Pitch {
   static constexpr int bytes = (D + 8) * 2;
 };
 
-// Copies rows [row0, row0+ROWS) of an (L, D) matrix (row stride `rs` elements, unit column
+// Copies rows [row0, row0+ROWS) of an (L, D) matrix of 16-bit units (row stride `rs` units;
+// a float32 row of D elements is 2D units: common.cuh, Elem::width), unit column
 // stride) into a shared tile; rows at or beyond `nvalid` become zeros. When the block's
 // threads divide evenly into a row's 16-byte chunks (head dims 16, 32, 64, 128, 256), each
 // thread keeps one chunk column and walks rows with a running pointer: precomputed per-row
 // addresses would otherwise be hoisted out of the tile loop and pin dozens of registers.
-// Rows of more chunks than the block has threads (float32 rows on one or two warps) keep the
-// same running pointers, a few chunk columns per thread. Head dims such as 80 and 96 (10
-// and 12 chunks a row) on more threads walk the tile's chunks in order instead, each thread
-// recomputing its row and column per copy.
+// Head dims such as 80 and 96 (10 and 12 chunks a row) walk the tile's chunks in order
+// instead, each thread recomputing its row and column per copy.
 template <int ROWS, int D, int THREADS>
 PW_DEVICE void load_rows(u32 dst, const u16* src, i64 rs, i64 row0, i64 nvalid) {
   constexpr int CPR = D / 8;  // 16-byte chunks per row
@@ -224,25 +225,6 @@ PW_DEVICE void load_rows(u32 dst, const u16* src, i64 rs, i64 row0, i64 nvalid) 
       gr += RSTEP;
       g += RSTEP * rs;
       d += RSTEP * Pitch<D>::bytes;
-    }
-  } else if constexpr (THREADS < CPR) {
-    // Rows wider than the block (float32 rows of 64 or more elements on one or two warps):
-    // each thread keeps the chunk columns ch, ch + THREADS, ... and walks the rows.
-    constexpr int PASSES = (CPR + THREADS - 1) / THREADS;
-    const int ch = (int)threadIdx.x;
-    i64 gr = row0;
-    const u16* g = src + gr * rs + ch * 8;
-    u32 d = dst + ch * 16;
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const bool ok = gr < nvalid;
-#pragma unroll
-      for (int j = 0; j < PASSES; ++j)
-        if (CPR % THREADS == 0 || ch + j * THREADS < CPR)
-          cp_async16(d + j * THREADS * 16, ok ? g + j * THREADS * 8 : src, ok);
-      gr += 1;
-      g += rs;
-      d += Pitch<D>::bytes;
     }
   } else {
     constexpr int CHUNKS = ROWS * CPR;

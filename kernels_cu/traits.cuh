@@ -24,7 +24,8 @@ constexpr int PW_MMA_ROWS = 16;
 constexpr int PW_MAX_MW = 2;
 // cp.async pipeline depth: pipelined_tiles (common.cuh) alternates two stages (stage ^ 1).
 constexpr int PW_STAGES = 2;
-// Bytes of a tile element in shared memory: float16 and bfloat16 travel as raw u16.
+// Bytes of a tile unit in shared memory: float16 and bfloat16 travel as raw u16, float32 as
+// pairs of them (the traits take D in 16-bit units: 2 * D for float32; common.cuh, Elem).
 constexpr int PW_ELEM_BYTES = (int)sizeof(u16);
 // Float32 row statistics staged per query row: the log-sum-exp and delta = rowsum(dO * O).
 constexpr int PW_STATS_PER_ROW = 2;

@@ -1,11 +1,12 @@
 """TF32 operand rounding on this GPU: what the tensor cores do with a float32 operand's low
-13 bits, and the accuracy of the float32 kernels built with each rounding form.
+13 bits, and the accuracy of the float32 kernels built with each rounding form (the
+default cvt.rna.tf32.f32, or with --add the -DPW_TF32_ADD=1 build: bits + 0x1000).
 
-    PYTHONPATH=$PWD python3 scripts/tf32_probe.py [--seeds 12] [--cvt]
+    PYTHONPATH=$PWD python3 scripts/tf32_probe.py [--seeds 12] [--add]
 
 Part 1 runs one m16n8k8 TF32 mma.sync with A = x (every element), B = 1 (k = 8): C = 8 x as
-the hardware reads x. Part 2 (in this process: the default build, or with --cvt the
--DPW_TF32_CVT=1 build of kernels_cu/common.cuh) runs float32 cases through the public API
+the hardware reads x. Part 2 (in this process: the default build, or with --add the
+-DPW_TF32_ADD=1 build of kernels_cu/common.cuh) runs float32 cases through the public API
 and prints each output's relative L2 error against the float64 reference beside the "tf32"
 yardstick's (reference.lowp_*), for fresh seeds. Writes nothing; prints a table.
 """
@@ -80,13 +81,13 @@ def accuracy(seeds: int):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=12)
-    ap.add_argument("--cvt", action="store_true", help="build the kernels with -DPW_TF32_CVT=1")
+    ap.add_argument("--add", action="store_true", help="build the kernels with -DPW_TF32_ADD=1")
     a = ap.parse_args()
-    if a.cvt:
+    if a.add:
         from cupy_piecewise import compile as C
 
-        C.BASE_OPTIONS = C.BASE_OPTIONS + ("-DPW_TF32_CVT=1",)
+        C.BASE_OPTIONS = C.BASE_OPTIONS + ("-DPW_TF32_ADD=1",)
     else:
         hardware_reading()
-    print("rounding:", "cvt.rna.tf32.f32" if a.cvt else "bits + 0x1000 (default)")
+    print("rounding:", "bits + 0x1000 (-DPW_TF32_ADD=1)" if a.add else "cvt.rna.tf32.f32 (default)")
     accuracy(a.seeds)

@@ -130,6 +130,8 @@ def test_float32_tiles_fit_in_four_byte_elements(cc):
                     assert shared_bytes(phase, d, TileConfig(16, 16, 1), 4) > SHARED_LIMIT[cc]
     with pytest.raises(ValueError, match="head_dim 256 with float32"):
         lookup(cc, "fwd", 256, "float32", False)
+    with pytest.raises(ValueError, match="head_dim 256 with float32"):  # overrides too
+        lookup(cc, "fwd_decode", 256, "float32", False, {"fwd_decode": TileConfig(16, 16, 1)})
     # a float32 row is 4 * D + 16 bytes: Pitch<2 * D> of common.cuh
     assert shared_bytes("fwd", 128, TileConfig(64, 32, 4), 4) == (2 * 64 + 3 * 2 * 32) * 528
     with pytest.raises(ValueError, match="dtype 'float32' has no tile table for kvcache"):

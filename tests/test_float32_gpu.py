@@ -41,9 +41,10 @@ def _has_float32_tiles(D):
     return True
 
 
-#: every head dim the table has (256: no float32 kernel, skipped), one-key rows among the lengths
-CASES = case_list(dims=(16, 32, 64, 80, 96, 128, 256), dtypes=("float32",), count=28,
-                  lengths=LENGTHS[:6] + (LENGTHS[7], LENGTHS[6]), causal_every=7)
+#: every head dim with float32 kernels (6 of them against 7 values of w, so that each head
+#: dim meets several w), one-key rows and a decode shape among the lengths
+CASES = case_list(dims=(16, 32, 64, 80, 96, 128), dtypes=("float32",), count=30,
+                  lengths=LENGTHS[:6] + (LENGTHS[7], LENGTHS[6]), causal_every=6)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -141,6 +142,33 @@ def test_float32_torch_autograd():
     for name, leaf, r, lw in zip(("dq1", "dk1", "dq2", "dk2", "dv"), ins, rg, lg):
         assert leaf.grad.dtype == torch.float32
         tolerance.assert_close(name, leaf.grad.double().cpu().numpy(), r, lw, "tf32")
+
+
+@pytest.mark.parametrize("nan_bits", [0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF])
+def test_float32_nan_inputs_give_nan_rows(nan_bits):
+    """A NaN in one query row (the host's quiet NaN, and the GPU's canonical NaN, whose
+    payload a rounding by integer add would carry into the sign bit: common.cuh, Elem<tf32_t>)
+    makes that row's o NaN; every other row stays finite and right."""
+    import cupy
+
+    import cupy_piecewise
+    from cupy_piecewise import reference, tolerance
+
+    rng = np.random.default_rng(4)
+    host = [rng.standard_normal((1, 2, 40, 64)).astype(np.float32) for _ in range(5)]
+    host[0][0, 1, 7, 5] = np.array([nan_bits], np.uint32).view(np.float32)[0]
+    w = 100  # beyond every distance: every pair scores with q1
+    o = cupy.asnumpy(cupy_piecewise.attention(*[cupy.asarray(x) for x in host], w))
+    assert np.isnan(o[0, 1, 7]).all()
+    keep = np.ones(o.shape, bool)
+    keep[0, 1, 7] = False
+    assert np.isfinite(o[keep]).all()
+    clean = [x.copy() for x in host]
+    clean[0][0, 1, 7, 5] = 0.0
+    ref, _ = reference.forward(*clean, w)
+    low, _ = reference.lowp_forward(*clean, w, dtype="tf32")
+    verdict = tolerance.compare("o", np.where(keep, o, ref), ref, low, "tf32")
+    assert verdict.passed, verdict
 
 
 def test_float32_kv_cache_is_refused_before_launch():

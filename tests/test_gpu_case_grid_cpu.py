@@ -25,6 +25,10 @@ def test_float32_case_list_covers_every_head_dim_both_ways():
 
     assert {c["dtype"] for c in F32} == {"float32"}
     assert {(c["D"], c["causal"]) for c in F32} == {
-        (d, c) for d in (16, 32, 64, 80, 96, 128, 256) for c in (False, True)}
+        (d, c) for d in (16, 32, 64, 80, 96, 128) for c in (False, True)}
+    for d in (16, 32, 64, 80, 96, 128):  # w is not tied to the head dim
+        assert len({c["w"] for c in F32 if c["D"] == d}) >= 3, d
+    assert any(c["w"] > c["N"] for c in F32)  # first projection only
+    assert any(c["D"] == 96 and c["M"] <= 16 for c in F32)  # the D = 96 decode tiles
     assert {c["group"] for c in F32} == {1, 4} and {c["transposed"] for c in F32} == {False, True}
     assert any(c["N"] == 1 for c in F32) and any(c["M"] == 1 for c in F32)

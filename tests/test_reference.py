@@ -417,7 +417,8 @@ def test_round_to_tf32_rounds_to_nearest_ties_away():
                   1.0 + 3 * ulp / 2, np.inf, -np.inf, np.nan, 0.0], dtype=np.float32)
     got = round_to_tf32(x)
     assert got.dtype == np.float32
-    # ties go away from zero (cvt.rna), not to even: 1 + 3/2 ulp -> 1 + 2 ulp
+    # ties go away from zero (cvt.rna), not to even: 1 + ulp/2 -> 1 + ulp (to even: 1.0);
+    # 1 + 3/2 ulp -> 1 + 2 ulp either way
     want = [1.0, 1.0 + ulp, -(1.0 + ulp), 1.0, 1.0 + 2 * ulp, np.inf, -np.inf, np.nan, 0.0]
     np.testing.assert_array_equal(got, np.array(want, dtype=np.float32))
     r = np.random.default_rng(0).standard_normal(10000).astype(np.float32) * 100
