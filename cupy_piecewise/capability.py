@@ -725,7 +725,16 @@ def lookup(
             f"head_dim {head_dim} has no tile entry; expected one of "
             f"{', '.join(str(d) for d in sorted(TABLE[arch][phase]))}"
         )
-    return _refine(entry, dtype, bool(causal))
+    chosen = _refine(entry, dtype, bool(causal))
+    if dtype == "float32" and cc not in SHARED_LIMIT:
+        # resolve_arch picked the table by its 16-bit tiles; 4-byte rows may not fit a GPU
+        # whose limit is between the two (TF32_TABLE fits every listed architecture)
+        problems = check_config(phase, head_dim, chosen, cc, max_shared=max_shared,
+                                elem_bytes=elem_bytes(dtype))
+        if problems:
+            raise ValueError(f"float32 tiles {chosen} for {phase} at head_dim {head_dim} on "
+                             f"sm_{cc[0]}{cc[1]}: " + "; ".join(problems))
+    return chosen
 
 
 def selectable_configs(cc: tuple[int, int], *, max_shared: int | None = None,

@@ -132,6 +132,10 @@ def test_float32_tiles_fit_in_four_byte_elements(cc):
         lookup(cc, "fwd", 256, "float32", False)
     with pytest.raises(ValueError, match="head_dim 256 with float32"):  # overrides too
         lookup(cc, "fwd_decode", 256, "float32", False, {"fwd_decode": TileConfig(16, 16, 1)})
+    # an unlisted GPU whose limit fits sm_90's 16-bit tiles but not its float32 ones
+    assert cap.resolve_arch((9, 9), max_shared=212000) == (9, 0)
+    with pytest.raises(ValueError, match="float32 tiles"):
+        lookup((9, 9), "fwd", 80, "float32", False, max_shared=212000)
     # a float32 row is 4 * D + 16 bytes: Pitch<2 * D> of common.cuh
     assert shared_bytes("fwd", 128, TileConfig(64, 32, 4), 4) == (2 * 64 + 3 * 2 * 32) * 528
     with pytest.raises(ValueError, match="dtype 'float32' has no tile table for kvcache"):
