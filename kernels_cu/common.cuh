@@ -82,7 +82,7 @@ template <> struct Elem<bf16_t> {
 // pattern, the hardware's truncation doing the rest (CUTLASS's round_half_ulp_truncate).
 // It rounds every finite value exactly as cvt.rna does, in one integer add where cvt.rna
 // compiles to a compare-and-select sequence (D = 128 forward: 3832 instructions against
-// 4744, 320 mma each; 8-22% faster on an H200, bench/NOTES.md), but a NaN whose payload sits
+// 4744, 320 mma each; 7-22% faster on an H200, bench/NOTES.md), but a NaN whose payload sits
 // at the top of its range, such as the GPU's canonical NaN 0x7fffffff, carries into the sign
 // bit and reads as zero: NaN inputs would give finite outputs. Guarding the add costs more
 // than cvt.rna, so the default keeps cvt.rna; rounding once per tile in shared memory
