@@ -483,44 +483,39 @@ _SM86_89_TF32 = {
     "bwd_dkv": {256: None, 128: _T(16, 16, 1), 96: _T(16, 32, 2), 80: _T(16, 64, 4),
                 64: _T(16, 64, 4)},
 }
-#: Head dim 256 with float32 inputs: on sm_86/89 no tile fits (16 x 16 tiles of 4-byte rows
-#: need 130 KB), and elsewhere the tiles that fit leave the backward kernels (and the sm_80
-#: forward) spilling 8-124 bytes (ptxas, NVRTC 13; the TF32 operand rounding costs the last
-#: registers a D = 256 accumulator leaves). Not offered until that is solved.
-_NO_256 = {phase: {256: None} for phase in ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv")}
-
 #: float32 inputs (TF32 products) keep 4-byte elements in shared memory: twice the 16-bit
 #: tiles' bytes. Where a TABLE entry does not fit the architecture's limit that way, or
 #: spills with the TF32 rounding's extra registers, float32 takes the entry here (dense and
-#: packed batches alike); ``None``: no float32 kernel at that head dim (``_NO_256``), and a
-#: call raises ValueError before any kernel runs. Chosen to fit without spills, keeping the
-#: warps and the rows per warp of the 16-bit entry where possible; not timed except on
-#: sm_90 (bench/NOTES.md).
+#: packed batches alike); ``None``: no float32 kernel at that head dim, and a call raises
+#: ValueError before any kernel runs. That is head dim 256 everywhere: on sm_86/89 no tile
+#: fits (16 x 16 tiles of 4-byte rows need 130 KB), and elsewhere the tiles that fit leave
+#: the backward kernels (and the sm_80 forward) spilling 8-124 bytes (ptxas, NVRTC 13; the
+#: TF32 operand rounding costs the last registers a D = 256 accumulator leaves). Chosen to
+#: fit without spills, keeping the warps and the rows per warp of the 16-bit entry where
+#: possible; not timed except on sm_90 (bench/NOTES.md).
 TF32_TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
     (8, 0): {
-        "fwd": {128: _T(64, 16, 4), 96: _T(64, 32, 4), 80: _T(64, 32, 4), 64: _T(64, 64, 4)},
-        "fwd_decode": {96: _T(16, 16, 1), 80: _T(16, 16, 1)},
-        "bwd_dq": {128: _T(64, 16, 4), 96: _T(64, 32, 4), 80: _T(64, 32, 4), 32: _T(64, 64, 4)},
-        "bwd_dkv": {128: _T(16, 64, 4), 96: _T(16, 64, 4)},
+        "fwd": {256: None, 128: _T(64, 16, 4), 96: _T(64, 32, 4), 80: _T(64, 32, 4),
+                64: _T(64, 64, 4)},
+        "fwd_decode": {256: None, 96: _T(16, 16, 1), 80: _T(16, 16, 1)},
+        "bwd_dq": {256: None, 128: _T(64, 16, 4), 96: _T(64, 32, 4), 80: _T(64, 32, 4),
+                   32: _T(64, 64, 4)},
+        "bwd_dkv": {256: None, 128: _T(16, 64, 4), 96: _T(16, 64, 4)},
     },
     (8, 6): _SM86_89_TF32,
     (8, 9): _SM86_89_TF32,
     (9, 0): {
-        "fwd": {128: _T(64, 32, 4), 96: _T(64, 32, 4), 64: _T(64, 64, 4)},
-        "fwd_decode": {96: _T(16, 16, 1), 80: _T(16, 16, 1)},
-        "bwd_dq": {128: _T(64, 32, 4), 96: _T(64, 16, 4), 80: _T(64, 32, 4), 64: _T(64, 32, 4),
-                   16: _T(64, 64, 4)},
-        "bwd_dkv": {128: _T(16, 64, 4),
+        "fwd": {256: None, 128: _T(64, 32, 4), 96: _T(64, 32, 4), 64: _T(64, 64, 4)},
+        "fwd_decode": {256: None, 96: _T(16, 16, 1), 80: _T(16, 16, 1)},
+        "bwd_dq": {256: None, 128: _T(64, 32, 4), 96: _T(64, 16, 4), 80: _T(64, 32, 4),
+                   64: _T(64, 32, 4), 16: _T(64, 64, 4)},
+        "bwd_dkv": {256: None, 128: _T(16, 64, 4),
                     64: {(None, True): _T(32, 64, 4), (None, None): _T(64, 64, 4)},
                     16: _T(64, 64, 4)},
     },
 }
-for _row in (TF32_TABLE[(8, 0)], TF32_TABLE[(9, 0)]):
-    for _phase, _dims in _NO_256.items():
-        _row.setdefault(_phase, {}).update(_dims)
-del _row, _phase, _dims
 
-del _T, _SM86_89_TF32, _NO_256
+del _T, _SM86_89_TF32
 
 _NO_ENTRY = object()
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .capability import HALF_DTYPES
+
 __all__ = [
     "Problem",
     "check_inputs",
@@ -38,8 +40,9 @@ __all__ = [
 #: mma.sync kernels with TF32 products (docs/semantics.md, float32 on the GPU); the Hopper
 #: kernels and the KV-cache kernels take 16-bit inputs only (:data:`KV_DTYPES`).
 GPU_DTYPES = ("float16", "bfloat16", "float32")
-#: dtypes of the KV-cache entry point's caches and queries on the GPU.
-KV_DTYPES = ("float16", "bfloat16")
+#: dtypes of the KV-cache entry point's caches and queries on the GPU (the capability
+#: table's 16-bit dtypes).
+KV_DTYPES = HALF_DTYPES
 #: head dims the CUDA kernels are instantiated for.
 GPU_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 #: The kernels keep row indices and distances in 32-bit integers (i + N - M - j, tile
