@@ -483,6 +483,69 @@ PW_DEVICE void score_tile(float s[MW][BN / 8][4], u32 sA1, u32 sA2, u32 sB1, u32
       }
 }
 
+// a - b saturated to the int range (sub.sat.s32).
+PW_DEVICE int sub_sat(int a, int b) {
+  int r;
+  asm("sub.sat.s32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+// One projection pair's visit of a tile (the forward's tile body): the columns each row keeps.
+// An element at distance d belongs to the visit when lo <= d < hi (pair 1: d < w; pair 2:
+// d >= w; CAUSAL raises lo to 0) and its column is below cols_left. For the row at distance
+// rb from column 0 that is cmin <= c - c0 <= cmax, c0 the lane's first column, so each
+// fragment element compares its compile-time column offset with two registers of its row.
+// Saturating arithmetic keeps the bounds exact: a bound pushed past the int range lies
+// beyond every column either way.
+template <int MW> struct PairWindow {
+  int cmin[MW][2], cmax[MW][2];
+};
+
+template <int MW, bool CAUSAL>
+PW_DEVICE PairWindow<MW> pair_window(const Geom& g, int pair, int lane) {
+  constexpr int NONE = 0x7fffffff;  // no bound on that side
+  const int w = g.w;  // the boundary (tests/test_selection_gpu.py moves it by one here)
+  const int lo = pair == 1 ? (CAUSAL ? 0 : -NONE) : (CAUSAL ? max(0, w) : w);
+  const int hi = pair == 1 ? w : NONE;
+  const int c0 = 2 * (lane % 4);
+  PairWindow<MW> win;
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int rb = g.base + mi * 16 + lane / 4 + 8 * hh;  // |rb| <= 2^30 + 32: no overflow
+      // d < hi  <=>  c > rb - hi;   d >= lo  <=>  c <= rb - lo
+      win.cmin[mi][hh] = sub_sat(sub_sat(rb, hi), c0 - 1);
+      win.cmax[mi][hh] = sub_sat(min(sub_sat(rb, lo), g.cols_left - 1), c0);
+    }
+  return win;
+}
+
+// Scores of one warp's 16MW rows against a BN-column tile for one projection pair (sA, sB:
+// that pair's query and key tiles), in the log2 domain. MASKED (a straddling, causal
+// diagonal or last tile): elements outside the pair's window (pair_window) become -inf.
+// The caller picks the instantiation with a branch, so unmasked tiles run no mask code (a
+// runtime flag inside one body gets if-converted: every tile then paid for the mask).
+template <typename T, int D, int BN, int MW, bool MASKED>
+PW_DEVICE void score_pair(float s[MW][BN / 8][4], u32 sA, u32 sB, const PairWindow<MW>& win,
+                          float scale_log2, int lane) {
+  zero_n<MW * BN / 2>(&s[0][0][0]);
+  mma_abt<T, D, BN, MW>(s, sA, sB, lane);
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+    for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[mi][nb][e] * scale_log2;
+        if constexpr (MASKED) {
+          const int c = nb * 8 + (e % 2);  // column minus the lane's first column
+          if (c < win.cmin[mi][e / 2] || c > win.cmax[mi][e / 2]) x = PW_NEG_INF;
+        }
+        s[mi][nb][e] = x;
+      }
+}
+
 // Zeroes the entries of a (dS) fragment that belong to the other projection pair: the
 // pass for pair 1 keeps d < w, the pass for pair 2 keeps d >= w.
 template <int BN, int MW, bool Trans>

@@ -4,6 +4,62 @@
 #include "params.cuh"
 #include "traits.cuh"
 
+// How the forward meets a tile that straddles d = w, where both products are needed.
+//  - Merged (VisitPairs false): one visit; the second product goes 16 columns at a time into
+//    a temporary and is selected per element into the score tile (score_tile). One softmax
+//    and P·V per tile, but the mask test is if-converted: every tile runs it.
+//  - Visits (VisitPairs true): a tile is visited once per pair it needs, one product each
+//    (score_pair), so a straddling tile pays a second softmax and P·V; tiles that need no
+//    mask run a copy of the product without mask code.
+// Causal masking makes the per-tile mask test dear: with it the visits body is 3-14% faster
+// on every causal shape measured (H200, 2026-12-02, bf16/fp16, D 64 and 128, L 2048-16384;
+// bench/results/2026-12-02-h200-mma-fwd-visits). Without it the merged body is as fast or
+// faster (the second visit costs up to 4% at L = 2048). float32 (TF32) keeps the merged
+// body: not measured with visits. PW_FWD_VISITS=0 / =1 forces one or the other (A/B runs).
+#ifndef PW_FWD_VISITS
+#define PW_FWD_VISITS -1
+#endif
+template <typename T, bool CAUSAL> struct VisitPairs {
+  static constexpr bool value =
+      PW_FWD_VISITS >= 0 ? PW_FWD_VISITS == 1 : (CAUSAL && Elem<T>::width == 1);
+};
+
+// Online softmax over one tile's log2-domain scores s (in place: s becomes the unnormalised
+// probabilities), rescaling the output accumulator. A row's running max is shared by the
+// four lanes that hold it.
+template <int D, int BN, int MW>
+PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
+                              float row_max[MW][2], float row_sum[MW][2]) {
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float mx = row_max[mi][hh];
+#pragma unroll
+      for (int nb = 0; nb < BN / 8; ++nb)
+        mx = fmaxf(mx, fmaxf(s[mi][nb][2 * hh], s[mi][nb][2 * hh + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // A row that has seen only masked keys keeps max -inf; subtracting 0 keeps exp2 at 0.
+      const float base = mx == PW_NEG_INF ? 0.f : mx;
+      const float alpha = fast_exp2(row_max[mi][hh] - base);
+      row_max[mi][hh] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nb = 0; nb < BN / 8; ++nb) {
+        s[mi][nb][2 * hh] = fast_exp2(s[mi][nb][2 * hh] - base);
+        s[mi][nb][2 * hh + 1] = fast_exp2(s[mi][nb][2 * hh + 1] - base);
+        sum += s[mi][nb][2 * hh] + s[mi][nb][2 * hh + 1];
+      }
+      row_sum[mi][hh] = row_sum[mi][hh] * alpha + sum;
+#pragma unroll
+      for (int nb = 0; nb < D / 8; ++nb) {
+        acc[mi][nb][2 * hh] *= alpha;
+        acc[mi][nb][2 * hh + 1] *= alpha;
+      }
+    }
+}
+
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   constexpr int DS = D * Elem<T>::width;   // a row in 16-bit units (common.cuh, Elem)
@@ -56,49 +112,48 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   const u32 aQ1 = smem_addr(sQ1 + warp * L::warp_rows * L::pitch);
   const u32 aQ2 = smem_addr(sQ2 + warp * L::warp_rows * L::pitch);
 
-  pipelined_tiles(t_begin, ntiles, issue, [&](int t, int stage) {
-    const i64 n0 = (i64)t * BN;
-    const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
-    const bool masked = tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), n0 + BN, N);
-    const u16* st = sKV + stage * L::stage_elems;
-    const Geom g = make_geom<false>(row0, n0, P, p.w, N);
-
-    float s[MW][BN / 8][4];
-    score_tile<T, D, BN, MW, CAUSAL, false>(s, aQ1, aQ2, smem_addr(st + L::k1_in_stage),
-                                            smem_addr(st + L::k2_in_stage), mode, masked, g,
-                                            p.scale_log2, lane);
-
-    // Online softmax: a row's running max is shared by the four lanes that hold it.
-#pragma unroll
-    for (int mi = 0; mi < MW; ++mi)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float mx = row_max[mi][hh];
-#pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
-          mx = fmaxf(mx, fmaxf(s[mi][nb][2 * hh], s[mi][nb][2 * hh + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // A row that has seen only masked keys keeps max -inf; subtracting 0 keeps exp2 at 0.
-        const float base = mx == PW_NEG_INF ? 0.f : mx;
-        const float alpha = fast_exp2(row_max[mi][hh] - base);
-        row_max[mi][hh] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb) {
-          s[mi][nb][2 * hh] = fast_exp2(s[mi][nb][2 * hh] - base);
-          s[mi][nb][2 * hh + 1] = fast_exp2(s[mi][nb][2 * hh + 1] - base);
-          sum += s[mi][nb][2 * hh] + s[mi][nb][2 * hh + 1];
-        }
-        row_sum[mi][hh] = row_sum[mi][hh] * alpha + sum;
-#pragma unroll
-        for (int nb = 0; nb < D / 8; ++nb) {
-          acc[mi][nb][2 * hh] *= alpha;
-          acc[mi][nb][2 * hh + 1] *= alpha;
-        }
+  if constexpr (!VisitPairs<T, CAUSAL>::value) {
+    // One visit per tile; a straddling tile's two products go into one score tile.
+    pipelined_tiles(t_begin, ntiles, issue, [&](int t, int stage) {
+      const i64 n0 = (i64)t * BN;
+      const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
+      const bool masked = tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), n0 + BN, N);
+      const u16* st = sKV + stage * L::stage_elems;
+      const Geom g = make_geom<false>(row0, n0, P, p.w, N);
+      float s[MW][BN / 8][4];
+      score_tile<T, D, BN, MW, CAUSAL, false>(s, aQ1, aQ2, smem_addr(st + L::k1_in_stage),
+                                              smem_addr(st + L::k2_in_stage), mode, masked, g,
+                                              p.scale_log2, lane);
+      online_softmax<D, BN, MW>(s, acc, row_max, row_sum);
+      mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + L::v_in_stage), lane);
+    });
+  } else {
+    // One visit per projection pair a tile needs (two on a straddling tile), each one
+    // product (score_pair). Tiles that need no mask take a copy of the product without
+    // any mask code.
+    pipelined_tiles(t_begin, ntiles, issue, [&](int t, int stage) {
+      const i64 n0 = (i64)t * BN;
+      const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
+      const bool masked =
+          mode == 3 || tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), n0 + BN, N);
+      const u16* st = sKV + stage * L::stage_elems;
+      const Geom g = make_geom<false>(row0, n0, P, p.w, N);
+#pragma unroll 1
+      for (int pair = (mode & 1) ? 1 : 2; pair <= ((mode & 2) ? 2 : 1); ++pair) {
+        float s[MW][BN / 8][4];
+        const u32 sA = pair == 1 ? aQ1 : aQ2;
+        // k2 follows k1 in a stage (traits.cuh)
+        const u32 sB = smem_addr(st + L::k1_in_stage + (pair - 1) * L::k_tile_elems);
+        if (masked)
+          score_pair<T, D, BN, MW, true>(s, sA, sB, pair_window<MW, CAUSAL>(g, pair, lane),
+                                         p.scale_log2, lane);
+        else
+          score_pair<T, D, BN, MW, false>(s, sA, sB, PairWindow<MW>{}, p.scale_log2, lane);
+        online_softmax<D, BN, MW>(s, acc, row_max, row_sum);
+        mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + L::v_in_stage), lane);
       }
-    mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + L::v_in_stage), lane);
-  });
+    });
+  }
 
   float inv[MW][2];
   const Seq<VARLEN> end = seq_again<VARLEN>(p, b);
