@@ -74,6 +74,7 @@ __all__ = [
     "hopper_bwd_helper_grid",
     "shared_bytes",
     "elem_bytes",
+    "has_float32_kernels",
     "HALF_DTYPES",
     "TABLE_DTYPES",
     "TF32_TABLE",
@@ -387,34 +388,61 @@ def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2
 
 _T = TileConfig
 
-#: The row of compute capability 8.6 and 8.9 (99 KiB shared per block).
+#: The row of compute capability 8.6 and 8.9 (99 KiB shared per block). Head dims 64 and 128
+#: take the best shape the H200 measurements found among those that fit 99 KiB (see the note
+#: on deriving these rows above TABLE); the others are budget estimates.
 _SM86_89 = {
+    # 64: 128x64x4 (92 KB), the H200's best D = 64 shape; 128: 64x32x4 (87 KB), as none of
+    # the shapes the H200 timed faster (128x64x8, 64x64x4, 128x32x8) fits
     "fwd": {256: _T(32, 16, 2), 128: _T(64, 32, 4), 96: _T(64, 32, 4), 80: _T(64, 32, 4),
-            64: _T(64, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
+            64: _T(128, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
     "fwd_decode": {256: _T(16, 16, 1), 128: _T(16, 32, 1), 96: _T(16, 32, 1), 80: _T(16, 32, 1),
                    64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
+    # 64: 128x32x4 (84 KB); 128: 64x16x4 (79 KB; 64x32x4 needs 105 KB)
     "bwd_dq": {256: _T(16, 16, 1), 128: _T(64, 16, 4), 96: _T(64, 16, 4), 80: _T(64, 16, 4),
-               64: _T(64, 32, 4), 32: _T(64, 32, 4), 16: _T(64, 64, 4)},
+               64: _T(128, 32, 4), 32: _T(64, 32, 4), 16: _T(64, 64, 4)},
+    # 64: 64x64x4 (84 KB; the H200's causal 32x128x4 spills 16-52 bytes here); 128: 16x64x4
+    # (79 KB; 32x64x4 needs 105 KB)
     "bwd_dkv": {256: _T(16, 16, 1), 128: _T(16, 64, 4), 96: _T(16, 64, 4), 80: _T(16, 64, 4),
-                64: _T(32, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
+                64: _T(64, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
     "kvcache": {128: _T(16, 32, 2, 2), 64: _T(16, 64, 4, 2), 32: _T(16, 64, 4, 2),
                 16: _T(16, 64, 4, 2)},
     "kvdecode": {128: _T(16, 64, 4, 2), 64: _T(16, 64, 4, 3), 32: _T(16, 64, 4, 3),
                  16: _T(16, 64, 4, 3)},
 }
 
+# How the sm_80, sm_86 and sm_89 rows are derived (issue 15; none of these GPUs has been
+# timed). The mma.sync kernels are the same code on all four architectures, and the register
+# file is the same (64K 32-bit registers per SM, at most 255 per thread), so what the H200
+# measured about tile shapes carries over, within each GPU's shared memory per block: for
+# head dims 64 and 128 each row takes the fastest shape of bench/results/tiles_h200.json
+# (and of the sm_90 row, which later runs refined) that fits, and the build check proves it
+# compiles without spills for that architecture. The H200 runs four warps per SM at most
+# in these shapes (one block at D = 128, two at 64), so the figures did not depend on
+# occupancy the smaller GPUs cannot reach.
+# sm_86 and sm_89 share one row on purpose: every quantity the choice depends on is the same
+# (99 KiB per block and 100 KiB per SM of shared memory, 64K registers and 1536 threads per
+# SM). What differs, Ada's much larger L2 cache (up to 96 MB against 6 MB), changes how often
+# K and V come from DRAM, not which tile shape fits.
+
 TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
-    # A100: 163 KiB shared per block.
+    # A100: 163 KiB shared per block. D = 64 and 128 from the H200's measurements (the note
+    # above): fwd 64 128x64x4 (+18% over 128x64x8 on the H200); fwd 128 keeps 64x64x4 (the
+    # H200's best, 128x64x8, needs 174 KB); bwd_dq 64 128x32x4, 128 64x32x4 (+5%, +6% over
+    # 64x64x4 and 128x32x8 there); bwd_dkv 128 as the sm_90 row (+31% non-causal over
+    # 16x128x8 there); bwd_dkv 64 keeps 64x64x4 (the H200's causal 32x128x4 spills on sm_80).
     (8, 0): {
         "fwd": {256: _T(32, 32, 2), 128: _T(64, 64, 4), 96: _T(64, 64, 4), 80: _T(64, 64, 4),
-                64: _T(128, 64, 8), 32: _T(128, 64, 8), 16: _T(128, 64, 8)},
+                64: _T(128, 64, 4), 32: _T(128, 64, 8), 16: _T(128, 64, 8)},
         "fwd_decode": {256: _T(16, 32, 1), 128: _T(16, 32, 1), 96: _T(16, 32, 1), 80: _T(16, 32, 1),
                        64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
-        "bwd_dq": {256: _T(64, 16, 4), 128: _T(128, 32, 8), 96: _T(128, 32, 8), 80: _T(128, 32, 8),
-                   64: _T(64, 64, 4), 32: _T(64, 128, 4), 16: _T(64, 128, 4)},
-        # D = 128: 32x128x8 sits at 255 registers and spills 12 bytes (bf16) with NVRTC
-        # 13.5; 16x128x8 keeps the 128-key tile at 230-233 registers (not timed on an A100)
-        "bwd_dkv": {256: _T(16, 64, 4), 128: _T(16, 128, 8), 96: _T(16, 128, 8), 80: _T(16, 128, 8),
+        "bwd_dq": {256: _T(64, 16, 4), 128: _T(64, 32, 4), 96: _T(64, 32, 4), 80: _T(64, 32, 4),
+                   64: _T(128, 32, 4), 32: _T(64, 128, 4), 16: _T(64, 128, 4)},
+        # causal D = 128 keeps one 16-row block per warp (32x64 spills there, as on sm_90)
+        "bwd_dkv": {256: _T(16, 64, 4),
+                    128: {(None, True): _T(16, 64, 4), (None, None): _T(32, 64, 4)},
+                    96: {(None, True): _T(16, 64, 4), (None, None): _T(32, 64, 4)},
+                    80: {(None, True): _T(16, 64, 4), (None, None): _T(32, 64, 4)},
                     64: _T(64, 64, 4), 32: _T(128, 64, 4), 16: _T(128, 64, 4)},
         "kvcache": {d: _T(16, 64, 4, 2) for d in (16, 32, 64, 128)},
         "kvdecode": {d: _T(16, 64, 4, 3) for d in (16, 32, 64, 128)},
@@ -461,6 +489,10 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
 #: at the register limit that tips it into spills, the packed kernel takes the entry here
 #: instead (same layout as TABLE; phases fwd, bwd_dq, bwd_dkv; absent entries: TABLE's).
 VARLEN_TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
+    # the packed D = 128 dk/dv kernel spills at 32x64x4 on sm_80 too (16 bytes, bf16)
+    (8, 0): {
+        "bwd_dkv": {128: _T(16, 64, 4), 96: _T(16, 64, 4), 80: _T(16, 64, 4)},
+    },
     (9, 0): {
         "fwd": {64: _T(64, 64, 4)},
         "bwd_dkv": {
@@ -543,6 +575,19 @@ def elem_bytes(dtype: str) -> int:
     """Bytes of one element of ``dtype`` in the kernels' shared-memory tiles (4 for
     float32, 2 for float16 and bfloat16)."""
     return 4 if dtype == "float32" else 2
+
+
+def has_float32_kernels(cc: tuple[int, int], head_dim: int) -> bool:
+    """Whether float32 inputs of ``head_dim`` run on a GPU of compute capability ``cc``:
+    every mma.sync phase (forward, decode forward, dq, dk/dv) has a float32 (TF32) tile
+    there. False where :data:`TF32_TABLE` says no kernel (head dim 256 everywhere) or no
+    tile fits; those calls raise ValueError before any kernel runs."""
+    try:
+        for phase in ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv"):
+            lookup(cc, phase, head_dim, "float32", False)
+    except ValueError:
+        return False
+    return True
 
 
 def _limit_for(cc: tuple[int, int], max_shared: int | None) -> int:

@@ -42,6 +42,7 @@ def worker(args) -> None:
 
     import cupy_piecewise
     from cupy_piecewise import capability, compile as comp
+    from probe_common import cuda_time  # scripts/ (this file's folder) is on sys.path
 
     comp.BASE_OPTIONS = comp.BASE_OPTIONS + tuple(f"-D{m}" for m in args.macros.split() if m)
     out = []
@@ -88,7 +89,7 @@ def worker(args) -> None:
                             capability.set_tile_override(f"fwd={spec}")
                         try:
                             with torch.no_grad():
-                                ms = time_ms(torch, fn, args.reps)
+                                ms = cuda_time(torch, fn, reps=args.reps)
                             rec = dict(kind="time", L=L, D=D, dtype=dname, causal=causal,
                                        tiles=spec, ms=ms, tflops=flops / ms / 1e9)
                         except Exception as e:  # noqa: BLE001
@@ -98,21 +99,6 @@ def worker(args) -> None:
                             capability.set_tile_override(None)
                         out.append(rec)
     print(json.dumps(out), flush=True)
-
-
-def time_ms(torch, fn, reps):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def parse_tiles(text):

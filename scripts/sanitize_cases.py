@@ -48,12 +48,8 @@ def _dtypes(path, D):
     """float16 and bfloat16; float32 (TF32) too on the mma.sync path where the table has
     float32 tiles of head dim D (capability.TF32_TABLE)."""
     out = ["float16", "bfloat16"]
-    if path == "mma":
-        try:
-            capability.lookup(cc, "fwd", D, "float32", False)
-            out.append("float32")
-        except ValueError:
-            pass
+    if path == "mma" and capability.has_float32_kernels(cc, D):
+        out.append("float32")
     return out
 
 

@@ -389,3 +389,11 @@ def test_hopper_decode_clusters_are_built_for_every_size_the_plan_picks():
     """KVPlan merges up to KV90_MAX_CLUSTER splits in a cluster (cluster = split count), so
     every size from 1 to that bound must be a built variant (build_check, KV90_CLUSTERS)."""
     assert set(range(1, cap.KV90_MAX_CLUSTER + 1)) <= set(cap.KV90_CLUSTERS)
+
+
+def test_has_float32_kernels():
+    from cupy_piecewise.capability import LISTED_ARCHS, has_float32_kernels
+
+    for cc in LISTED_ARCHS:
+        assert not has_float32_kernels(cc, 256)  # TF32_TABLE: no kernel at 256 anywhere
+        assert has_float32_kernels(cc, 64) and has_float32_kernels(cc, 128)

@@ -32,13 +32,7 @@ def _has_float32_tiles(D):
     from cupy_piecewise import capability
 
     cc = _cc()
-    cc = (int(cc[:-1]), int(cc[-1]))
-    try:
-        for phase in ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv"):
-            capability.lookup(cc, phase, D, "float32", False)
-    except ValueError:
-        return False
-    return True
+    return capability.has_float32_kernels((int(cc[:-1]), int(cc[-1])), D)
 
 
 #: every head dim with float32 kernels (6 of them against 7 values of w, so that each head
