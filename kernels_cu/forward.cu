@@ -11,10 +11,10 @@
 //  - Visits (VisitPairs true): a tile is visited once per pair it needs, one product each
 //    (score_pair), so a straddling tile pays a second softmax and P·V; tiles that need no
 //    mask run a copy of the product without mask code.
-// Causal masking makes the per-tile mask test dear: with it the visits body is 3-14% faster
+// Causal masking makes the per-tile mask test dear: with it the visits body is 3-15% faster
 // on every causal shape measured (H200, 2026-12-02, bf16/fp16, D 64 and 128, L 2048-16384;
 // bench/results/2026-12-02-h200-mma-fwd-visits). Without it the merged body is as fast or
-// faster (the second visit costs up to 4% at L = 2048). float32 (TF32) keeps the merged
+// faster (the second visit cost 4-8% at L = 2048, D = 64). float32 (TF32) keeps the merged
 // body: not measured with visits. PW_FWD_VISITS=0 / =1 forces one or the other (A/B runs).
 #ifndef PW_FWD_VISITS
 #define PW_FWD_VISITS -1
