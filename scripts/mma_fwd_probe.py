@@ -111,6 +111,45 @@ def parse_tiles(text):
     return out
 
 
+def summary_table(results, builds):
+    """Markdown lines: per (L, D, dtype, causal, tiles) row, each build's median TFLOP/s over
+    its rounds with the spread ((max - min) / median), and for the other builds the ratio to
+    the default build (builds[0]) on the same row; a cell is empty where a build has no
+    timing, and no ratio is given where the default has none.
+
+    results: {build: [round records, ...]}, each round the worker's list of records
+    (``kind`` "time" with L, D, dtype, causal, tiles and tflops, or an error instead)."""
+    def key(rec):
+        return rec["L"], rec["D"], rec["dtype"], rec["causal"], rec["tiles"]
+
+    keys = []
+    for rounds in results.values():
+        for recs in rounds:
+            for rec in recs:
+                if rec["kind"] == "time" and key(rec) not in keys:
+                    keys.append(key(rec))
+    out = ["", "TFLOP/s, median over rounds (spread %); xR = build / default on the same row",
+           "| L | D | dtype | causal | tiles | " + " | ".join(b or "default" for b in builds) + " |",
+           "|---|---|---|---|---|" + "---|" * len(builds)]
+    for k in keys:
+        cells, base = [], None
+        for i, b in enumerate(builds):
+            vals = [rec["tflops"] for recs in results[b] for rec in recs
+                    if rec["kind"] == "time" and "tflops" in rec and key(rec) == k]
+            if not vals:
+                cells.append("")
+                continue
+            med = statistics.median(vals)
+            cell = f"{med:.1f} ({100 * (max(vals) - min(vals)) / med:.1f}%)"
+            if i == 0:
+                base = med
+            elif base is not None:
+                cell += f" x{med / base:.3f}"
+            cells.append(cell)
+        out.append(f"| {k[0]} | {k[1]} | {k[2]} | {int(k[3])} | {k[4]} | " + " | ".join(cells) + " |")
+    return out
+
+
 def _precompile(macros, variants):
     """Compile and load ``variants`` with ``macros`` (a spawned pool worker): fills CuPy's
     disk cache, keyed by source and options, so the timing workers only load."""
@@ -206,36 +245,8 @@ def main():
             bad = sum(1 for rec in recs if rec["kind"] == "check" and rec["verdict"] != "ok")
             if nchk:
                 say(f"build '{b or 'default'}': {nchk - bad}/{nchk} checks passed")
-    # table: key (L, D, dtype, causal, tiles) -> per build list of tflops over rounds
-    say("\nTFLOP/s, median over rounds (spread %); ratio = build / default on the same row")
-    say("| L | D | dtype | causal | tiles | " + " | ".join(b or "default" for b in builds) + " |")
-    say("|---|---|---|---|---|" + "---|" * len(builds))
-    keys = []
-    for rounds in results.values():
-        for recs in rounds:
-            for rec in recs:
-                if rec["kind"] == "time":
-                    k = (rec["L"], rec["D"], rec["dtype"], rec["causal"], rec["tiles"])
-                    if k not in keys:
-                        keys.append(k)
-    for k in keys:
-        cells = []
-        base = None
-        for b in builds:
-            vals = [rec["tflops"] for recs in results[b] for rec in recs
-                    if rec["kind"] == "time" and "tflops" in rec
-                    and (rec["L"], rec["D"], rec["dtype"], rec["causal"], rec["tiles"]) == k]
-            if not vals:
-                cells.append("")
-                continue
-            med = statistics.median(vals)
-            spread = 100 * (max(vals) - min(vals)) / med
-            if base is None:
-                base = med
-                cells.append(f"{med:.1f} ({spread:.1f}%)")
-            else:
-                cells.append(f"{med:.1f} ({spread:.1f}%) x{med / base:.3f}")
-        say(f"| {k[0]} | {k[1]} | {k[2]} | {int(k[3])} | {k[4]} | " + " | ".join(cells) + " |")
+    for line in summary_table(results, builds):
+        say(line)
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
         Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1))

@@ -1,7 +1,8 @@
 """The GPU-free parts of the tuning scripts: scripts/hopper_probe.py's --variants
 bookkeeping (the comparison table from the workers' output lines: medians over interleaved
 rounds, the spread, ratios to cuDNN; the tile figures it derives from the -D options of a
-variant) and scripts/causal_schedule_model.py's makespans."""
+variant), scripts/mma_fwd_probe.py's tile argument and A/B table, and
+scripts/causal_schedule_model.py's makespans."""
 from __future__ import annotations
 
 import os
@@ -80,3 +81,31 @@ def test_causal_schedule_model_reproduces_the_notes():
     assert model.pairs(1, 5, sms=2) == 6.0 + 3.0
     got = [round(model.speedup(16384 * 16 // L, L), 2) for L in (2048, 8192, 16384)]
     assert got == [1.19, 1.06, 0.99]
+
+
+def test_mma_fwd_probe_tiles_and_table():
+    mma_fwd_probe = pytest.importorskip("mma_fwd_probe")
+    assert mma_fwd_probe.parse_tiles("128:128x64x8, 128x64x4;64:128x64x4") == {
+        128: ["128x64x8", "128x64x4"], 64: ["128x64x4"]}
+
+    def rec(tiles, tflops, L=2048):
+        return dict(kind="time", L=L, D=64, dtype="bf16", causal=True, tiles=tiles, ms=1.0,
+                    tflops=tflops)
+
+    results = {  # two rounds per build; the default lacks one row (an error record)
+        "": [[rec("128x64x4", 200.0), rec("sdpa_flash", 300.0),
+              dict(kind="time", L=8192, D=64, dtype="bf16", causal=True, tiles="128x64x4",
+                   error="boom")],
+             [rec("128x64x4", 220.0), rec("sdpa_flash", 310.0)]],
+        "PW_FWD_VISITS=0": [[rec("128x64x4", 180.0), rec("128x64x4", 240.0, L=8192)],
+                            [rec("128x64x4", 190.0), rec("128x64x4", 250.0, L=8192)]],
+    }
+    lines = mma_fwd_probe.summary_table(results, ["", "PW_FWD_VISITS=0"])
+    assert lines[2] == "| L | D | dtype | causal | tiles | default | PW_FWD_VISITS=0 |"
+    rows = {tuple(c.strip() for c in line.split("|")[1:6]): line for line in lines[4:]}
+    # medians 210 and 185, spreads 20/210 and 10/185, ratio 185/210
+    assert rows[("2048", "64", "bf16", "1", "128x64x4")].endswith(
+        "| 210.0 (9.5%) | 185.0 (5.4%) x0.881 |")
+    assert rows[("2048", "64", "bf16", "1", "sdpa_flash")].endswith("| 305.0 (3.3%) |  |")
+    # no default timing on the row: the other build's cell carries no ratio
+    assert rows[("8192", "64", "bf16", "1", "128x64x4")].endswith("|  | 245.0 (4.1%) |")
