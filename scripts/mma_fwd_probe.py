@@ -18,7 +18,9 @@ and tile candidate (CUPY_PIECEWISE_TILES fwd=...):
 
 The parent runs the builds --rounds times in interleaved order and tables the medians with
 the spread (max - min over rounds, % of the median), beside SDPA flash (FlashAttention-2,
-mma.sync: the issue's yardstick) timed in the default build's worker.
+mma.sync: the issue's yardstick) timed in the default build's worker. --out writes that
+text headed by the date, GPU, versions, command and commit, and beside it a JSON file
+{header, builds: {build: [round records]}}.
 """
 from __future__ import annotations
 
@@ -45,7 +47,10 @@ def worker(args) -> None:
     from probe_common import cuda_time  # scripts/ (this file's folder) is on sys.path
 
     comp.BASE_OPTIONS = comp.BASE_OPTIONS + tuple(f"-D{m}" for m in args.macros.split() if m)
-    out = []
+    import cupy
+
+    out = [dict(kind="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                cupy=cupy.__version__)]
     tiles = parse_tiles(args.tiles)
     if args.check:
         from test_kernels_gpu import run_case
@@ -150,6 +155,24 @@ def summary_table(results, builds):
     return out
 
 
+def run_header(results):
+    """Where and when the figures were taken: date (UTC), GPU and library versions (from the
+    workers' env records), the command line and the checkout's commit."""
+    import datetime
+
+    env = next((rec for rounds in results.values() for recs in rounds for rec in recs
+                if rec.get("kind") == "env"), {})
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=ROOT).stdout.strip() or None
+    except OSError:
+        commit = None
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                gpu=env.get("gpu"), torch=env.get("torch"), cupy=env.get("cupy"),
+                command="python3 scripts/mma_fwd_probe.py " + " ".join(sys.argv[1:]),
+                git_commit=commit)
+
+
 def _precompile(macros, variants):
     """Compile and load ``variants`` with ``macros`` (a spawned pool worker): fills CuPy's
     disk cache, keyed by source and options, so the timing workers only load."""
@@ -247,9 +270,12 @@ def main():
                 say(f"build '{b or 'default'}': {nchk - bad}/{nchk} checks passed")
     for line in summary_table(results, builds):
         say(line)
+    header = run_header(results)
     if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
-        Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1))
+        top = [f"- {k}: {v}" for k, v in header.items()]
+        Path(args.out).write_text("\n".join(top + [""] + lines) + "\n")
+        Path(args.out).with_suffix(".json").write_text(
+            json.dumps(dict(header=header, builds=results), indent=1))
 
 
 if __name__ == "__main__":

@@ -109,3 +109,9 @@ def test_mma_fwd_probe_tiles_and_table():
     assert rows[("2048", "64", "bf16", "1", "sdpa_flash")].endswith("| 305.0 (3.3%) |  |")
     # no default timing on the row: the other build's cell carries no ratio
     assert rows[("8192", "64", "bf16", "1", "128x64x4")].endswith("|  | 245.0 (4.1%) |")
+    # the header takes the GPU from a worker's env record, which the table ignores
+    results[""][0].insert(0, dict(kind="env", gpu="NVIDIA H200", torch="2.11", cupy="14.2"))
+    assert mma_fwd_probe.summary_table(results, ["", "PW_FWD_VISITS=0"]) == lines
+    header = mma_fwd_probe.run_header(results)
+    assert header["gpu"] == "NVIDIA H200" and header["date"].endswith("+00:00")
+    assert header["command"].startswith("python3 scripts/mma_fwd_probe.py")
