@@ -5,14 +5,15 @@
 Each candidate TileConfig is forced through CUPY_PIECEWISE_TILES and timed on the launch
 layer directly (torch-allocated tensors, CUDA events, median after warm-up), so the numbers
 compare kernels, not Python. FLOPs as in docs/semantics.md: forward 4·B·H·M·N·D (half when causal),
-backward 2.5x that. Results feed cupy_piecewise/capability.py (sm_90 entries).
+backward 2.5x that. Results feed cupy_piecewise/capability.py (sm_90 entries). The backward
+phases time the whole backward: bwd_dq and bwd_dkv the deterministic scheme (delta, dq, dk/dv;
+the other kernel at its table entry), bwd_fused the one-kernel scheme (delta, fused, convert).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
-import statistics
 import sys
 
 import torch
@@ -28,7 +29,15 @@ CANDIDATES = {
     ("bwd_dq", 64): ["128x64x4", "128x64x8", "64x64x4", "128x32x4"],
     ("bwd_dkv", 128): ["32x64x4", "64x128x8", "32x128x8", "64x64x4"],
     ("bwd_dkv", 64): ["64x128x4", "32x128x4", "64x64x4", "64x128x8"],
+    ("bwd_fused", 128): ["16x64x4", "32x64x4", "16x128x8", "32x128x8", "64x128x8"],
+    ("bwd_fused", 64): ["64x64x4", "32x128x4", "64x128x8", "32x128x8", "128x128x8"],
 }
+
+
+def _scratch(nbytes):
+    """launch.backward's workspace allocator: (keepalive, device pointer) on torch's stream."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return buf, buf.data_ptr()
 
 
 def _time(fn, reps=20, warmup=3):
@@ -40,7 +49,7 @@ def main(argv=None):
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--L", type=int, default=8192)
     ap.add_argument("--causal", default="0,1")
-    ap.add_argument("--phases", default="fwd,bwd_dq,bwd_dkv")
+    ap.add_argument("--phases", default="fwd,bwd_dq,bwd_dkv,bwd_fused")
     ap.add_argument("--out", default=None)
     ap.add_argument("--candidates", default=None,
                     help="comma-separated tile specs (e.g. 128x64x8,128x64x4) to time instead of "
@@ -72,7 +81,8 @@ def main(argv=None):
                     else:
                         fn = lambda: launch.backward(  # noqa: E731
                             problem, *map(ref, (q1, k1, q2, k2, v, o)), lse.data_ptr(), ref(do),
-                            *map(ref, grads), delta.data_ptr(), stream=stream)
+                            *map(ref, grads), delta.data_ptr(), stream=stream,
+                            workspace=_scratch, deterministic=phase != "bwd_fused")
                         fl = 2.5 * flops
                     other = {"bwd_dq": "bwd_dkv", "bwd_dkv": "bwd_dq"}.get(phase)
                     capability.set_tile_override(f"{phase}={spec}")

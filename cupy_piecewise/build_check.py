@@ -40,6 +40,8 @@ def variants_for(cc, hopper: bool = False) -> list[Variant]:
         out.add(Variant("fwd_combine", dtype, head_dim, None, False))
         if phase in capability.KV_PHASES:  # the KV-cache append, for the KV head dims
             out.add(Variant("kv_append", dtype, head_dim, None, False))
+        if phase == "bwd_fused":  # its float32 dQ sums to dq1, dq2
+            out.add(Variant("bwd_dq_convert", dtype, head_dim, None, False))
     for phase, head_dim, dtype, causal, tiles in capability.selectable_configs(cc, varlen=True):
         out.add(Variant(phase, dtype, head_dim, tiles, causal, varlen=True))
     return sorted(out, key=lambda v: (v.filename, v.name_expression))

@@ -12,6 +12,9 @@ an entry may be refined by dtype and/or causal. Phases:
   per warp).
 - ``bwd_dkv``: backward for dk1/dk2/dv, one block per key tile; ``block_n``
   keys (16 per warp), ``block_m`` queries per step.
+- ``bwd_fused``: the one-kernel backward (the default for float16 and bfloat16;
+  ``bwd_dq`` + ``bwd_dkv`` are the deterministic mode): the ``bwd_dkv`` kernel built to
+  also add each tile's dQ to a float32 accumulator with atomics; same tile fields.
 - ``kvcache``: attention against a key/value cache (:mod:`cupy_piecewise.kvcache`):
   ``block_m`` = 16 packed query rows (the heads of a group times the new tokens),
   ``block_n`` keys per tile (16 per warp), ``stages`` deep cp.async ring (2 to 4).
@@ -21,7 +24,7 @@ an entry may be refined by dtype and/or causal. Phases:
 Every entry satisfies, for its architecture (checked by the tests):
 
 - ``block_m``, ``block_n`` in {16, 32, 64, 128};
-- ``block_m`` (fwd, bwd_dq) or ``block_n`` (bwd_dkv) is 16 or 32 times
+- ``block_m`` (fwd, bwd_dq) or ``block_n`` (bwd_dkv, bwd_fused) is 16 or 32 times
   ``num_warps``: each warp owns one or two m16 row blocks of the tile (two blocks
   let each shared-memory fragment of the other operand feed twice the mma);
 - :func:`shared_bytes` ``<=`` :data:`SHARED_LIMIT` of the architecture.
@@ -64,6 +67,8 @@ __all__ = [
     "PERSIST_VAR",
     "persist_ctas",
     "KV_PHASES",
+    "HALF_ONLY_PHASES",
+    "fused_ds_bytes",
     "path_override",
     "HOPPER_HEAD_DIMS",
     "HOPPER_BWD_HEAD_DIMS",
@@ -81,6 +86,7 @@ __all__ = [
     "check_config",
     "lookup",
     "selectable_configs",
+    "fused_backward_tiles",
     "VARLEN_TABLE",
     "VARLEN_PHASES",
     "parse_override",
@@ -103,9 +109,12 @@ class TileConfig:
         return f"{self.block_m}x{self.block_n}x{self.num_warps}x{self.stages}"
 
 
-PHASES = ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv", "kvcache", "kvdecode")
+PHASES = ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv", "bwd_fused", "kvcache", "kvdecode")
 #: the KV-cache kernel's phases (kernels_cu/kvcache.cu)
 KV_PHASES = ("kvcache", "kvdecode")
+#: phases built for float16 and bfloat16 only: the KV-cache kernels, and the fused backward
+#: (float32 inputs take the deterministic two-kernel backward)
+HALF_ONLY_PHASES = KV_PHASES + ("bwd_fused",)
 LISTED_ARCHS = ((8, 0), (8, 6), (8, 9), (9, 0))
 ENV_VAR = "CUPY_PIECEWISE_TILES"
 
@@ -336,8 +345,8 @@ KV_STAGES = (2, 3, 4)
 #: float32 (TF32 products, m16n8k8; 4-byte elements in shared memory, tiles from
 #: :data:`TF32_TABLE` where the 16-bit entry does not fit).
 TABLE_DTYPES = ("float16", "bfloat16", "float32")
-#: dtypes of the Hopper kernels (kernels_cu/sm90/) and of the KV-cache kernels (phases
-#: :data:`KV_PHASES`): 16-bit only.
+#: dtypes of the Hopper kernels (kernels_cu/sm90/) and of the phases
+#: :data:`HALF_ONLY_PHASES`: 16-bit only.
 HALF_DTYPES = ("float16", "bfloat16")
 
 #: Largest dynamic shared memory per block (bytes, opt-in), per compute capability.
@@ -352,6 +361,12 @@ SHARED_LIMIT = {
 }
 
 
+def fused_ds_bytes(cfg: TileConfig) -> int:
+    """Bytes the fused backward adds to the dk/dv kernel's layout: one tile of dS, key-major,
+    ``block_n`` rows of ``block_m`` 16-bit entries at a pitch of ``block_m + 8``."""
+    return 2 * cfg.block_n * (cfg.block_m + 8)
+
+
 def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> int:
     """Shared memory (bytes) one block of ``phase`` needs with tiles ``cfg``.
 
@@ -359,7 +374,8 @@ def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2
     for float32 inputs (:func:`elem_bytes`), 2 otherwise. fwd keeps
     q1, q2 and ``stages`` copies of k1, k2, v; bwd_dq adds do (and 8 bytes per
     row for lse and delta); bwd_dkv keeps the key tile (k1, k2, v) and
-    ``stages`` copies of the query-side tiles (q1, q2, do) plus lse/delta.
+    ``stages`` copies of the query-side tiles (q1, q2, do) plus lse/delta; bwd_fused adds
+    one dS tile (:func:`fused_ds_bytes`).
 
     This is the Python figure of the layout: the launch passes it as the dynamic
     shared-memory size. The kernels carve their shared memory with the traits
@@ -376,8 +392,9 @@ def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2
         return (2 * cfg.block_m + 2 * cfg.stages * cfg.block_n) * row
     if phase == "bwd_dq":
         return (3 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * row + 8 * cfg.block_m
-    if phase == "bwd_dkv":
-        return (3 * cfg.block_n + 3 * cfg.stages * cfg.block_m) * row + 8 * cfg.stages * cfg.block_m
+    if phase in ("bwd_dkv", "bwd_fused"):
+        dkv = (3 * cfg.block_n + 3 * cfg.stages * cfg.block_m) * row + 8 * cfg.stages * cfg.block_m
+        return dkv + (fused_ds_bytes(cfg) if phase == "bwd_fused" else 0)
     raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
 
 
@@ -405,6 +422,10 @@ _SM86_89 = {
     # (79 KB; 32x64x4 needs 105 KB)
     "bwd_dkv": {256: _T(16, 16, 1), 128: _T(16, 64, 4), 96: _T(16, 64, 4), 80: _T(16, 64, 4),
                 64: _T(64, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
+    # where the H200 measured the one-kernel backward faster (note above TABLE), in shapes
+    # that fit 99 KiB: 128 causal 16x64x4 (82 KB), 64 float16 64x64x4 (93 KB)
+    "bwd_fused": {128: {(None, True): _T(16, 64, 4), (None, None): None},
+                  64: {("float16", None): _T(64, 64, 4), (None, None): None}},
     "kvcache": {128: _T(16, 32, 2, 2), 64: _T(16, 64, 4, 2), 32: _T(16, 64, 4, 2),
                 16: _T(16, 64, 4, 2)},
     "kvdecode": {128: _T(16, 64, 4, 2), 64: _T(16, 64, 4, 3), 32: _T(16, 64, 4, 3),
@@ -419,7 +440,8 @@ _SM86_89 = {
 # (and of the sm_90 row, which later runs refined) that fits, and the build check proves it
 # compiles without spills for that architecture. The H200 runs four warps per SM at most
 # in these shapes (one block at D = 128, two at 64), so the figures did not depend on
-# occupancy the smaller GPUs cannot reach.
+# occupancy the smaller GPUs cannot reach. The bwd_fused entries take the one-kernel
+# backward for the variants where it won on the H200 (the sm_90 row), in shapes that fit.
 # sm_86 and sm_89 share one row on purpose: every quantity the choice depends on is the same
 # (99 KiB per block and 100 KiB per SM of shared memory, 64K registers and 1536 threads per
 # SM). What differs, Ada's much larger L2 cache (up to 96 MB against 6 MB), changes how often
@@ -444,6 +466,9 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
                     96: {(None, True): _T(16, 64, 4), (None, None): _T(32, 64, 4)},
                     80: {(None, True): _T(16, 64, 4), (None, None): _T(32, 64, 4)},
                     64: _T(64, 64, 4), 32: _T(128, 64, 4), 16: _T(128, 64, 4)},
+        # as sm_86/89 (the note above TABLE): 128 causal keeps bwd_dkv's 16x64x4
+        "bwd_fused": {128: {(None, True): _T(16, 64, 4), (None, None): None},
+                      64: {("float16", None): _T(64, 64, 4), (None, None): None}},
         "kvcache": {d: _T(16, 64, 4, 2) for d in (16, 32, 64, 128)},
         "kvdecode": {d: _T(16, 64, 4, 3) for d in (16, 32, 64, 128)},
     },
@@ -476,6 +501,15 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
             32: _T(64, 64, 4),
             16: _T(64, 128, 4),
         },
+        # The one-kernel backward where it beat the two-kernel scheme (2026-12-02,
+        # scripts/mma_bwd_probe.py, L 2048/8192, forward+backward): D = 128 causal 32x64x4
+        # (1.18-1.25x); D = 64 float16 64x64x4 (1.07-1.18x). None: the two-kernel scheme runs
+        # (bfloat16 at D = 64 and non-causal D = 128 measured 0.98-1.01x fused; float16
+        # non-causal D = 128 gained 5-6% only in shapes that spill). Other head dims untimed.
+        "bwd_fused": {
+            128: {(None, True): _T(32, 64, 4), (None, None): None},
+            64: {("float16", None): _T(64, 64, 4), (None, None): None},
+        },
         # memory-bound: a 3-deep ring of 64-key tiles keeps ~100 KB in flight per block
         "kvcache": {d: _T(16, 64, 4, 3) for d in (16, 32, 64, 128)},
         # two stages measured best on an H200 (2026-12-01, bf16, B*H 32-256, N 4k-128k:
@@ -502,7 +536,7 @@ VARLEN_TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
     },
 }
 #: Phases with a packed-batch kernel.
-VARLEN_PHASES = ("fwd", "bwd_dq", "bwd_dkv")
+VARLEN_PHASES = ("fwd", "bwd_dq", "bwd_dkv", "bwd_fused")
 
 #: float32 tiles of compute capability 8.6 and 8.9 (99 KiB shared per block).
 _SM86_89_TF32 = {
@@ -620,7 +654,7 @@ def check_config(
         if cfg.block_n != 16 * cfg.num_warps:
             problems.append(f"{phase} needs block_n == 16 * num_warps (16 keys per warp), got "
                             f"block_n={cfg.block_n}, num_warps={cfg.num_warps}")
-    rows_field = "block_n" if phase in ("bwd_dkv",) + KV_PHASES else "block_m"
+    rows_field = "block_n" if phase in ("bwd_dkv", "bwd_fused") + KV_PHASES else "block_m"
     rows = getattr(cfg, rows_field)
     if rows not in (16 * cfg.num_warps, 32 * cfg.num_warps):
         problems.append(
@@ -661,7 +695,9 @@ def resolve_arch(cc: tuple[int, int], max_shared: int | None = None) -> tuple[in
 
 
 def _entry_configs(entry) -> list[TileConfig]:
-    return [entry] if isinstance(entry, TileConfig) else list(entry.values())
+    if entry is None:
+        return []
+    return [entry] if isinstance(entry, TileConfig) else [c for c in entry.values() if c is not None]
 
 
 def _refine(entry, dtype: str, causal: bool) -> TileConfig:
@@ -726,7 +762,7 @@ def lookup(
     cc = (int(cc[0]), int(cc[1]))
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
-    dtypes = HALF_DTYPES if phase in KV_PHASES else TABLE_DTYPES
+    dtypes = HALF_DTYPES if phase in HALF_ONLY_PHASES else TABLE_DTYPES
     if dtype not in dtypes:
         raise ValueError(f"dtype {dtype!r} has no tile table for {phase}; expected one of "
                          f"{', '.join(dtypes)}")
@@ -766,6 +802,9 @@ def lookup(
             f"{', '.join(str(d) for d in sorted(TABLE[arch][phase]))}"
         )
     chosen = _refine(entry, dtype, bool(causal))
+    if chosen is None:  # a refinement to None: bwd_fused where the two-kernel scheme runs
+        raise ValueError(f"{phase} has no tiles for head_dim {head_dim}, {dtype}, causal={causal} "
+                         f"on sm_{arch[0]}{arch[1]} (fused_backward_tiles says None there)")
     if dtype == "float32" and cc not in SHARED_LIMIT:
         # resolve_arch picked the table by its 16-bit tiles; 4-byte rows may not fit a GPU
         # whose limit is between the two (TF32_TABLE fits every listed architecture)
@@ -789,10 +828,36 @@ def selectable_configs(cc: tuple[int, int], *, max_shared: int | None = None,
     out = set()
     for phase in (VARLEN_PHASES if varlen else PHASES):
         for head_dim in sorted(TABLE[arch][phase]):
-            for dtype in (HALF_DTYPES if phase in KV_PHASES else TABLE_DTYPES):
+            for dtype in (HALF_DTYPES if phase in HALF_ONLY_PHASES else TABLE_DTYPES):
                 entry = _table_entry(arch, phase, head_dim, varlen, dtype)
                 if entry is None:  # float32 where no tile fits (TF32_TABLE)
                     continue
                 for causal in (False, True):
-                    out.add((phase, head_dim, dtype, causal, _refine(entry, dtype, causal)))
+                    tiles = _refine(entry, dtype, causal)
+                    if tiles is not None:  # bwd_fused refined to None: no fused kernel there
+                        out.add((phase, head_dim, dtype, causal, tiles))
     return out
+
+
+def fused_backward_tiles(cc: tuple[int, int], head_dim: int, dtype: str, causal: bool, *,
+                         varlen: bool = False, max_shared: int | None = None):
+    """Tiles of the one-kernel mma.sync backward (phase ``bwd_fused``) for this variant, or
+    None where it has none and the deterministic two-kernel scheme runs instead: float32
+    inputs, head dims without a ``bwd_fused`` entry, and entries refined to None (where the
+    H200 measured the two-kernel scheme as fast or faster; see the sm_90 row). A
+    ``bwd_fused`` tile override (``CUPY_PIECEWISE_TILES``) forces the fused kernel.
+
+    Raises:
+        ValueError: as :func:`lookup` (a bad override, an unsupported GPU).
+    """
+    if dtype not in HALF_DTYPES:
+        return None
+    env = (env_override() or "").strip()
+    if env and "bwd_fused" in parse_override(env):
+        return lookup(cc, "bwd_fused", head_dim, dtype, causal, max_shared=max_shared,
+                      varlen=varlen)
+    arch = resolve_arch(cc, max_shared)
+    entry = _table_entry(arch, "bwd_fused", head_dim, varlen, dtype)
+    if entry is None or _refine(entry, dtype, bool(causal)) is None:
+        return None
+    return lookup(cc, "bwd_fused", head_dim, dtype, causal, max_shared=max_shared, varlen=varlen)

@@ -22,6 +22,7 @@ from .kernel_sources import kernel_dir
 #: kernel file per phase; the delta pre-pass lives with the backward kernels.
 SOURCE_FILE = {"fwd": "forward.cu", "fwd_decode": "forward.cu", "fwd_combine": "forward.cu",
                "bwd_dq": "backward.cu", "bwd_dkv": "backward.cu", "bwd_delta": "backward.cu",
+               "bwd_fused": "backward.cu", "bwd_dq_convert": "backward.cu",
                "fwd_sm90": "sm90/forward.cu", "bwd_sm90": "sm90/backward.cu",
                "bwd_sm90_det": "sm90/backward.cu", "bwd_sm90_prep": "sm90/backward.cu",
                "bwd_sm90_dq": "sm90/backward.cu", "kvcache": "kvcache.cu",
@@ -29,14 +30,17 @@ SOURCE_FILE = {"fwd": "forward.cu", "fwd_decode": "forward.cu", "fwd_combine": "
                "kvdecode_sm90": "sm90/kvdecode.cu"}
 _TEMPLATE = {"fwd": "pw_forward", "fwd_decode": "pw_forward", "fwd_combine": "pw_forward_combine",
              "bwd_dq": "pw_backward_dq", "bwd_dkv": "pw_backward_dkv",
-             "bwd_delta": "pw_backward_delta", "fwd_sm90": "pw90_forward",
+             "bwd_fused": "pw_backward_dkv",
+             "bwd_delta": "pw_backward_delta", "bwd_dq_convert": "pw_backward_dq_convert",
+             "fwd_sm90": "pw90_forward",
              "bwd_sm90": "pw90_bwd", "bwd_sm90_det": "pw90_bwd", "bwd_sm90_prep": "pw90_bwd_prep",
              "bwd_sm90_dq": "pw90_bwd_dq_convert", "kvcache": "pw_kvcache",
              "kvdecode": "pw_kvcache", "kv_append": "pw_kvcache_append",
              "kvdecode_sm90": "pw90_kvdecode"}
-#: helper kernels without tiles, 256 threads: a warp per row (bwd_delta, fwd_combine), a
-#: thread per 16-byte chunk (kv_append: the KV-cache append)
-ROW_KERNELS = ("bwd_delta", "fwd_combine", "kv_append")
+#: helper kernels without tiles, 256 threads: a warp per row (bwd_delta, fwd_combine,
+#: bwd_dq_convert: the fused backward's float32 dQ sums to dq1, dq2), a thread per 16-byte
+#: chunk (kv_append: the KV-cache append)
+ROW_KERNELS = ("bwd_delta", "fwd_combine", "kv_append", "bwd_dq_convert")
 #: kernels with their tiles fixed inside (wgmma + TMA; kernels_cu/sm90/): sm_90a only.
 #: bwd_sm90 computes all five gradients (dQ by float32 atomics), bwd_sm90_det only dK1, dK2,
 #: dV (deterministic mode: dQ from the mma.sync dq kernel); bwd_sm90_prep (delta, lse in
@@ -82,7 +86,9 @@ def source(filename: str) -> str:
 class Variant:
     """One template instantiation: everything that is a compile-time constant."""
 
-    phase: str  # 'fwd' | 'fwd_decode' | 'bwd_dq' | 'bwd_dkv' or a row kernel (ROW_KERNELS)
+    # 'fwd' | 'fwd_decode' | 'bwd_dq' | 'bwd_dkv' | 'bwd_fused' (pw_backward_dkv with FUSED:
+    # dQ by float32 atomics too) | 'kvcache' | 'kvdecode', or a row kernel (ROW_KERNELS)
+    phase: str
     dtype: str  # 'float16' | 'bfloat16' | 'float32' (mma.sync phases and their row kernels)
     head_dim: int
     tiles: TileConfig | None  # None for the row kernels (kvdecode_sm90: capability.kv90_tiles)
@@ -129,6 +135,8 @@ class Variant:
             if self.phase not in VARLEN_PHASES:
                 raise ValueError(f"phase {self.phase!r} has no packed-batch kernel")
             stages = ", true"
+        if self.phase == "bwd_fused":  # pw_backward_dkv's FUSED flag follows VARLEN
+            stages = f", {'true' if self.varlen else 'false'}, true"
         return (f"{_TEMPLATE[self.phase]}<{elem}, {self.head_dim}, {t.block_m}, {t.block_n}, "
                 f"{t.num_warps}, {causal}{stages}>")
 

@@ -74,29 +74,26 @@ def _tiles(cc: tuple[int, int], max_shared: int | None = None) -> dict:
     """{phase: {head_dim: 'BMxBNxWARPSxSTAGES'}} for float16, non-causal, or an error."""
     from . import capability
 
+    def row(arch, phase: str, dtype: str) -> dict:
+        # each phase's own head dims (the KV-cache phases and bwd_fused have fewer than the
+        # forward); "none" where the variant shown has no kernel (TF32_TABLE's None for
+        # float32, bwd_fused refined to None)
+        out = {}
+        for d in capability.head_dims(cc):
+            if d in capability.TABLE[arch][phase]:
+                try:
+                    out[d] = str(capability.lookup(cc, phase, d, dtype, False,
+                                                   max_shared=max_shared))
+                except ValueError:
+                    out[d] = "none"
+        return out
+
     try:
         arch = capability.resolve_arch(cc, max_shared)
-        table = {}
-        for phase in capability.PHASES:
-            # each phase's own head dims: the KV-cache phases have fewer than the forward
-            table[phase] = {
-                d: str(capability.lookup(cc, phase, d, "float16", False, max_shared=max_shared))
-                for d in capability.head_dims(cc) if d in capability.TABLE[arch][phase]
-            }
-        # float32 (TF32) tiles of the attention phases, "none" where TF32_TABLE has no kernel
-        f32 = {}
-        for phase in capability.PHASES:
-            if phase in capability.KV_PHASES:
-                continue
-            row = {}
-            for d in capability.head_dims(cc):
-                if d in capability.TABLE[arch][phase]:
-                    try:
-                        row[d] = str(capability.lookup(cc, phase, d, "float32", False,
-                                                       max_shared=max_shared))
-                    except ValueError:
-                        row[d] = "none"
-            f32[phase] = row
+        table = {phase: row(arch, phase, "float16") for phase in capability.PHASES}
+        # float32 (TF32) tiles of the attention phases
+        f32 = {phase: row(arch, phase, "float32") for phase in capability.PHASES
+               if phase not in capability.HALF_ONLY_PHASES}
         return {"table_arch": f"sm_{arch[0]}{arch[1]}", "tiles": table, "tiles_float32": f32,
                 "forward_path": _forward_path(cc), "backward_path": _backward_path(cc),
                 "decode_path": _decode_path(cc)}

@@ -517,9 +517,11 @@ def backward_launches(problem, strides, *, deterministic: bool = False):
     With ``M == 0`` the dk/dv kernel still runs and writes zeros.
 
     On a compute capability 9.0 GPU the Hopper backward (:class:`HopperBackward`) runs when
-    :func:`use_hopper_backward` says so; otherwise the mma.sync kernels (delta pre-pass, dq,
-    dk/dv), which are deterministic. ``deterministic`` makes the Hopper path bitwise
-    reproducible (dQ by the mma.sync dq kernel instead of float32 atomics).
+    :func:`use_hopper_backward` says so; otherwise the mma.sync kernels: for float16 and
+    bfloat16 the one-kernel backward (:func:`fused_backward_steps`: dQ by float32 atomics),
+    for float32, or with ``deterministic``, the delta pre-pass, dq and dk/dv kernels, which
+    are bitwise reproducible. ``deterministic`` makes the Hopper path reproducible too (dQ by
+    the mma.sync dq kernel instead of float32 atomics).
     """
     _check_grid(problem)
     _driver()
@@ -527,6 +529,11 @@ def backward_launches(problem, strides, *, deterministic: bool = False):
     views = dict(zip(names, map(tuple, strides)))
     if use_hopper_backward(problem) and _tma_describable(problem, strides[:5], strides[6]):
         return HopperBackward(problem, views, deterministic)
+    if use_fused_backward(problem, deterministic):
+        rows = problem.B * problem.H * problem.M
+        steps, acc_bytes = fused_backward_steps(problem, rows), 4 * rows * problem.D
+        return Launches(problem.device, BACKWARD_ARRAYS, views, steps, _pack(problem, views),
+                        workspace_bytes=2 * acc_bytes, ws_offset=acc_bytes)
     steps = []
     if problem.M > 0:
         steps += _mma_dq_steps(problem)
@@ -535,6 +542,40 @@ def backward_launches(problem, strides, *, deterministic: bool = False):
         steps.append(_step(problem, dkv, (math.ceil(problem.N / dkv.tiles.block_n), problem.Hkv,
                                           problem.B)))
     return Launches(problem.device, BACKWARD_ARRAYS, views, steps, _pack(problem, views))
+
+
+def use_fused_backward(problem, deterministic: bool, varlen: bool = False) -> bool:
+    """True when ``problem``'s mma.sync backward is the one-kernel scheme (phase
+    ``bwd_fused``): not ``deterministic``, query rows (with none there is no dQ, and the
+    dk/dv kernel alone writes the zeros), and a ``bwd_fused`` tile for the variant
+    (:func:`capability.fused_backward_tiles`: float16/bfloat16, where the table has one)."""
+    if deterministic or problem.M == 0 or problem.dtype not in capability.HALF_DTYPES:
+        return False
+    return capability.fused_backward_tiles(_compute_capability(problem.device), problem.D,
+                                           problem.dtype, problem.causal,
+                                           varlen=varlen) is not None
+
+
+def fused_backward_steps(problem, rows: int, varlen: bool = False) -> list:
+    """The launches of the one-kernel mma.sync backward over ``rows`` query rows (``B * H *
+    M``, or ``H * total_q`` for a packed batch, which the row kernels see as batch 1):
+
+    1. ``bwd_delta``: delta, and zeroes both float32 dQ accumulators (``Params.dq_acc1``,
+       ``dq_acc2``: the workspace, two (rows, D) float32 arrays, set by :meth:`Launches.run`);
+    2. ``bwd_fused`` (when there are keys): one block per (key tile, kv head, batch entry or
+       sequence) writes dk1, dk2, dv and adds dQ1, dQ2 to the accumulators;
+    3. ``bwd_dq_convert``: dq1, dq2 = sm_scale x the accumulators, in the input dtype.
+    """
+    batch = 1 if varlen else problem.B
+    per_batch = rows // batch
+    helper = (math.ceil(per_batch / 8), batch, 1)
+    steps = [_step(problem, plan(problem, "bwd_delta"), helper)]
+    if problem.N > 0:
+        main = plan(problem, "bwd_fused", varlen=varlen)
+        steps.append(_step(problem, main, (math.ceil(problem.N / main.tiles.block_n),
+                                           problem.Hkv, problem.B)))
+    steps.append(_step(problem, plan(problem, "bwd_dq_convert"), helper))
+    return steps
 
 
 def _mma_dq_steps(problem) -> list:
@@ -766,8 +807,8 @@ def backward(problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, del
     (B, H, M) arrays (``delta`` is scratch). dk/dv of a grouped-query problem are summed
     over the query heads of each group in the kernel. ``workspace``: ``nbytes ->
     (keepalive, device pointer)`` on the caller's stream, required by the Hopper backward
-    (without it the mma.sync kernels run). ``deterministic``: bitwise-reproducible
-    gradients (see :func:`backward_launches`). ``dlse``: pointer of a contiguous float32
+    and the one-kernel mma.sync backward (float16, bfloat16; :func:`use_fused_backward`).
+    ``deterministic``: bitwise-reproducible gradients (see :func:`backward_launches`). ``dlse``: pointer of a contiguous float32
     (B, H, M) gradient of ``lse`` (0: none), subtracted from delta by the pre-pass.
     ``dq_accumulator``, ``statistics``: pointers of a caller's float32 dQ accumulator and
     statistics buffer (:func:`backward_shared_bytes`; 0: none); the call then adds its dQ
@@ -789,7 +830,8 @@ def backward(problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, del
         return
     if launches.workspace_bytes:
         if workspace is None:
-            raise ValueError("the Hopper backward needs a workspace allocator")
+            raise ValueError("this backward (Hopper, or the fused mma.sync one) needs a "
+                             "workspace allocator")
         keep, ws = workspace(launches.workspace_bytes)
     launches.run(ptrs, stream, ws)
     del keep

@@ -140,10 +140,12 @@ def backward_launches(problem, shape: VarlenShape, strides, *, deterministic: bo
     On an H100/H200 where :func:`use_hopper_backward` holds and tensor maps can describe
     the strides: :class:`cupy_piecewise.launch.HopperBackward` with ``packed=shape`` (dQ by
     float32 atomics; ``deterministic``: dQ by the packed mma.sync dq kernel instead).
-    Otherwise the mma.sync kernels, always deterministic: the delta pre-pass over all
-    ``H * total_q`` rows, the dq kernel over (query tile, head, sequence) and the dk/dv
-    kernel over (key tile, kv head, sequence), which writes zeros for keys of sequences
-    without queries.
+    Otherwise the mma.sync kernels: for float16 and bfloat16 (not ``deterministic``) the
+    one-kernel backward (:func:`cupy_piecewise.launch.fused_backward_steps` over the
+    ``H * total_q`` rows; dQ by float32 atomics into a workspace of ``workspace_bytes``);
+    else the deterministic scheme: the delta pre-pass over all ``H * total_q`` rows, the dq
+    kernel over (query tile, head, sequence) and the dk/dv kernel over (key tile, kv head,
+    sequence). Either writes zeros for keys of sequences without queries.
 
     ``strides``: element strides of the packed q1, k1, q2, k2, v, o, dout, dq1, dk1, dq2,
     dk2, dv. ``run`` takes the pointers of :data:`BACKWARD_ARRAYS` (lse, delta and dlse:
@@ -163,6 +165,12 @@ def backward_launches(problem, shape: VarlenShape, strides, *, deterministic: bo
                                   _dq_steps(problem, shape), _template(problem, shape, views))
         return launch.HopperBackward(problem, {n: _view4(st) for n, st in zip(names, strides)},
                                      deterministic, packed=shape, mma=mma)
+    if shape.total_q > 0 and launch.use_fused_backward(problem, deterministic, varlen=True):
+        rows = problem.H * shape.total_q
+        steps, acc_bytes = launch.fused_backward_steps(problem, rows, varlen=True), 4 * rows * problem.D
+        return launch.Launches(problem.device, BACKWARD_ARRAYS, views, steps,
+                               _template(problem, shape, views), workspace_bytes=2 * acc_bytes,
+                               ws_offset=acc_bytes)
     steps = []
     if problem.M > 0 and shape.total_q > 0:
         steps += _dq_steps(problem, shape)

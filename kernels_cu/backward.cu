@@ -1,9 +1,16 @@
-// Backward pass: a delta pre-pass, then two kernels that each own one side of the score
-// matrix and recompute scores from the saved log-sum-exp:
+// Backward pass, two schemes sharing the delta pre-pass and the dk/dv kernel:
+//
+// Deterministic (two kernels that each own one side of the score matrix and recompute
+// scores from the saved log-sum-exp; no atomics, bitwise reproducible):
 //   pw_backward_dq:  one block per (query tile, head, batch)  -> dq1, dq2
 //   pw_backward_dkv: one block per (key tile, kv head, batch)  -> dk1, dk2, dv, summing the
 //                    query heads of its grouped-query group on chip.
-// Neither needs atomics, so results are deterministic.
+// Fused (the default for 16-bit inputs; FlashAttention-2's scheme): pw_backward_dkv built
+// with FUSED also computes, per streamed query tile, dQ_pair += dS_pair K_pair and adds it to
+// a float32 accumulator in global memory with atomics (red.global.add); the pre-pass zeroes
+// the accumulator and pw_backward_dq_convert turns it into dq1, dq2. Five products per tile
+// visit (S, dP, dV, dK, dQ) instead of the two kernels' seven (the dq kernel recomputes S and
+// dP), at the price of float32 reductions in L2 and of run-to-run bit differences in dq.
 //
 // A row of dq (a row of dk) receives pair-2 terms from the keys (queries) on one side of the
 // d = w line and pair-1 terms from the other side, overlapping only in the few tiles that
@@ -43,12 +50,129 @@ __global__ void __launch_bounds__(256) pw_backward_delta(const Params p) {
   }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  const i64 idx = (b * p.H + h) * p.M + i;
   if (lane == 0) {
     // A gradient into lse enters as ds = p * (dp - delta + dlse): subtract it here. A row
     // with lse = -inf (no admissible key) has p = 0 and takes none (dlse may be anything).
-    const i64 idx = (b * p.H + h) * p.M + i;
     if (p.dlse != nullptr && p.lse[idx] != PW_NEG_INF) acc -= p.dlse[idx];
     p.delta[idx] = acc;
+  }
+  if (p.dq_acc1 != nullptr) {  // the fused backward's dQ accumulators: this row of both
+    float4* a1 = reinterpret_cast<float4*>(p.dq_acc1 + idx * D);
+    float4* a2 = reinterpret_cast<float4*>(p.dq_acc2 + idx * D);
+    for (int c = lane; c < D / 4; c += 32) a1[c] = a2[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+// dq_pair = sm_scale * dq_acc_pair: the fused backward's float32 sums (pw_backward_dkv with
+// FUSED) in the input dtype, after that kernel. The grid of the delta pre-pass: a warp per
+// row over H * M rows (blockIdx.y = batch; a packed batch is one entry of H * total_q rows),
+// each lane converting runs of eight elements (two float4 loads, one 16-byte store).
+template <typename T, int D>
+__global__ void __launch_bounds__(256) pw_backward_dq_convert(const Params p) {
+  static_assert(Elem<T>::width == 1, "the fused backward is built for 16-bit inputs only");
+  const i64 row = (i64)blockIdx.x * 8 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.M * p.H) return;
+  const i64 b = blockIdx.y, h = row / p.M, i = row % p.M;
+  const i64 idx = (b * p.H + h) * p.M + i;
+#pragma unroll
+  for (int pair = 0; pair < 2; ++pair) {
+    const float4* src = reinterpret_cast<const float4*>((pair ? p.dq_acc2 : p.dq_acc1) + idx * D);
+    const Tensor& out = pair ? p.dq2 : p.dq1;
+    u16* dst = out.mut(b, h) + i * out.sr;
+    for (int c = lane; c < D / 8; c += 32) {
+      const float4 x = src[2 * c], y = src[2 * c + 1];
+      const float s = p.sm_scale;
+      uint4 v;
+      v.x = Elem<T>::pack(x.x * s, x.y * s);
+      v.y = Elem<T>::pack(x.z * s, x.w * s);
+      v.z = Elem<T>::pack(y.x * s, y.y * s);
+      v.w = Elem<T>::pack(y.z * s, y.w * s);
+      *reinterpret_cast<uint4*>(dst + 8 * c) = v;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- fused dQ (FUSED builds)
+PW_DEVICE void sts32(u32 addr, u32 v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+// Two adjacent float32 sums into global memory, without a return value (red: the L2 adds).
+PW_DEVICE void red_add2(float* at, float x0, float x1) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(at), "f"(x0), "f"(x1) : "memory");
+#else
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(at), "f"(x0) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(at + 1), "f"(x1) : "memory");
+#endif
+}
+
+// The warp's dSᵀ fragments (its 16MW keys x the tile's BM queries), rounded to T, into the
+// block's key-major dS buffer (BwdDkvTraits: BN rows, pitch PB bytes); sDS is the warp's
+// first row. Rows at or past `keys` (keys past the end of K) are stored as zeros: their
+// scores are 0 rather than masked, so their P = 2^-lse2 can be huge or infinite, and a
+// zero row of K would turn that into NaN (the dk/dv kernel never stores such rows).
+// Unscaled: the float16 range concern of fit_rows is met the way the Hopper backward meets
+// it, by the caller's loss scaling (tolerance.float16_loss_scale).
+template <typename T, int BM, int MW, int PB>
+PW_DEVICE void stash_ds(u32 sDS, const float x[MW][BM / 8][4], int keys, int lane) {
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi) {
+    const bool lo = mi * 16 + lane / 4 < keys, hi = mi * 16 + lane / 4 + 8 < keys;
+#pragma unroll
+    for (int nb = 0; nb < BM / 8; ++nb) {
+      const u32 at = sDS + (mi * 16 + lane / 4) * PB + (nb * 8 + 2 * (lane % 4)) * 2;
+      sts32(at, lo ? Elem<T>::pack(x[mi][nb][0], x[mi][nb][1]) : 0u);
+      sts32(at + 8 * PB, hi ? Elem<T>::pack(x[mi][nb][2], x[mi][nb][3]) : 0u);
+    }
+  }
+}
+
+// acc[query row, :] += dS (BM x BN: the block's buffer, read transposed) · K (BN x D: the
+// block's key tile of the pass's projection), for the tile's rows below `nvalid`; acc points
+// at the float32 accumulator row of the tile's first query (D floats a row).
+// The warps split the product into (16-row block, 16-column pair) units: with R = BM/16 row
+// blocks and W warps, each warp takes R/W row blocks whole (R >= W), or one row block and
+// every (W/R)-th column pair (R < W).
+// A thread's accumulator fragment gives (row g, columns 2t, 2t+1): one v2 reduction each.
+template <typename T, int D, int BM, int BN, int WARPS, int PB>
+PW_DEVICE void add_dq(float* acc, int nvalid, u32 sDS, u32 sK, int warp, int lane) {
+  constexpr int R = BM / 16, CP = D / 16;
+  static_assert(R % WARPS == 0 || WARPS % R == 0, "warps split the row blocks evenly");
+  constexpr int RPW = R >= WARPS ? R / WARPS : 1;  // row blocks per warp
+  constexpr int WPR = R >= WARPS ? 1 : WARPS / R;  // warps per row block
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+    const int rb = R >= WARPS ? warp * RPW + i : warp / WPR;
+    // A(query, key) from the key-major buffer, k-step kk at a_row + kk * 16 rows
+    const u32 a_row = sDS + ((lane & 7) + 8 * (lane >> 4)) * PB + (rb * 16 + 8 * ((lane >> 3) & 1)) * 2;
+    const int r = rb * 16 + lane / 4;
+    float* row_lo = acc + (i64)r * D + 2 * (lane % 4);
+    float* row_hi = row_lo + 8 * D;
+#pragma unroll 1
+    for (int cp = WPR > 1 ? warp % WPR : 0; cp < CP; cp += WPR) {
+      float c[2][4];
+      zero_n<8>(&c[0][0]);
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        // A is re-read per column pair rather than held (BN/4 registers): the dk/dv
+        // accumulators leave none to spare at D = 128 or with 32-row warps
+        u32 a[4], b[4];
+        ldsm_x4_trans(a, a_row + kk * 16 * PB);
+        ldsm_x4_trans(b, sK + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * Pitch<D>::bytes +
+                             (cp * 16 + (lane / 16) * 8) * 2);
+        Elem<T>::mma(c[0], a, b[0], b[1]);
+        Elem<T>::mma(c[1], a, b[2], b[3]);
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = cp * 16 + j * 8;
+        if (r < nvalid) red_add2(row_lo + col, c[j][0], c[j][1]);
+        if (r + 8 < nvalid) red_add2(row_hi + col, c[j][2], c[j][3]);
+      }
+    }
   }
 }
 
@@ -153,10 +277,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
   }
 }
 
-template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
+template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false,
+          bool FUSED = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p) {
+  static_assert(!FUSED || Elem<T>::width == 1, "the fused backward is built for 16-bit inputs");
   constexpr int DS = D * Elem<T>::width;  // a row in 16-bit units (common.cuh, Elem)
-  using L = BwdDkvTraits<DS, BM, BN, WARPS>;  // shared-memory layout and warp split (traits.cuh)
+  // shared-memory layout and warp split (traits.cuh)
+  using L = BwdDkvTraits<DS, BM, BN, WARPS, FUSED>;
   constexpr int MW = L::MW;                  // 16-row (key) blocks per warp (1 or 2)
   constexpr int THREADS = L::threads;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -311,10 +438,23 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
             s[mi][nb][e] *= unscale[mi][e / 2] *
                             (dp[mi][nb][e] - ss[L::delta_in_stage + frag_col(nb, e, lane)]);
       if (mode == 3) keep_pair<BM, MW, true>(s, pair, g, lane);
+      if constexpr (FUSED)
+        stash_ds<T, BM, MW, L::ds_pitch_bytes>(
+            smem_addr(smem + L::ds_offset + warp * L::warp_rows * L::ds_pitch_bytes), s,
+            (int)clamp64(N - row0, 0, L::warp_rows), lane);
       fit_rows<T, BM / 8, D / 8, MW>(s, dk, ex_k);
       // dk_pair = dS_pair^T q_pair: q2 follows q1 in a stage (traits.cuh).
       mma_xb<T, D, BM, MW>(dk, s, smem_addr(st + L::q1_in_stage + (pair - 1) * L::q_tile_elems),
                            lane);
+      if constexpr (FUSED) {
+        __syncthreads();  // every warp's dS rows are in the buffer
+        // dq_pair rows [m0, m0 + BM) of head h += dS_pair k_pair (k2 follows k1, traits.cuh)
+        float* acc = (pair == 1 ? p.dq_acc1 : p.dq_acc2) +
+                     (stat_row0<VARLEN>(p, sq, b, h) + m0) * D;
+        add_dq<T, D, BM, BN, WARPS, L::ds_pitch_bytes>(
+            acc, (int)min((i64)BM, M - m0), smem_addr(smem + L::ds_offset),
+            smem_addr(smem + L::k1_offset + (pair - 1) * L::k_tile_bytes), warp, lane);
+      }
     });
     float scale[MW][2];
     unscale_rows<MW>(scale, ex_k, p.sm_scale);

@@ -27,8 +27,18 @@ struct Params {
   // split s covers key tiles [s*split_tiles, (s+1)*split_tiles) and writes its normalised
   // partial output and log-sum-exp, which pw_forward_combine merges. nsplit == 1: no split.
   i64 nsplit, split_tiles;
-  float* o_part;    // (nsplit, B, H, M, D) float32
-  float* lse_part;  // (nsplit, B, H, M) float32, natural log
+  // The split-KV forward's partial results; the fused backward's float32 dQ accumulators
+  // (pw_backward_dkv with FUSED: dq_acc1, dq_acc2, each (B, H, M, D), or (H, total_q, D)
+  // packed; zeroed by pw_backward_delta, read by pw_backward_dq_convert). The host fills
+  // both from one workspace pointer (launch.Launches.run).
+  union {
+    float* o_part;  // (nsplit, B, H, M, D) float32
+    float* dq_acc1;
+  };
+  union {
+    float* lse_part;  // (nsplit, B, H, M) float32, natural log
+    float* dq_acc2;
+  };
   // Position shift P of d(i, j) = i + P - j: N - M by default, q_offset - k_offset with
   // position offsets (clamped by the host to [-M, N], with w to match).
   i64 shift;

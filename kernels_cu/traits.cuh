@@ -109,7 +109,12 @@ template <int D, int BM, int BN, int WARPS> struct BwdDqTraits : TileTraitsBase<
 // pw_backward_dkv (phase bwd_dkv; backward.cu). Rows of the block are keys; query tiles and
 // their row statistics stream through the stages.
 //   [k1 | k2 | v | stage 0: q1, q2, dO | stage 1: q1, q2, dO | stage 0: lse, delta | stage 1: ...]
-template <int D, int BM, int BN, int WARPS> struct BwdDkvTraits : TileTraitsBase<D, BN, WARPS> {
+// FUSED (the one-kernel backward, dQ by float32 atomics) appends one buffer:
+//   [... | dS of the current tile, key-major: BN rows of BM 16-bit entries, pitch BM + 8]
+// The pitch of BM + 8 puts the eight 16-byte rows an ldmatrix phase reads, and the 32-bit
+// stores of one fragment row, in distinct banks for every BM in {16, 32, 64, 128}.
+template <int D, int BM, int BN, int WARPS, bool FUSED = false>
+struct BwdDkvTraits : TileTraitsBase<D, BN, WARPS> {
   using Base = TileTraitsBase<D, BN, WARPS>;
   static constexpr int block_m = BM, block_n = BN;
   static constexpr int k_tile_elems = BN * Base::pitch;
@@ -133,9 +138,14 @@ template <int D, int BM, int BN, int WARPS> struct BwdDkvTraits : TileTraitsBase
   static constexpr int delta_in_stage = BM;  // floats: delta of the tile's BM rows
   static constexpr int stats_stage_floats = PW_STATS_PER_ROW * BM;
   static constexpr int stats_stage_bytes = stats_stage_floats * (int)sizeof(float);
-  static constexpr int smem_bytes = stats_offset + Base::stages * stats_stage_bytes;
+  static constexpr int ds_offset = stats_offset + Base::stages * stats_stage_bytes;
+  static constexpr int ds_pitch = BM + 8;  // elements (always 16-bit: FUSED is 16-bit only)
+  static constexpr int ds_pitch_bytes = ds_pitch * PW_ELEM_BYTES;
+  static constexpr int ds_bytes = FUSED ? BN * ds_pitch_bytes : 0;
+  static constexpr int smem_bytes = ds_offset + ds_bytes;
   static_assert(q_offset % PW_SMEM_ALIGN == 0 && stage_bytes % PW_SMEM_ALIGN == 0 &&
-                    stats_offset % PW_SMEM_ALIGN == 0 && stats_stage_bytes % PW_SMEM_ALIGN == 0,
+                    stats_offset % PW_SMEM_ALIGN == 0 && stats_stage_bytes % PW_SMEM_ALIGN == 0 &&
+                    ds_offset % PW_SMEM_ALIGN == 0 && ds_pitch_bytes % PW_SMEM_ALIGN == 0,
                 "buffers start on 16-byte boundaries");
 };
 

@@ -1,7 +1,7 @@
 """Forward and backward once for every kernel variant the capability table can select on
 this GPU (every head dim, dtype and causal flag of its row, the decode split-KV kernel and
 its combine, the row kernels), on the mma.sync path and on the Hopper path (forward and
-backward, fused dQ and deterministic mode), at sizes that are not tile multiples, with
+backward, fused dQ and deterministic mode on both), at sizes that are not tile multiples, with
 position offsets and a gradient into lse; the KV-cache kernels; the packed-batch (varlen)
 kernels; then torch tensors through the memoised path.
 
@@ -60,7 +60,9 @@ for path in (("mma", "hopper") if hopper else ("mma",)) if "dense" not in _skip 
     for D in dims:
         for dtype in _dtypes(path, D):
             for causal in (False, True):
-                for det in (False, True) if path == "hopper" else (False,):
+                # both backward schemes: dQ by float32 atomics (the Hopper kernel, or the
+                # mma.sync one-kernel backward where the table has it) and deterministic
+                for det in (False, True):
                     # position offsets (P = 40, not N - M = 51) and a gradient into lse
                     run_case(D=D, dtype=dtype, causal=causal, M=150, N=201, w=40, group=2,
                              transposed=(D == 128), deterministic=det, q_offset=40, k_offset=0,
@@ -151,7 +153,9 @@ from test_varlen_gpu import run_packed  # noqa: E402
 for D in _dims(capability.head_dims(cc)) if "varlen" not in _skip else ():
     for dtype in _dtypes("mma", D):
         for causal in (False, True):
-            run_packed([65, 0, 3], [40, 9, 129], D=D, dtype=dtype, causal=causal, w=20)
+            for det in (False, True):  # the one-kernel backward where the table has it; two kernels
+                run_packed([65, 0, 3], [40, 9, 129], D=D, dtype=dtype, causal=causal, w=20,
+                           deterministic=det)
             if hopper and D in capability.HOPPER_HEAD_DIMS and dtype != "float32":  # the Hopper packed kernels
                 os.environ[capability.PATH_VAR] = "hopper"
                 capability.refresh_env_override()

@@ -51,14 +51,18 @@ def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatc
     assert set(head_dims) >= {16, 32, 64, 80, 96, 128, 256}
     table = capability.TABLE[SM90]
 
-    def dtypes(phase):  # float32 (TF32) runs the mma.sync phases; the KV-cache ones are 16-bit
-        return capability.HALF_DTYPES if phase in capability.KV_PHASES else capability.TABLE_DTYPES
+    # float32 (TF32) runs the mma.sync phases; the KV-cache ones and the fused backward are 16-bit
+    def dtypes(phase):
+        return capability.HALF_DTYPES if phase in capability.HALF_ONLY_PHASES else capability.TABLE_DTYPES
 
-    def offered(ph, d, dt):  # TF32_TABLE's None: no float32 kernel at that head dim
+    def offered(ph, d, dt, c=False):
+        # TF32_TABLE's None: no float32 kernel at that head dim; bwd_fused refined to None
+        if ph == "bwd_fused":
+            return capability.fused_backward_tiles(SM90, d, dt, c) is not None
         return not (dt == "float32" and capability.TF32_TABLE[SM90].get(ph, {}).get(d, 0) is None)
 
     expected = {(ph, d, dt, c) for ph in capability.PHASES for d in table[ph]
-                for dt in dtypes(ph) for c in (False, True) if offered(ph, d, dt)}
+                for dt in dtypes(ph) for c in (False, True) if offered(ph, d, dt, c)}
     assert set(got) == expected
     assert "float32" in capability.TABLE_DTYPES
     for (phase, head_dim, dtype, causal), tiles in got.items():
@@ -66,15 +70,20 @@ def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatc
     # the packed-batch (VARLEN) kernels, with their own tiles where VARLEN_TABLE says so
     packed = {(v.phase, v.head_dim, v.dtype, v.causal): v.tiles for v in variants if v.varlen}
     assert set(packed) == {(ph, d, dt, c) for ph in capability.VARLEN_PHASES for d in table[ph]
-                           for dt in capability.TABLE_DTYPES for c in (False, True)
-                           if offered(ph, d, dt)}
+                           for dt in dtypes(ph) for c in (False, True)
+                           if offered(ph, d, dt, c)}
     for (phase, head_dim, dtype, causal), tiles in packed.items():
         assert tiles == capability.lookup(SM90, phase, head_dim, dtype, causal, varlen=True)
     kv_dims = set(table["kvcache"])
-    for row_kernel in ROW_KERNELS:  # the delta pre-pass, the split-KV combine, the KV append
+    # the delta pre-pass, the split-KV combine, the KV append, the fused backward's dQ conversion
+    for row_kernel in ROW_KERNELS:
         have = {(v.head_dim, v.dtype) for v in variants if v.phase == row_kernel}
         dims = kv_dims if row_kernel == "kv_append" else set(head_dims)
-        kinds = capability.HALF_DTYPES if row_kernel == "kv_append" else capability.TABLE_DTYPES
+        half = row_kernel in ("kv_append", "bwd_dq_convert")
+        kinds = capability.HALF_DTYPES if half else capability.TABLE_DTYPES
+        if row_kernel == "bwd_dq_convert":  # beside every fused kernel
+            assert have == {(d, dt) for ph, d, dt, c in expected if ph == "bwd_fused"}
+            continue
         assert have == {(d, dt) for d, dt in itertools.product(dims, kinds)
                         if offered("fwd", d, dt)}, row_kernel
     hopper = build_check.variants_for(SM90, hopper=True)

@@ -21,6 +21,9 @@ from cupy_piecewise.capability import (
 
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = ("float16", "bfloat16")
+#: phases with an entry for every head dim and variant (bwd_fused has entries only where the
+#: one-kernel backward won, some refined to None: test_fused_backward_tiles_follow_the_table)
+DENSE_PHASES = tuple(p for p in PHASES if p != "bwd_fused")
 
 
 @pytest.fixture(autouse=True)
@@ -35,6 +38,8 @@ def _all_entries():
             for head_dim, entry in TABLE[cc][phase].items():
                 configs = [entry] if isinstance(entry, TileConfig) else list(entry.values())
                 for cfg in configs:
+                    if cfg is None:  # bwd_fused refined to None: the two-kernel scheme
+                        continue
                     yield cc, phase, head_dim, cfg
 
 
@@ -43,6 +48,9 @@ def test_table_covers_every_listed_arch_phase_and_head_dim():
     for cc in LISTED_ARCHS:
         assert set(TABLE[cc]) == set(PHASES)
         for phase in PHASES:
+            if phase == "bwd_fused":  # only where it beat the two-kernel scheme (64, 128)
+                assert set(TABLE[cc][phase]) <= set(TABLE[cc]["bwd_dkv"]), cc
+                continue
             assert set(HEAD_DIMS) <= set(TABLE[cc][phase]), (cc, phase)
 
 
@@ -84,7 +92,7 @@ def test_table_lookups_and_refinement():
 
 @pytest.mark.parametrize("cc", LISTED_ARCHS)
 def test_lookup_returns_table_entry(cc):
-    for phase in PHASES:
+    for phase in DENSE_PHASES:
         for d in HEAD_DIMS:
             entry = TABLE[cc][phase][d]
             for dtype in DTYPES:
@@ -99,8 +107,9 @@ def test_selectable_configs_cover_lookup(cc):
     arch = cap.resolve_arch(cc)
     expected = set()
     for phase in PHASES:
-        # float32 (TF32) runs the mma.sync attention phases, not the KV-cache ones
-        dtypes = cap.HALF_DTYPES if phase in cap.KV_PHASES else cap.TABLE_DTYPES
+        # float32 (TF32) runs the mma.sync attention phases, not the KV-cache ones nor the
+        # fused backward (float32 takes the deterministic one)
+        dtypes = cap.HALF_DTYPES if phase in cap.HALF_ONLY_PHASES else cap.TABLE_DTYPES
         for d in TABLE[arch][phase]:
             for dtype in dtypes:
                 if dtype == "float32" and cap.TF32_TABLE.get(arch, {}).get(phase, {}).get(d, 0) is None:
@@ -108,6 +117,8 @@ def test_selectable_configs_cover_lookup(cc):
                         lookup(cc, phase, d, dtype, False)
                     continue
                 for causal in (False, True):
+                    if phase == "bwd_fused" and cap.fused_backward_tiles(cc, d, dtype, causal) is None:
+                        continue  # refined to None: no fused kernel to select
                     expected.add((phase, d, dtype, causal, lookup(cc, phase, d, dtype, causal)))
     assert configs == expected
     assert any(c[2] == "float32" for c in configs)
@@ -163,7 +174,7 @@ def test_selectable_configs_ignore_env(monkeypatch):
 )
 def test_fallback_for_unlisted_gpu(cc, arch):
     assert cap.resolve_arch(cc) == arch
-    for phase in PHASES:
+    for phase in DENSE_PHASES:
         for d in HEAD_DIMS:
             assert lookup(cc, phase, d, "float16", False) == lookup(arch, phase, d, "float16", False)
 
@@ -172,7 +183,8 @@ def test_fallback_uses_device_shared_limit():
     assert cap.resolve_arch((9, 5), max_shared=232448) == (9, 0)
     assert cap.resolve_arch((9, 5), max_shared=166912) == (8, 9)  # sm_90 D128 fwd needs 174080
     # Whatever is picked fits the stated limit.
-    for cfg in (lookup((11, 0), p, d, "float16", False, max_shared=120000) for p in PHASES for d in HEAD_DIMS):
+    for cfg in (lookup((11, 0), p, d, "float16", False, max_shared=120000) for p in DENSE_PHASES
+                for d in HEAD_DIMS):
         assert isinstance(cfg, TileConfig)
 
 
@@ -380,7 +392,7 @@ def test_info_tile_tables_list_each_phase_with_its_own_head_dims():
             assert set(row) == set(cap.TABLE[arch][phase]) & set(cap.head_dims(cc)), phase
         assert entry["decode_path"]
         # float32: the attention phases only, 256 without a kernel, the rest the TF32 lookup
-        assert set(entry["tiles_float32"]) == set(cap.PHASES) - set(cap.KV_PHASES)
+        assert set(entry["tiles_float32"]) == set(cap.PHASES) - set(cap.HALF_ONLY_PHASES)
         for phase, row in entry["tiles_float32"].items():
             assert row[256] == "none" and row[64] == str(cap.lookup(cc, phase, 64, "float32", False))
 
@@ -397,3 +409,38 @@ def test_has_float32_kernels():
     for cc in LISTED_ARCHS:
         assert not has_float32_kernels(cc, 256)  # TF32_TABLE: no kernel at 256 anywhere
         assert has_float32_kernels(cc, 64) and has_float32_kernels(cc, 128)
+
+
+@pytest.mark.parametrize("cc", LISTED_ARCHS)
+def test_fused_backward_tiles_follow_the_table(cc, monkeypatch):
+    """fused_backward_tiles: None for float32, for head dims without a bwd_fused entry and
+    where an entry is refined to None (the two-kernel scheme runs there); otherwise
+    lookup's tiles, which fit the architecture. A bwd_fused override forces the kernel."""
+    monkeypatch.delenv(cap.ENV_VAR, raising=False)
+    cap.refresh_env_override()
+    arch = cap.resolve_arch(cc)
+    entries = TABLE[arch]["bwd_fused"]
+    some = False
+    for d in cap.head_dims(cc):
+        for dtype in cap.TABLE_DTYPES:
+            for causal in (False, True):
+                got = cap.fused_backward_tiles(cc, d, dtype, causal)
+                entry = entries.get(d)
+                want = None if dtype == "float32" or entry is None else cap._refine(entry, dtype, causal)
+                assert got == want, (d, dtype, causal)
+                if got is not None:
+                    some = True
+                    assert got == lookup(cc, "bwd_fused", d, dtype, causal)
+                    assert not cap.check_config("bwd_fused", d, got, cc)
+                elif dtype != "float32" and entry is not None:
+                    with pytest.raises(ValueError, match="fused_backward_tiles"):
+                        lookup(cc, "bwd_fused", d, dtype, causal)
+    assert some
+    monkeypatch.setenv(cap.ENV_VAR, "bwd_fused=16x64x4")
+    cap.refresh_env_override()
+    try:
+        assert cap.fused_backward_tiles(cc, 96, "bfloat16", False) == TileConfig(16, 64, 4)
+        assert cap.fused_backward_tiles(cc, 96, "float32", False) is None
+    finally:
+        monkeypatch.delenv(cap.ENV_VAR)
+        cap.refresh_env_override()

@@ -231,21 +231,48 @@ def test_decode_launches_split_and_merge(fake_gpu):
     assert launch.forward_launches(p, (c, kv, c, kv, kv, c), split=False).workspace_bytes == 0
 
 
-def test_backward_launches(fake_gpu):
+@pytest.mark.parametrize("dtype,D,causal,deterministic,fused", [
+    ("float16", 64, False, True, False),    # deterministic: the two-kernel scheme
+    ("float32", 64, False, False, False),   # float32 has no fused kernel
+    ("float16", 64, False, False, True),    # the sm_90 row's bwd_fused entries
+    ("bfloat16", 128, True, False, True),
+    ("bfloat16", 64, True, False, False),   # refined to None there: two kernels
+    ("float16", 32, False, False, False),   # no bwd_fused entry at this head dim
+])
+def test_backward_launches(fake_gpu, dtype, D, causal, deterministic, fused):
+    """The mma.sync backward: delta, dq, dk/dv (deterministic, float32, and where the table
+    has no bwd_fused tiles), or the one-kernel scheme: delta (zeroing the float32 dQ
+    accumulators), the fused dk/dv/dQ kernel, the conversion; the accumulators are the
+    workspace's two halves."""
     drv, _ = fake_gpu
-    B, H, M, N, D = 3, 4, 70, 90, 32
-    p = Problem("cupy", B, H, 2, M, N, D, "float16", 10, False, 0.3, 0)
+    B, H, M, N = 3, 4, 70, 90
+    p = Problem("cupy", B, H, 2, M, N, D, dtype, 10, causal, 0.3, 0)
     q, k = _contiguous((B, H, M, D)), _contiguous((B, 2, N, D))
-    run = launch.backward_launches(p, (q, k, q, k, k, q, q, q, k, q, k, k))
+    run = launch.backward_launches(p, (q, k, q, k, k, q, q, q, k, q, k, k),
+                                   deterministic=deterministic)
     ptrs = tuple(16 * (i + 1) for i in range(len(launch.BACKWARD_ARRAYS)))
-    run.run(ptrs, stream=3)
-    assert [c["fn"].phase for c in drv.launches] == ["bwd_delta", "bwd_dq", "bwd_dkv"]
-    dkv = drv.launches[2]
-    assert dkv["grid"] == (math.ceil(N / dkv["fn"].tiles.block_n), 2, B)
+    assert launch.use_fused_backward(p, deterministic) == fused
+    acc = B * H * M * D * 4  # bytes of one float32 accumulator
+    assert run.workspace_bytes == (2 * acc if fused else 0)
+    ws = 1 << 24
+    run.run(ptrs, stream=3, workspace=ws)
+    phases = [c["fn"].phase for c in drv.launches]
+    main = drv.launches[1 if fused else 2]
+    assert main["grid"] == (math.ceil(N / main["fn"].tiles.block_n), 2, B)
+    if fused:
+        assert phases == ["bwd_delta", "bwd_fused", "bwd_dq_convert"]
+        # CAUSAL, VARLEN, FUSED
+        assert main["fn"].name_expression.endswith(f", {str(causal).lower()}, false, true>")
+        for c in (drv.launches[0], drv.launches[2]):  # a warp per row, as the pre-pass
+            assert c["grid"] == (math.ceil(H * M / 8), B, 1)
+    else:
+        assert phases == ["bwd_delta", "bwd_dq", "bwd_dkv"]
     for call in drv.launches:  # one parameter block for all three kernels
         f = call["params"]
         for name, ptr in zip(launch.BACKWARD_ARRAYS, ptrs):
             assert f[name if name in ("lse", "delta", "dlse") else f"{name}.ptr"] == ptr
+        # dq_acc1, dq_acc2 share the split-KV slots (params.cuh); 0 without a workspace
+        assert (f["o_part"], f["lse_part"]) == ((ws, ws + acc) if fused else (0, 0))
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -497,7 +524,7 @@ def test_packed_batch_launch_parameters(fake_gpu):
 
     names = ("q1", "k1", "q2", "k2", "v", "o", "dout", "dq1", "dk1", "dq2", "dk2", "dv")
     strides = tuple(k if n in ("k1", "k2", "v", "dk1", "dk2", "dv") else q for n in names)
-    back = varlen_launch.backward_launches(p, shape, strides)
+    back = varlen_launch.backward_launches(p, shape, strides, deterministic=True)
     ptrs = tuple(16 * (i + 1) for i in range(len(varlen_launch.BACKWARD_ARRAYS)))
     back.run(ptrs, stream=5)
     delta, dq, dkv = drv.launches
@@ -509,6 +536,21 @@ def test_packed_batch_launch_parameters(fake_gpu):
     f = dkv["params"]
     assert (f["cu_q"], f["cu_k"], f["delta"], f["dlse"]) == (ptrs[15], ptrs[16], ptrs[13], ptrs[14])
     assert (f["dv.sb"], f["dv.sh"], f["dv.sr"]) == (0, D, Hkv * D)
+    drv.launches.clear()
+
+    # the default for 16-bit inputs: the one-kernel backward over the H * total_q rows
+    back = varlen_launch.backward_launches(p, shape, strides)
+    acc = H * total_q * D * 4
+    assert back.workspace_bytes == 2 * acc
+    back.run(ptrs, stream=5, workspace=1 << 24)
+    delta, main, conv = drv.launches
+    assert [c["fn"].phase for c in drv.launches] == ["bwd_delta", "bwd_fused", "bwd_dq_convert"]
+    assert delta["grid"] == conv["grid"] == (math.ceil(H * total_q / 8), 1, 1)
+    assert main["fn"].varlen and main["fn"].name_expression.endswith(", true, true>")
+    assert main["grid"] == (math.ceil(max_k / main["fn"].tiles.block_n), Hkv, S)
+    for c in drv.launches:
+        assert (c["params"]["o_part"], c["params"]["lse_part"]) == (1 << 24, (1 << 24) + acc)
+        assert (c["params"]["cu_q"], c["params"]["M"]) == (ptrs[15], total_q)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

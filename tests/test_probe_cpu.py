@@ -1,7 +1,8 @@
 """The GPU-free parts of the tuning scripts: scripts/hopper_probe.py's --variants
 bookkeeping (the comparison table from the workers' output lines: medians over interleaved
 rounds, the spread, ratios to cuDNN; the tile figures it derives from the -D options of a
-variant), scripts/mma_fwd_probe.py's tile argument and A/B table, and
+variant), scripts/mma_fwd_probe.py's tile argument and A/B table, scripts/mma_bwd_probe.py's
+table, and
 scripts/causal_schedule_model.py's makespans."""
 from __future__ import annotations
 
@@ -115,3 +116,35 @@ def test_mma_fwd_probe_tiles_and_table():
     header = mma_fwd_probe.run_header(results)
     assert header["gpu"] == "NVIDIA H200" and header["date"].endswith("+00:00")
     assert header["command"].startswith("python3 scripts/mma_fwd_probe.py")
+
+
+def test_mma_bwd_probe_table_medians_and_ratios():
+    """scripts/mma_bwd_probe.py's table: per row the median forward+backward TFLOP/s over
+    rounds with the spread, the time ratios to the two-kernel run ("det") and to SDPA flash,
+    and the backward alone (f+b minus the forward of its scheme; ours share det's forward)."""
+    import statistics
+
+    mma_bwd_probe = pytest.importorskip("mma_bwd_probe")
+    base = {"sdpa_flash": 2.0, "det": 4.0, "fused 64x64x4": 3.2}  # f+b ms of round 0
+    fwd = {"sdpa_flash": 0.5, "det": 1.0}
+    recs = [dict(kind="env", gpu="x")]
+    for rnd, scale in enumerate((1.0, 1.1)):
+        for run, ms in base.items():
+            rec = dict(kind="time", L=2048, D=64, dtype="bf16", causal=True, run=run, round=rnd,
+                       fb_ms=ms * scale, fb_tflops=100.0 / (ms * scale))
+            if run in fwd:
+                rec["fwd_ms"] = fwd[run]
+            recs.append(rec)
+    recs.append(dict(kind="time", L=2048, D=64, dtype="bf16", causal=True, run="fused 32x64x4",
+                     round=0, error="boom"))  # a failed run has no row
+    rows = {line.split("|")[5].strip(): [c.strip() for c in line.split("|")[6:10]]
+            for line in mma_bwd_probe.table(recs) if line.startswith("| 2048")}
+    assert set(rows) == set(base)
+    for run, (tf, xdet, xflash, bwd) in rows.items():
+        med = 1.05 * base[run]  # the median of the two rounds' times
+        tfs = [100.0 / (base[run] * s) for s in (1.0, 1.1)]
+        spread = 100 * (max(tfs) - min(tfs)) / statistics.median(tfs)
+        assert tf == f"{statistics.median(tfs):.1f} ({spread:.1f}%)"
+        assert float(xdet) == pytest.approx(1.05 * base["det"] / med, abs=1e-3)
+        assert float(xflash) == pytest.approx(1.05 * base["sdpa_flash"] / med, abs=1e-3)
+        assert float(bwd) == pytest.approx(med - fwd.get(run, fwd["det"]), abs=1e-3)

@@ -22,7 +22,8 @@ from cupy_piecewise.compile import BASE_OPTIONS, SOURCE_FILE, source
 
 #: traits struct per tiled phase (kernels_cu/traits.cuh); fwd_decode runs pw_forward.
 TRAITS = {"fwd": "FwdTraits", "fwd_decode": "FwdTraits", "bwd_dq": "BwdDqTraits",
-          "bwd_dkv": "BwdDkvTraits", "kvcache": "KvTraits", "kvdecode": "KvTraits"}
+          "bwd_dkv": "BwdDkvTraits", "bwd_fused": "BwdDkvTraits", "kvcache": "KvTraits",
+          "kvdecode": "KvTraits"}
 _TAG = re.compile(r"error: static assertion failed.*pw-traits#(\d+)")
 _FINAL = re.compile(r"final comparison was (-?\d+) == (-?\d+)")  # NVRTC's note on a failed ==
 
@@ -35,8 +36,10 @@ def _checks(cc) -> dict[str, dict[tuple[str, int], list[str]]]:
     """{source file: {(traits expression, Python figure): [variants it stands for]}}."""
     out: dict[str, dict[tuple[str, int], list[str]]] = {}
     for phase, head_dim, dtype, causal, t in sorted(capability.selectable_configs(cc), key=str):
-        # the KV-cache kernel: its ring depth and key slots (two, or one when decoding)
-        stages = {"kvcache": f", {t.stages}, 2", "kvdecode": f", {t.stages}, 1"}.get(phase, "")
+        # the KV-cache kernel: its ring depth and key slots (two, or one when decoding); the
+        # fused backward: the dk/dv layout with its dS tile (FUSED)
+        stages = {"kvcache": f", {t.stages}, 2", "kvdecode": f", {t.stages}, 1",
+                  "bwd_fused": ", true"}.get(phase, "")
         # the kernels instantiate the traits with the row width in 16-bit units (float32: 2D)
         width = capability.elem_bytes(dtype) // 2
         expr = (f"{TRAITS[phase]}<{head_dim * width}, {t.block_m}, {t.block_n}, "
