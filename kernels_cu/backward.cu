@@ -166,12 +166,36 @@ PW_DEVICE void add_dq(float* acc, int nvalid, u32 sDS, u32 sK, int warp, int lan
         Elem<T>::mma(c[0], a, b[0], b[1]);
         Elem<T>::mma(c[1], a, b[2], b[3]);
       }
+#if PW_DQ_RED4 && __CUDA_ARCH__ >= 900
+      // Experiment (off by default, bench/NOTES.md): lanes t and t^1 swap halves so that
+      // each adds four contiguous floats of one row (even t: block 0, columns 2t..2t+3;
+      // odd t: block 1, columns 8 + 2(t-1)..): half the reduction instructions.
+      const bool odd = lane & 1;
+      float x[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        x[e] = __shfl_xor_sync(0xffffffffu, odd ? c[0][e] : c[1][e], 1);
+      // row_lo/row_hi point at column 2t: even t adds at 2t, odd t at 8 + 2(t - 1) = 2t + 6
+      float* lo = row_lo + cp * 16 + (odd ? 6 : 0);
+      float* hi = row_hi + cp * 16 + (odd ? 6 : 0);
+      const float4 vlo = odd ? make_float4(x[0], x[1], c[1][0], c[1][1])
+                             : make_float4(c[0][0], c[0][1], x[0], x[1]);
+      const float4 vhi = odd ? make_float4(x[2], x[3], c[1][2], c[1][3])
+                             : make_float4(c[0][2], c[0][3], x[2], x[3]);
+      if (r < nvalid)
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(lo), "f"(vlo.x),
+                     "f"(vlo.y), "f"(vlo.z), "f"(vlo.w) : "memory");
+      if (r + 8 < nvalid)
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(hi), "f"(vhi.x),
+                     "f"(vhi.y), "f"(vhi.z), "f"(vhi.w) : "memory");
+#else
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int col = cp * 16 + j * 8;
         if (r < nvalid) red_add2(row_lo + col, c[j][0], c[j][1]);
         if (r + 8 < nvalid) red_add2(row_hi + col, c[j][2], c[j][3]);
       }
+#endif
     }
   }
 }

@@ -42,7 +42,7 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 CHECK_CASES = ((300, 300, 37, 2), (129, 517, 200, 1), (64, 700, -5, 2), (777, 64, 12, 1))
 
 
-def precompile(tiles, jobs):
+def precompile(tiles, jobs, macros=""):
     """The candidates' fused kernels and the table's mma.sync kernels (dense, 16-bit) of the
     probed head dims, compiled in parallel (NVRTC holds the interpreter: processes)."""
     import multiprocessing
@@ -59,7 +59,7 @@ def precompile(tiles, jobs):
     vs = sorted(vs, key=lambda v: v.name_expression)
     chunks = [vs[i::jobs] for i in range(jobs)]
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        failed = [f for r in pool.map(_precompile, [""] * jobs, chunks) for f in r]
+        failed = [f for r in pool.map(_precompile, [macros] * jobs, chunks) for f in r]
     return len(vs), failed
 
 
@@ -194,11 +194,15 @@ def main():
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1))
+    ap.add_argument("--macros", default="",
+                    help="space-separated NVRTC macros for every kernel of this run, e.g. "
+                         "'PW_DQ_RED4=1' (compare with a run without: det and flash anchor both)")
     args = ap.parse_args()
     os.environ["CUPY_PIECEWISE_PATH"] = "mma"
-    from cupy_piecewise import capability
+    from cupy_piecewise import capability, compile as comp
 
     capability.refresh_env_override()
+    comp.BASE_OPTIONS = comp.BASE_OPTIONS + tuple(f"-D{m}" for m in args.macros.split() if m)
     from mma_fwd_probe import run_header
 
     lines = []
@@ -212,7 +216,7 @@ def main():
     import time
 
     t0 = time.time()
-    count, failed = precompile(tiles, args.jobs)
+    count, failed = precompile(tiles, args.jobs, args.macros)
     say(f"precompiled {count} kernels in {time.time() - t0:.0f} s; {len(failed)} failed")
     for f in failed:
         say("  " + f)
