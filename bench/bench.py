@@ -32,6 +32,7 @@ counted like standard attention, so TFLOP/s compare directly.
 
 Providers (--providers, all by default): piecewise (the package's default path on this GPU),
 piecewise_det (the same, deterministic=True), piecewise_mma (mma.sync kernels forced),
+piecewise_mma_det (that with deterministic=True: the two-kernel mma.sync backward),
 flex_composite (two compiled FlexAttention calls
 merged by log-sum-exp), sdpa_flash, sdpa_cudnn, torch_plain, flag_attn.
 

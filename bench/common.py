@@ -26,12 +26,13 @@ PHASE_LABEL = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward+backward
 #: Every provider, in the column order of the tables. ``piecewise``: the package's default path on
 #: the GPU (on an H100/H200 the Hopper wgmma + TMA forward and backward); ``piecewise_det``: the
 #: same with ``deterministic=True``; ``piecewise_mma``: the mma.sync path forced
-#: (CUPY_PIECEWISE_PATH=mma); ``flex_composite``: two compiled FlexAttention calls (d < w,
+#: (CUPY_PIECEWISE_PATH=mma); ``piecewise_mma_det``: that with ``deterministic=True`` (the
+#: two-kernel backward where piecewise_mma runs the one-kernel one); ``flex_composite``: two compiled FlexAttention calls (d < w,
 #: d >= w) merged by log-sum-exp, what a PyTorch user writes without this package;
 #: ``sdpa_efficient``: SDPA's memory-efficient backend, the one that takes float32 (the peer
 #: of float32 rows, where flash and cuDNN refuse the dtype).
-PROVIDERS = ("piecewise", "piecewise_det", "piecewise_mma", "flex_composite", "sdpa_flash", "sdpa_cudnn",
-             "sdpa_efficient", "torch_plain", "flag_attn")
+PROVIDERS = ("piecewise", "piecewise_det", "piecewise_mma", "piecewise_mma_det", "flex_composite",
+             "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "torch_plain", "flag_attn")
 SECTIONS = ("main", "wsweep", "decode", "memory")
 DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

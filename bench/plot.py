@@ -15,6 +15,7 @@ STYLE = {
     "piecewise": dict(color="tab:red", marker="o", linewidth=2.2),
     "piecewise_mma": dict(color="tab:orange", marker="o", linestyle="--"),
     "piecewise_det": dict(color="tab:red", marker="x", linestyle=":"),
+    "piecewise_mma_det": dict(color="tab:brown", marker="x", linestyle="-."),
     "flex_composite": dict(color="tab:brown", marker="v"),
     "sdpa_flash": dict(color="tab:blue", marker="s"),
     "sdpa_cudnn": dict(color="tab:green", marker="^"),

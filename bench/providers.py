@@ -7,6 +7,9 @@ Names (docs/semantics.md / SPEC "Benchmark results format"):
   piecewise_det   the same with deterministic=True (on Hopper: dQ by the mma.sync dq kernel)
   piecewise_mma   the same with the mma.sync kernels forced: CUPY_PIECEWISE_PATH=mma and
                   cupy_piecewise.capability.refresh_env_override() for the measurement, restored after
+  piecewise_mma_det
+                  piecewise_mma with deterministic=True (the two-kernel backward, where
+                  piecewise_mma takes the one-kernel one)
   flex_composite  two torch.compile'd FlexAttention calls (d < w on q1, k1; d >= w on q2, k2) merged
                   by log-sum-exp (bench/flex_composite.py): what a PyTorch user writes without us
   sdpa_flash, sdpa_cudnn, sdpa_efficient
@@ -216,6 +219,16 @@ class PiecewiseMma(Piecewise):
         return forced_path(self._cap, self.path)
 
 
+class PiecewiseMmaDeterministic(PiecewiseMma):
+    """piecewise_mma with deterministic=True: the mma.sync two-kernel backward (dq and dk/dv
+    kernels) everywhere, beside piecewise_mma's one-kernel backward where the table has it."""
+    name = "piecewise_mma_det"
+
+    def forward(self, s, w, causal, sm_scale):
+        return self._mod.attention(s.q1, s.k1, s.q2, s.k2, s.v, w, causal=causal, sm_scale=sm_scale,
+                                   deterministic=True)
+
+
 class FlexComposite(Provider):
     """Two FlexAttention calls with block masks d < w (q1, k1) and d >= w (q2, k2) (and d >= 0 when
     causal), each returning its lse, merged by log-sum-exp; the whole function under torch.compile
@@ -295,6 +308,8 @@ def make_providers(names, env, plain_mem_bytes):
             out[n] = PiecewiseMma(env, plain_mem_bytes)
         elif n == "piecewise_det":
             out[n] = PiecewiseDeterministic(env, plain_mem_bytes)
+        elif n == "piecewise_mma_det":
+            out[n] = PiecewiseMmaDeterministic(env, plain_mem_bytes)
         elif n == "flex_composite":
             out[n] = FlexComposite(env, plain_mem_bytes)
         elif n == "sdpa_flash":

@@ -146,8 +146,8 @@ def test_dry_run_end_to_end(tmp_path):
         else:
             assert r["error"]
     providers = {r["provider"] for r in res["main"]}
-    assert {"piecewise", "piecewise_mma", "flex_composite", "sdpa_flash", "sdpa_cudnn", "torch_plain",
-            "flag_attn"} <= providers
+    assert {"piecewise", "piecewise_mma", "piecewise_mma_det", "flex_composite", "sdpa_flash",
+            "sdpa_cudnn", "torch_plain", "flag_attn"} <= providers
     assert {r["phase"] for r in res["main"]} == {"fwd", "bwd", "fwd_bwd"}
     # the references work on CPU tensors, so they must have produced numbers
     for p in ("sdpa_flash", "torch_plain"):
@@ -165,7 +165,7 @@ def test_dry_run_end_to_end(tmp_path):
             assert c["max_abs_diff_vs_sdpa"] < 0.1 and c["max_abs_diff_vs_plain_fp32"] < 0.1, c
         # piecewise_mma is the same CPU path in a dry run; on the CPU flex_composite runs its forward
         # uncompiled (torch's CPU flex has no backward: those rows carry torch's error)
-        mma = [r for r in res["main"] if r["provider"] == "piecewise_mma"]
+        mma = [r for r in res["main"] if r["provider"] in ("piecewise_mma", "piecewise_mma_det")]
         assert all(r["status"] == "ok" for r in mma), [r.get("error") for r in mma][:3]
         for c in checks:
             assert c["vs_ours"]["piecewise_mma"] == 0.0, c
