@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes ncu | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes ncu | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
 # probes (not in all): the Hopper forward and backward probes (scripts/hopper_probe.py,
 # scripts/hopper_bwd_probe.py), about 4 minutes each, logs in logs/hopper_*.txt.
+# mma_probes (not in all): the mma.sync forward and backward A/B probes (scripts/mma_fwd_probe.py;
+# scripts/mma_bwd_probe.py, default and with -DPW_DQ_RED4=1), a few minutes each, logs in
+# logs/mma_*.txt.
 # ncu (not in all): Nsight Compute on the Hopper backward kernel (scripts/profile_case.py),
 # non-causal and causal, on the Hopper forward at L = 2048 (D 64 and 128) and on the KV-cache
 # decode kernel, logs in logs/ncu_*.txt.
@@ -111,6 +114,16 @@ if asked probes; then
   for probe in hopper_probe hopper_bwd_probe; do
     timeout 280 python3 scripts/$probe.py --out "$logs/$probe.txt" > "$logs/$probe.log" 2>&1
     rc=$?; echo "$probe: exit $rc"; tail -12 "$logs/$probe.log"
+    status=$((status | rc))
+  done
+fi
+if asked mma_probes; then
+  for args in "mma_fwd_probe" "mma_bwd_probe --dtypes bf16,fp16" \
+              "mma_bwd_probe --dtypes bf16,fp16 --macros PW_DQ_RED4=1"; do
+    name=$(echo "$args" | tr ' =,' '___' | tr -d '-' | tr -s '_' | cut -c1-60)
+    read -r -a argv <<< "$args"  # the script, then its options
+    timeout 300 python3 "scripts/${argv[0]}.py" "${argv[@]:1}" --out "$logs/$name.txt" > "$logs/$name.log" 2>&1
+    rc=$?; echo "$args: exit $rc"; tail -12 "$logs/$name.log"
     status=$((status | rc))
   done
 fi
