@@ -162,11 +162,12 @@ def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=
         lse: the ``lse`` of :func:`attention` (``return_lse=True``), shape
             ``(B, H, M)``, float32 (float64 accepted for CPU arrays).
         deterministic: bitwise-identical gradients from run to run (default
-            False). Only the Hopper backward (sm_90, head dims 64 to 128) is
-            otherwise not: it adds dQ contributions with float32 atomics, whose
-            order varies; with True it computes dQ in a separate kernel instead
-            (slower: see README, "Kernel paths"). Every other path is
-            deterministic either way.
+            False). Two backward kernels are otherwise not: the Hopper backward
+            (sm_90, head dims 64 to 128) and the mma.sync one-kernel backward
+            (float16/bfloat16 where the tile table has a ``bwd_fused`` entry) add
+            dQ contributions with float32 atomics, whose order varies; with True
+            dQ comes from a separate kernel instead (slower: see README, "Kernel
+            paths"). Every other path is deterministic either way.
         q_offset, k_offset: as given to :func:`attention`.
         dlse: the gradient of the loss with respect to ``lse``, shape
             ``(B, H, M)``, float32 (float64 accepted for CPU arrays), or None

@@ -180,10 +180,11 @@ def attention_varlen_backward(do, q1, k1, q2, k2, v, o, lse, cu_seqlens_q, cu_se
 
     ``do``, ``o``: ``(total_q, H, D)``; ``lse`` and ``dlse`` (optional gradient of lse):
     ``(H, total_q)``; ``max_seqlen_*`` as for :func:`attention_varlen` (on CUDA: given,
-    nothing synchronises). ``deterministic``: bitwise-identical gradients run to run. On an
-    H100/H200 the packed backward adds dQ with float32 atomics unless it is set (then the
-    mma.sync dq kernel computes dQ, about as :func:`cupy_piecewise.attention_backward`'s
-    deterministic mode costs); every other path is deterministic either way. Errors as
+    nothing synchronises). ``deterministic``: bitwise-identical gradients run to run. The
+    Hopper packed backward (H100/H200), and the mma.sync one-kernel backward where the tile
+    table has it, add dQ with float32 atomics unless it is set (then the mma.sync dq kernel
+    computes dQ, about as :func:`cupy_piecewise.attention_backward`'s deterministic mode
+    costs); every other path is deterministic either way. Errors as
     :func:`attention_varlen` and :func:`cupy_piecewise.attention_backward`."""
     deterministic = validate.check_deterministic(deterministic)
     gpu = _on_gpu(q1)
