@@ -517,10 +517,10 @@ def backward_launches(problem, strides, *, deterministic: bool = False):
     With ``M == 0`` the dk/dv kernel still runs and writes zeros.
 
     On a compute capability 9.0 GPU the Hopper backward (:class:`HopperBackward`) runs when
-    :func:`use_hopper_backward` says so; otherwise the mma.sync kernels: for float16 and
-    bfloat16 the one-kernel backward (:func:`fused_backward_steps`: dQ by float32 atomics),
-    for float32, or with ``deterministic``, the delta pre-pass, dq and dk/dv kernels, which
-    are bitwise reproducible. ``deterministic`` makes the Hopper path reproducible too (dQ by
+    :func:`use_hopper_backward` says so; otherwise the mma.sync kernels: the one-kernel
+    backward (:func:`fused_backward_steps`: dQ by float32 atomics) where
+    :func:`use_fused_backward` says so (float16/bfloat16 variants with a ``bwd_fused`` table
+    entry), else the delta pre-pass, dq and dk/dv kernels, which are bitwise reproducible. ``deterministic`` makes the Hopper path reproducible too (dQ by
     the mma.sync dq kernel instead of float32 atomics).
     """
     _check_grid(problem)
@@ -807,9 +807,10 @@ def backward(problem, q1, k1, q2, k2, v, o, lse, do, dq1, dk1, dq2, dk2, dv, del
     (B, H, M) arrays (``delta`` is scratch). dk/dv of a grouped-query problem are summed
     over the query heads of each group in the kernel. ``workspace``: ``nbytes ->
     (keepalive, device pointer)`` on the caller's stream, required by the Hopper backward
-    and the one-kernel mma.sync backward (float16, bfloat16; :func:`use_fused_backward`).
-    ``deterministic``: bitwise-reproducible gradients (see :func:`backward_launches`). ``dlse``: pointer of a contiguous float32
-    (B, H, M) gradient of ``lse`` (0: none), subtracted from delta by the pre-pass.
+    and the one-kernel mma.sync backward (:func:`use_fused_backward`). ``deterministic``:
+    bitwise-reproducible gradients (see :func:`backward_launches`). ``dlse``: pointer of a
+    contiguous float32 (B, H, M) gradient of ``lse`` (0: none), subtracted from delta by the
+    pre-pass.
     ``dq_accumulator``, ``statistics``: pointers of a caller's float32 dQ accumulator and
     statistics buffer (:func:`backward_shared_bytes`; 0: none); the call then adds its dQ
     into the accumulator and leaves dq1, dq2 unwritten, and keeps lse2 and delta in

@@ -140,9 +140,10 @@ def backward_launches(problem, shape: VarlenShape, strides, *, deterministic: bo
     On an H100/H200 where :func:`use_hopper_backward` holds and tensor maps can describe
     the strides: :class:`cupy_piecewise.launch.HopperBackward` with ``packed=shape`` (dQ by
     float32 atomics; ``deterministic``: dQ by the packed mma.sync dq kernel instead).
-    Otherwise the mma.sync kernels: for float16 and bfloat16 (not ``deterministic``) the
-    one-kernel backward (:func:`cupy_piecewise.launch.fused_backward_steps` over the
-    ``H * total_q`` rows; dQ by float32 atomics into a workspace of ``workspace_bytes``);
+    Otherwise the mma.sync kernels: where :func:`cupy_piecewise.launch.use_fused_backward`
+    says so (not ``deterministic``; float16/bfloat16 variants with a packed ``bwd_fused``
+    tile) the one-kernel backward (:func:`cupy_piecewise.launch.fused_backward_steps` over
+    the ``H * total_q`` rows; dQ by float32 atomics into a workspace of ``workspace_bytes``);
     else the deterministic scheme: the delta pre-pass over all ``H * total_q`` rows, the dq
     kernel over (query tile, head, sequence) and the dk/dv kernel over (key tile, kv head,
     sequence). Either writes zeros for keys of sequences without queries.
