@@ -20,6 +20,11 @@
 #include "params.cuh"
 #include "traits.cuh"
 
+// The fused backward's dQ reductions on sm_90: 16-byte (1, default) or 8-byte (0) (add_dq).
+#ifndef PW_DQ_RED4
+#define PW_DQ_RED4 1
+#endif
+
 // delta[b, h, i] = sum_d dO[i, d] * O[i, d], one warp per row, 16-byte loads.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) pw_backward_delta(const Params p) {
@@ -167,9 +172,10 @@ PW_DEVICE void add_dq(float* acc, int nvalid, u32 sDS, u32 sK, int warp, int lan
         Elem<T>::mma(c[1], a, b[2], b[3]);
       }
 #if PW_DQ_RED4 && __CUDA_ARCH__ >= 900
-      // Experiment (off by default, bench/NOTES.md): lanes t and t^1 swap halves so that
-      // each adds four contiguous floats of one row (even t: block 0, columns 2t..2t+3;
-      // odd t: block 1, columns 8 + 2(t-1)..): half the reduction instructions.
+      // Lanes t and t^1 swap halves so that each adds four contiguous floats of one row
+      // (even t: block 0, columns 2t..2t+3; odd t: block 1, columns 8 + 2(t-1)..): half the
+      // reduction instructions, +1.5-6% forward+backward on an H200 (bench/NOTES.md;
+      // -DPW_DQ_RED4=0 builds the 8-byte form, the only one below sm_90).
       const bool odd = lane & 1;
       float x[4];
 #pragma unroll

@@ -8,7 +8,7 @@
 # probes (not in all): the Hopper forward and backward probes (scripts/hopper_probe.py,
 # scripts/hopper_bwd_probe.py), about 4 minutes each, logs in logs/hopper_*.txt.
 # mma_probes (not in all): the mma.sync forward and backward A/B probes (scripts/mma_fwd_probe.py;
-# scripts/mma_bwd_probe.py, default and with -DPW_DQ_RED4=1), a few minutes each, logs in
+# scripts/mma_bwd_probe.py, default and with -DPW_DQ_RED4=0, the 8-byte dQ reductions), a few minutes each, logs in
 # logs/mma_*.txt.
 # ncu (not in all): Nsight Compute on the Hopper backward kernel (scripts/profile_case.py),
 # non-causal and causal, on the Hopper forward at L = 2048 (D 64 and 128) and on the KV-cache
@@ -119,7 +119,7 @@ if asked probes; then
 fi
 if asked mma_probes; then
   for args in "mma_fwd_probe" "mma_bwd_probe --dtypes bf16,fp16" \
-              "mma_bwd_probe --dtypes bf16,fp16 --macros PW_DQ_RED4=1"; do
+              "mma_bwd_probe --dtypes bf16,fp16 --macros PW_DQ_RED4=0"; do
     name=$(echo "$args" | tr ' =,' '___' | tr -d '-' | tr -s '_' | cut -c1-60)
     read -r -a argv <<< "$args"  # the script, then its options
     timeout 300 python3 "scripts/${argv[0]}.py" "${argv[@]:1}" --out "$logs/$name.txt" > "$logs/$name.log" 2>&1

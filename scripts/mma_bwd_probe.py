@@ -196,7 +196,7 @@ def main():
     ap.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1))
     ap.add_argument("--macros", default="",
                     help="space-separated NVRTC macros for every kernel of this run, e.g. "
-                         "'PW_DQ_RED4=1' (compare with a run without: det and flash anchor both)")
+                         "'PW_DQ_RED4=0' (compare with a run without: det and flash anchor both)")
     args = ap.parse_args()
     os.environ["CUPY_PIECEWISE_PATH"] = "mma"
     from cupy_piecewise import capability, compile as comp
