@@ -294,14 +294,15 @@ def hopper_bwd_shared_bytes(head_dim: int, stages: int = 2, dq_writer: bool = Fa
     stages of (Q, dO) and of lse2/delta (64 float32 each); two dSᵀ buffers (128 keys x 64
     queries, 16-bit); 1 + 2 ``stages`` mbarriers; 1 KB to align the base. The package builds
     2 stages; the probe's builds may set ``-DPW90_BWD_STAGES``. ``dq_writer`` (a build with
-    ``-DPW90_BWD_DQ_WRITER=1``): two 16 KB dQ staging buffers and four more mbarriers."""
+    ``-DPW90_BWD_DQ_WRITER=1``): two 16 KB dQ staging buffers, four more mbarriers and two
+    8-byte panel addresses."""
     panels = hopper_compute_dim(head_dim) // 64
     k_tile = panels * HOPPER_BWD_BLOCK_N * 128
     q_tile = panels * HOPPER_BWD_BLOCK_M * 128
     ds = HOPPER_BWD_BLOCK_N * HOPPER_BWD_BLOCK_M * 2
     staging = 2 * 64 * 64 * 4 if dq_writer else 0
     return (3 * k_tile + stages * 2 * q_tile + 2 * ds + stages * 2 * HOPPER_BWD_BLOCK_M * 4
-            + staging + 8 * (1 + 2 * stages + (4 if dq_writer else 0)) + 1024)
+            + staging + 8 * (1 + 2 * stages + (4 if dq_writer else 0)) + (16 if dq_writer else 0) + 1024)
 
 
 _switches = (_override, _path, _persist)

@@ -71,8 +71,8 @@
 //   lse2/delta: 2 x 2 x BM x 4; [PW90_BWD_DQ_WRITER: 2 x 64 x 64 x 4 dQ staging];
 //   mbarriers (kbar, full[2], empty[2] [, dq_full[2], dq_empty[2]]); 1 KB to align the base.
 //   D = 64:  48 KB + 32 KB + 32 KB + 1 KB + 40 + 1024 = 116,776 bytes
-//   D = 128: 96 KB + 64 KB + 32 KB + 1 KB + 40 + 1024 = 198,696 bytes (of 227 KB; 231,496 with
-//   the DQ_WRITER staging buffers and mbarriers). capability.hopper_bwd_shared_bytes mirrors this (checked by
+//   D = 128: 96 KB + 64 KB + 32 KB + 1 KB + 40 + 1024 = 198,696 bytes (of 227 KB; 231,512 with
+//   the DQ_WRITER staging buffers, mbarriers and panel addresses). capability.hopper_bwd_shared_bytes mirrors this (checked by
 //   tests/test_traits_cpu.py).
 #include "sm90/hopper.cuh"
 #include "sm90/wgmma.cuh"
@@ -85,10 +85,12 @@
 // dQ through a writer warp (1, opt-in): each consumer warpgroup stores its 64 x 64 dQ panel,
 // in the accumulator's order, to its shared staging buffer and goes on; one thread of warp 1
 // of the producer warpgroup adds the buffer to the accumulator with one bulk reduce-add
-// (cp.reduce.async.bulk .add.f32, 16 KB) and frees it (an mbarrier pair per buffer). Measured
-// at 0.97-1.09x the default backward (bench/NOTES.md); its thread spills at 24 registers.
-// (An earlier variant, in which a consumer thread issued the bulk
-// reduce behind two warpgroup barriers, was slower than the v4 reductions and is gone.)
+// (cp.reduce.async.bulk .add.f32, 16 KB) and frees it (an mbarrier pair per buffer); the
+// panel's accumulator address comes with it. Without spills (producer warpgroup at 32
+// registers, consumers at 232) it ran at 0.92-1.04x the default backward on an H200, as the
+// spilling version before it had (0.97-1.09x): the reductions' L2 work, not the consumers'
+// issue of them, is what costs (bench/NOTES.md). (An earlier variant, in which a consumer
+// thread issued the bulk reduce behind two warpgroup barriers, was slower and is gone.)
 #ifndef PW90_BWD_DQ_WRITER
 #define PW90_BWD_DQ_WRITER 0
 #endif
@@ -106,8 +108,10 @@ constexpr int THREADS = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int STAGES = PW90_BWD_STAGES;
 // setmaxnreg moves registers inside the CTA's own allocation (3 warpgroups x 168 at launch):
 // PRODUCER_REGS + 2 * CONSUMER_REGS must stay <= 3 * 168 = 504, or the consumers' increase
-// waits forever (a DQ_WRITER build with a 32-register producer hung this way).
-constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+// waits forever (a DQ_WRITER build with 32 + 2 x 240 hung this way).
+// A DQ_WRITER build gives the producer warpgroup 32 (its two threads' code spilled at 24) and
+// the consumers 232, which their code then fits without spills.
+constexpr int PRODUCER_REGS = PW90_BWD_DQ_WRITER ? 32 : 24, CONSUMER_REGS = PW90_BWD_DQ_WRITER ? 232 : 240;
 static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "setmaxnreg budget of the CTA");
 constexpr int CONSUMERS = 256;
 // Sᵀ/dPᵀ are computed in QH chunks of NC query columns (register budget at D = 128).
@@ -187,7 +191,9 @@ template <int D> struct Smem {
   // kbar, full[STAGES], empty[STAGES]; DQ_WRITER: dq_full[2], dq_empty[2] (one per buffer)
   static constexpr int DQBARS = BARS + 8 * (1 + 2 * STAGES);
   static constexpr int NBARS = 1 + 2 * STAGES + (PW90_BWD_DQ_WRITER ? 4 : 0);
-  static constexpr int BYTES = BARS + 8 * NBARS + 1024;  // + base alignment slack
+  // DQ_WRITER: the accumulator address of each staging buffer's panel (u64 each; 0: no more)
+  static constexpr int DQPTR = BARS + 8 * NBARS;
+  static constexpr int BYTES = DQPTR + (PW90_BWD_DQ_WRITER ? 16 : 0) + 1024;  // + base alignment slack
   static_assert(K_PANEL % 1024 == 0 && Q_PANEL % 1024 == 0 && DS % 1024 == 0 && STATS % 16 == 0,
                 "swizzle atoms are 1024 bytes");
   static_assert(BYTES <= 227 * 1024, "shared memory per block");
@@ -200,6 +206,14 @@ PW90 void named_bar_sync(int id, int threads) {
 PW90 void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 PW90 void sts_u32(u32 addr, u32 v) {
   asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+PW90 void sts_u64(u32 addr, u64 v) {
+  asm volatile("st.shared.u64 [%0], %1;" ::"r"(addr), "l"(v) : "memory");
+}
+PW90 u64 lds_u64(u32 addr) {
+  u64 v;
+  asm volatile("ld.shared.u64 %0, [%1];" : "=l"(v) : "r"(addr) : "memory");
+  return v;
 }
 PW90 void lds_f2(u32 addr, float& x, float& y) {
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(x), "=f"(y) : "r"(addr) : "memory");
@@ -299,17 +313,8 @@ struct Walk {
     if (CAUSAL && t * BM + BM - 1 + P - n0 < 0) return false;
     return (mode<CAUSAL>(t) & pair) != 0;
   }
-  // f(pair, hq, t) for every visited (pass, query head of the group, query tile), in the
-  // order of the ring slots: the tiles the dQ writer adds. The producer and the consumers
-  // walk the same order in loops of their own (the consumers' also stores dK between the
-  // passes; moving the producer's onto each() reorders its PTX and awaits a GPU run).
-  template <bool CAUSAL, typename F> PW90 void each(int group, F&& f) const {
-#pragma unroll 1
-    for (int pair = 1; pair <= 2; ++pair)
-      for (int hq = 0; hq < group; ++hq)
-        for (int t = lo(pair); t < hi(pair); ++t)
-          if (visit<CAUSAL>(pair, t)) f(pair, hq, t);
-  }
+  // The producer and the consumers walk (pass, query head of the group, query tile) with
+  // visit() in loops of their own, in the same order: the order of the ring slots.
 };
 
 // acc(64 x NC) = A(64 rows at a, K-major panels a_panel apart) · B(NC rows at b, K-major
@@ -363,6 +368,9 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
   const u32 ka_off = 64 * wg * 128;      // this warpgroup's rows inside a K/V tile (per panel)
   const u32 dsa = base + S::DS + 64 * wg * 128;  // this warpgroup's dSᵀ rows (buffer 0)
   int g = 0;                             // ring slot counter (both passes)
+#if PW90_BWD_DQ_WRITER
+  int staged = 0;                        // dQ panels this warpgroup has staged
+#endif
 
   auto store_rows = [&](const float (&acc)[D / 2], u16* ptr, i64 sb, i64 sh, i64 sr, float scale) {
     // Lane re-read here (volatile): otherwise ptxas keeps the 64-bit column offset alive
@@ -518,9 +526,7 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
           // per tile, at D = 64 they alternate tiles. Summing the two warpgroups' keys on chip
           // halves the float32 atomic traffic (the bound of this kernel: 4 B x M x D per key
           // tile and pass) against each adding its own 64 keys.
-#if !PW90_BWD_DQ_WRITER
           float* dst = p.dq_acc + ((((i64)(PAIR - 1) * p.B + sq.tb) * p.H + h) * p.Mpad + sq.row0 + m0) * D;  // tile block
-#endif
           const u32 dsb = base + S::DS + slot * S::DS_BYTES;
 #pragma unroll
           for (int pn = 0; pn < D / 64; ++pn) {
@@ -541,12 +547,14 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
             // bytes, conflict-free) once the writer warp has read the previous one, and go on.
             const u32 buf = base + S::DQBUF + wg * S::DQBUF_BYTES;
             const u32 dqf = base + S::DQBARS + 8 * wg, dqe = dqf + 16;
-            // this warpgroup's k-th panel, k = tile index (D = 128) or half of it (D = 64,
-            // where it stages the tiles with slot == wg); g was advanced past this tile
-            mbar_wait(dqe, (((D == 128 ? g - 1 : (g - 1) >> 1)) & 1) ^ 1);
+            // this warpgroup's k-th panel (k = staged): the writer has read panel k - 1
+            mbar_wait(dqe, (staged & 1) ^ 1);
+            ++staged;
 #pragma unroll
             for (int j = 0; j < 8; ++j)
               sts_f4(buf + 4 * dq_run(0, wl, j, lane), dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+            // where the writer adds it (read by the writer after the mbarrier's acquire)
+            if (threadIdx.x % 128 == 0) sts_u64(base + S::DQPTR + 8 * wg, (u64)(dst + pn * 4096));
             fence_proxy_async();  // the generic-proxy stores, before the async-proxy bulk read
             mbar_arrive(dqf);
 #else
@@ -559,6 +567,13 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
     if (PAIR == 1) store_rows(dk, p.dk1, p.dk1_sb, p.dk1_sh, p.dk1_sr, p.sm_scale);
     else store_rows(dk, p.dk2, p.dk2_sb, p.dk2_sh, p.dk2_sr, p.sm_scale);
   }
+#if PW90_BWD_DQ_WRITER
+  if constexpr (DQ) {  // no more panels: a null address in this warpgroup's next staging turn
+    mbar_wait(base + S::DQBARS + 16 + 8 * wg, (staged & 1) ^ 1);
+    if (threadIdx.x % 128 == 0) sts_u64(base + S::DQPTR + 8 * wg, 0);
+    mbar_arrive(base + S::DQBARS + 8 * wg);
+  }
+#endif
   store_rows(dv, p.dv, p.dv_sb, p.dv_sh, p.dv_sr, 1.f);
 }
 
@@ -607,33 +622,26 @@ PW90 void producer(const BwdParams& p, const TmaDesc* tq1, const TmaDesc* tq2, c
     }
 }
 
-// DQ_WRITER: one thread of warp 1 walks the tiles the consumers visit, in the same order, and
-// adds each staged dQ panel to the accumulator by a bulk reduce-add: D = 128, both warpgroups'
-// panels of every tile (warpgroup w holds panel w ^ slot); D = 64, the panel of warpgroup slot.
-template <int D, bool CAUSAL>
-PW90 void dq_writer(const BwdParams& p, u32 base, int n0, int hk, const BwdSeq sq) {
+// DQ_WRITER: one thread of warp 1 adds the staged dQ panels to the accumulator by bulk
+// reduce-adds, in the order the consumers stage them: the buffers alternate (D = 128: both
+// warpgroups' panels of a tile, warpgroup 0 first; D = 64: the tile's panel, staged by
+// warpgroup slot = tile & 1), so the i-th panel is warpgroup i % 2's (i / 2)-th. The address
+// comes with the panel (Smem::DQPTR), so this thread needs a handful of registers (a version
+// that walked the tiles itself spilled); a null address ends the walk.
+template <int D> PW90 void dq_writer(u32 base) {
   using S = Smem<D>;
-  Walk walk;
-  walk.template init<CAUSAL>(sq.M, sq.P, p.w, n0);
   const u32 dqf0 = base + S::DQBARS, dqe0 = dqf0 + 16;
-  int g = 0;
-  walk.template each<CAUSAL>((int)p.group, [&](int pair, int hq, int t) {
-    const int h = hk * (int)p.group + hq;
-    const int slot = g & 1;
-    float* tile = p.dq_acc + ((((i64)(pair - 1) * p.B + sq.tb) * p.H + h) * p.Mpad + sq.row0 + t * BM) * D;
-#pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      if (D == 64 && w != slot) continue;
-      // warpgroup w's k-th panel: k = g (D = 128) or g / 2 (D = 64: tiles with slot == w)
-      mbar_wait(dqf0 + 8 * w, (D == 128 ? g : g >> 1) & 1);
-      bulk_reduce_add_f32(tile + (D == 128 ? (w ^ slot) : 0) * 4096, base + S::DQBUF + w * S::DQBUF_BYTES,
-                          S::DQBUF_BYTES);
-      bulk_commit();
-      bulk_wait_read0();  // the buffer has been read: the warpgroup may stage its next panel
-      mbar_arrive(dqe0 + 8 * w);
-    }
-    ++g;
-  });
+#pragma unroll 1
+  for (int i = 0;; ++i) {
+    const int w = i & 1;
+    mbar_wait(dqf0 + 8 * w, (i >> 1) & 1);
+    const u64 dst = lds_u64(base + S::DQPTR + 8 * w);
+    if (dst == 0) break;
+    bulk_reduce_add_f32(reinterpret_cast<float*>(dst), base + S::DQBUF + w * S::DQBUF_BYTES, S::DQBUF_BYTES);
+    bulk_commit();
+    bulk_wait_read0();  // the buffer has been read: the warpgroup may stage its next panel
+    mbar_arrive(dqe0 + 8 * w);
+  }
   bulk_wait0();  // every reduce-add complete before the CTA's shared memory goes away
 }
 
@@ -837,7 +845,8 @@ __global__ void __launch_bounds__(pw90::bwd::THREADS, 1)
       producer<D, CAUSAL>(p, &tq1, &tq2, &tdo, &tk1, &tk2, &tv, base, kbar, full0, empty0, n0, hk, sq);
     }
 #if PW90_BWD_DQ_WRITER
-    if (DQ && warp == 1 && lane == 0) dq_writer<D, CAUSAL>(p, base, n0, hk, sq);
+    // else-if: no value of the writer's stays live through the producer's code
+    else if (DQ && warp == 1 && lane == 0) dq_writer<D>(base);
 #endif
   } else {  // ------------------------------------------------------------------------ consumers
     regs_inc<CONSUMER_REGS>();
