@@ -88,7 +88,7 @@
 // (cp.reduce.async.bulk .add.f32, 16 KB) and frees it (an mbarrier pair per buffer); the
 // panel's accumulator address comes with it. Without spills (producer warpgroup at 32
 // registers, consumers at 232) it ran at 0.92-1.04x the default backward on an H200, as the
-// spilling version before it had (0.97-1.09x): the reductions' L2 work, not the consumers'
+// spilling version before it had (0.96-1.09x): the reductions' L2 work, not the consumers'
 // issue of them, is what costs (bench/NOTES.md). (An earlier variant, in which a consumer
 // thread issued the bulk reduce behind two warpgroup barriers, was slower and is gone.)
 #ifndef PW90_BWD_DQ_WRITER
