@@ -66,6 +66,8 @@ PHASES = {"build": (70, 60), "check": (95, 30), "time": (70, 45)}
 STAGES = 2
 #: set by main() when --opt -DPW90_BWD_DQ_WRITER=1 is given (dQ staging buffers, writer warp)
 DQ_WRITER = False
+#: set by main() from --ours-only: the time phase skips the package default and SDPA
+OURS_ONLY = False
 
 
 def smem_bytes(D: int) -> int:
@@ -566,6 +568,8 @@ def _time_config(torch, kern, cpw, L, D, causal):
             say(f"AGREE {tag}: ERROR {type(e).__name__}: {str(e)[:300]}")
             torch.cuda.synchronize()
         del outs, ws, ws2
+    if OURS_ONLY:
+        return
     report("package default", "bwd", lambda: cpw.attention_backward(do, q1, k1, q2, k2, v, o, lse, w,
                                                                  causal=causal), 2.5 * fwd)
 
@@ -642,9 +646,13 @@ def main():
     ap.add_argument("--via", choices=("rawmodule", "cubin"), default="rawmodule")
     ap.add_argument("--opt", action="append", default=[], help="extra NVRTC option (repeatable)")
     ap.add_argument("--phases", default="build,check,time")
+    ap.add_argument("--ours-only", action="store_true",
+                    help="time phase: this prototype's kernels only (no package default, no SDPA); "
+                         "what scripts/hopper_bwd_ab.py runs per round")
     args = ap.parse_args()
-    global STAGES, DQ_WRITER
+    global STAGES, DQ_WRITER, OURS_ONLY
     DQ_WRITER = any("PW90_BWD_DQ_WRITER=1" in o for o in args.opt)
+    OURS_ONLY = args.ours_only
     for o in args.opt:
         m = re.search(r"PW90_BWD_STAGES=(\d+)", o)
         if m:
@@ -674,7 +682,7 @@ def main():
         log(f"git HEAD {rev}")
     except Exception:
         pass
-    common = ["--via", args.via] + [f"--opt={o}" for o in args.opt]
+    common = ["--via", args.via] + [f"--opt={o}" for o in args.opt] + (["--ours-only"] if args.ours_only else [])
     if args.verbose:
         common.append("--verbose")
     phases = args.phases.split(",")
@@ -689,7 +697,8 @@ def main():
             return
         if any(ln.startswith("BUILD rawmodule FAIL") for ln in lines) or status in ("hang", "deadline"):
             log("RawModule build did not finish: later phases load the NVRTC cubin instead")
-            common = ["--via", "cubin"] + [f"--opt={o}" for o in args.opt] + (["--verbose"] if args.verbose else [])
+            common = (["--via", "cubin"] + [f"--opt={o}" for o in args.opt] + (["--verbose"] if args.verbose else [])
+                      + (["--ours-only"] if args.ours_only else []))
     if "check" in phases:
         log("=" * 20 + " check")
         start, restarts, hangs = 0, 0, 0

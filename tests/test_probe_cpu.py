@@ -2,7 +2,7 @@
 bookkeeping (the comparison table from the workers' output lines: medians over interleaved
 rounds, the spread, ratios to cuDNN; the tile figures it derives from the -D options of a
 variant), scripts/mma_fwd_probe.py's tile argument and A/B table, scripts/mma_bwd_probe.py's
-table, and
+table, scripts/hopper_bwd_ab.py's parsing and summary, and
 scripts/causal_schedule_model.py's makespans."""
 from __future__ import annotations
 
@@ -148,3 +148,34 @@ def test_mma_bwd_probe_table_medians_and_ratios():
         assert float(xdet) == pytest.approx(1.05 * base["det"] / med, abs=1e-3)
         assert float(xflash) == pytest.approx(1.05 * base["sdpa_flash"] / med, abs=1e-3)
         assert float(bwd) == pytest.approx(med - fwd.get(run, fwd["det"]), abs=1e-3)
+
+
+def test_hopper_bwd_ab_summary_takes_medians_and_speed_ratios():
+    """scripts/hopper_bwd_ab.py: TIME lines of the probe parsed per (L, D, causal, provider,
+    phase); per build the median over its rounds with the spread, the check counts, and the
+    speed ratio default time / variant time; a cell missing in a build prints '-'."""
+    import hopper_bwd_ab as ab
+
+    def text(ms_a, ms_b):
+        return (f"TIME L=2048 D=64 causal=0 | pw90 fused       | bwd     |    {ms_a:.3f} ms   300.0 TFLOP/s\n"
+                f"TIME L=2048 D=64 causal=0 | pw90 fused       | fwd_bwd |    9.999 ms   300.0 TFLOP/s\n"
+                f"TIME L=8192 D=128 causal=1 | pw90 fused       | bwd     |    {ms_b:.3f} ms   300.0 TFLOP/s\n"
+                "TIME L=8192 D=128 causal=1 | pw90 fused       | bwd     | ERROR RuntimeError: x\n"
+                "check done in this worker: 100 pass, 0 fail\ncheck done in this worker: 4 pass, 1 fail\n")
+    t = ab.parse_times(text(2.0, 4.0))
+    assert t[(2048, 64, False, "pw90 fused", "bwd")] == 2.0 and t[(8192, 128, True, "pw90 fused", "bwd")] == 4.0
+    assert ab.parse_checks(text(2.0, 4.0)) == (104, 1) and ab.parse_checks("nothing") is None
+    runs = {"default": [ab.parse_times(text(2.0, 4.0)), ab.parse_times(text(2.2, 4.4)),
+                        ab.parse_times(text(2.1, 4.2))],
+            "X=1": [ab.parse_times(text(1.0, 8.0)), ab.parse_times(text(3.0, 8.0))]}
+    del runs["X=1"][1][(8192, 128, True, "pw90 fused", "bwd")]
+    out = ab.summary(["default", "X=1"], runs, {"default": (104, 0)})
+    assert "L2k D64" in out and "L8k D128c" in out
+    # medians: default 2.1 (spread 0.2 / 2.1), 4.2; X=1 2.0 (spread 100%), 8.0 (one round)
+    assert out.count("| default |") == 1
+    table = [ln for ln in out.splitlines() if ln.startswith("| default |")][0]
+    assert "2.100 (9.5%, n=3)" in table and "4.200 (9.5%, n=3)" in table and "104 pass, 0 fail" in table
+    x = [ln for ln in out.splitlines() if ln.startswith("| X=1 | not run")][0]
+    assert "2.000 (100.0%, n=2)" in x and "8.000 (0.0%, n=1)" in x
+    ratio = [ln for ln in out.splitlines() if ln.startswith("| X=1 |") and "not run" not in ln][0]
+    assert ratio.split("|")[2:4] == [" 1.050 ", " 0.525 "]
