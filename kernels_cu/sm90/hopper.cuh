@@ -126,6 +126,12 @@ PW90 u64 smem_desc(u32 addr, u32 lbo_bytes, u32 sbo_bytes) {
          ((u64)((sbo_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 
+// The descriptor of smem_desc(addr + bytes, lbo, sbo) from that of smem_desc(addr, lbo, sbo):
+// the address field holds addr / 16 in its low 14 bits, and shared addresses stay below 2^18,
+// so adding bytes / 16 (bytes a multiple of 16) never carries out of it. One 64-bit add per
+// k-step instead of building the descriptor again (mask, shift and an or per field).
+PW90 u64 desc_at(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
+
 PW90 void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 PW90 void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N> PW90 void wg_wait() {
