@@ -57,6 +57,10 @@ def summary(builds: list[str], runs: dict, checks: dict, provider="pw90 fused", 
     dicts, one per round; ``checks[build]``: parse_checks of its check run."""
     cells = sorted({k[:3] for b in builds for r in runs.get(b, []) for k in r
                     if k[3] == provider and k[4] == phase})
+    if not cells:
+        ck = ", ".join(f"{b}: {f'{c[0]} pass, {c[1]} fail' if c else 'not run'}"
+                       for b, c in ((b, checks.get(b)) for b in builds))
+        return f"{provider}, {phase}: no timings parsed (see the probe outputs); checks: {ck}"
     med, lines = {}, []
     head = "| build | check | " + " | ".join(_cell(c) for c in cells) + " |"
     lines += [f"{provider}, {phase}: median ms over the rounds (spread = (max - min) / median)", "",

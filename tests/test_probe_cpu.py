@@ -179,3 +179,6 @@ def test_hopper_bwd_ab_summary_takes_medians_and_speed_ratios():
     assert "2.000 (100.0%, n=2)" in x and "8.000 (0.0%, n=1)" in x
     ratio = [ln for ln in out.splitlines() if ln.startswith("| X=1 |") and "not run" not in ln][0]
     assert ratio.split("|")[2:4] == [" 1.050 ", " 0.525 "]
+    # no timings at all (a probe that could not run): one line, not an empty table
+    empty = ab.summary(["default", "X=1"], {"default": [{}], "X=1": []}, {"default": (104, 0)})
+    assert empty.startswith("pw90 fused, bwd: no timings parsed") and "default: 104 pass, 0 fail" in empty
