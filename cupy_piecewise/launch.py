@@ -530,8 +530,10 @@ def backward_launches(problem, strides, *, deterministic: bool = False):
     if use_hopper_backward(problem) and _tma_describable(problem, strides[:5], strides[6]):
         return HopperBackward(problem, views, deterministic)
     if use_fused_backward(problem, deterministic):
-        return fused_backward_launches(problem, BACKWARD_ARRAYS, views, _pack(problem, views),
-                                       problem.B * problem.H * problem.M)
+        rows = problem.B * problem.H * problem.M
+        steps, acc_bytes = fused_backward_steps(problem, rows), 4 * rows * problem.D
+        return Launches(problem.device, BACKWARD_ARRAYS, views, steps, _pack(problem, views),
+                        workspace_bytes=2 * acc_bytes, ws_offset=acc_bytes)
     steps = []
     if problem.M > 0:
         steps += _mma_dq_steps(problem)
@@ -552,18 +554,6 @@ def use_fused_backward(problem, deterministic: bool, varlen: bool = False) -> bo
     return capability.fused_backward_tiles(_compute_capability(problem.device), problem.D,
                                            problem.dtype, problem.causal,
                                            varlen=varlen) is not None
-
-
-def fused_backward_launches(problem, arrays, views, template, rows: int, varlen: bool = False):
-    """The :class:`Launches` of the one-kernel mma.sync backward (:func:`fused_backward_steps`)
-    over ``rows`` query rows, with its workspace: the two float32 (rows, D) dQ accumulators,
-    the second at ``ws_offset`` (``Params.dq_acc1`` / ``dq_acc2``). ``arrays``, ``template``:
-    the pointer names and packed parameters of the dense call (:data:`BACKWARD_ARRAYS`,
-    :func:`_pack`) or of the packed-batch one (cupy_piecewise.varlen_launch)."""
-    acc_bytes = 4 * rows * problem.D
-    return Launches(problem.device, arrays, views,
-                    fused_backward_steps(problem, rows, varlen=varlen), template,
-                    workspace_bytes=2 * acc_bytes, ws_offset=acc_bytes)
 
 
 def fused_backward_steps(problem, rows: int, varlen: bool = False) -> list:

@@ -142,7 +142,7 @@ def backward_launches(problem, shape: VarlenShape, strides, *, deterministic: bo
     float32 atomics; ``deterministic``: dQ by the packed mma.sync dq kernel instead).
     Otherwise the mma.sync kernels: where :func:`cupy_piecewise.launch.use_fused_backward`
     says so (not ``deterministic``; float16/bfloat16 variants with a packed ``bwd_fused``
-    tile) the one-kernel backward (:func:`cupy_piecewise.launch.fused_backward_launches` over
+    tile) the one-kernel backward (:func:`cupy_piecewise.launch.fused_backward_steps` over
     the ``H * total_q`` rows; dQ by float32 atomics into a workspace of ``workspace_bytes``);
     else the deterministic scheme: the delta pre-pass over all ``H * total_q`` rows, the dq
     kernel over (query tile, head, sequence) and the dk/dv kernel over (key tile, kv head,
@@ -167,9 +167,11 @@ def backward_launches(problem, shape: VarlenShape, strides, *, deterministic: bo
         return launch.HopperBackward(problem, {n: _view4(st) for n, st in zip(names, strides)},
                                      deterministic, packed=shape, mma=mma)
     if shape.total_q > 0 and launch.use_fused_backward(problem, deterministic, varlen=True):
-        return launch.fused_backward_launches(problem, BACKWARD_ARRAYS, views,
-                                              _template(problem, shape, views),
-                                              problem.H * shape.total_q, varlen=True)
+        rows = problem.H * shape.total_q
+        steps, acc_bytes = launch.fused_backward_steps(problem, rows, varlen=True), 4 * rows * problem.D
+        return launch.Launches(problem.device, BACKWARD_ARRAYS, views, steps,
+                               _template(problem, shape, views), workspace_bytes=2 * acc_bytes,
+                               ws_offset=acc_bytes)
     steps = []
     if problem.M > 0 and shape.total_q > 0:
         steps += _dq_steps(problem, shape)
