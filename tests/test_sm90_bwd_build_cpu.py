@@ -303,19 +303,3 @@ def test_opt_in_dq_writer_build_compiles_with_its_shared_memory(d):
     serial = [ln for ln in log.splitlines() if "serialized" in ln or "C751" in ln]
     assert not serial, "\n".join(serial)
     assert re.search(r"0 bytes spill stores, 0 bytes spill loads", blocks[lowered[name]]), blocks[lowered[name]]
-
-
-
-#: opt-in builds of the main kernel prepared for an A/B run on a GPU (scripts/hopper_bwd_ab.py;
-#: bench/NOTES.md): the softmax in masked and unmasked copies, the wgmma descriptors stepped by
-#: increment, and both. Each must build every main instantiation, packed and head dims 80/96
-#: included, without spills or serialised wgmma, or it could not be timed fairly.
-BWD_VARIANTS = ["PW90_BWD_MASK_SPLIT=1", "PW90_BWD_DESC_INC=1", "PW90_BWD_MASK_SPLIT=1 PW90_BWD_DESC_INC=1"]
-
-
-@pytest.mark.parametrize("spec", BWD_VARIANTS)
-def test_opt_in_builds_compile_clean(spec):
-    names = [_main(*k) for k in MAIN]
-    built = sm90_build.build("sm90/backward.cu", names, defines=tuple(spec.split()))
-    for name in names:
-        _check_clean(built, name)

@@ -94,23 +94,6 @@
 #ifndef PW90_BWD_DQ_WRITER
 #define PW90_BWD_DQ_WRITER 0
 #endif
-// Masked and unmasked softmax (1, experiment): a warpgroup-uniform branch between two copies
-// of the Pᵀ/dSᵀ loop, the per-element mask only in the copy for edge and straddling blocks.
-// The default computes the branch-free mask on every block: about 190 of the ~930 SASS
-// instructions a consumer warp issues per tile at D = 128 (ISETP/PLOP3/LOP3/SEL), a third of
-// the softmax segment the tensor cores wait behind. Not yet timed.
-#ifndef PW90_BWD_MASK_SPLIT
-#define PW90_BWD_MASK_SPLIT 0
-#endif
-// wgmma descriptors by increment (1, experiment): each product builds its two base
-// descriptors once and steps them by adding the k-step's byte offset / 16 to the address
-// field (no carry out of it: shared addresses stay below 2^18), instead of building both
-// descriptors per k-step (mask, shift, or per field). The uniform-datapath instructions that
-// build and move descriptors are ~290 of the ~930 a consumer warp issues per tile at D = 128.
-// Not yet timed.
-#ifndef PW90_BWD_DESC_INC
-#define PW90_BWD_DESC_INC 0
-#endif
 
 namespace pw90 {
 namespace bwd {
@@ -338,18 +321,18 @@ struct Walk {
 
 // acc(64 x NC) = A(64 rows at a, K-major panels a_panel apart) · B(NC rows at b, K-major
 // panels b_panel apart)ᵀ over the D columns: used for Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ.
+// Every product here builds its base descriptors once and steps them per k-step with desc_at
+// (an add to the address field) rather than building each from its address: descriptor work
+// on the uniform datapath was ~290 of the ~930 SASS instructions a consumer warp issued per
+// tile at D = 128. With the masked/unmasked softmax split below, it made the backward
+// 1.07-1.26x faster on an H200 (bench/results/2026-12-02-h200-hopper-bwd-issue-cuts).
 template <typename T, int D, int NC>
 PW90 void gemm_kmajor(float (&acc)[NC / 2], u32 a, int a_panel, u32 b, int b_panel) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const u32 off = (kk % 4) * 32;  // k16 step inside a 128-byte row
-#if PW90_BWD_DESC_INC
     const u64 da = desc_at(smem_desc(a, 16, 1024), (kk / 4) * a_panel + off);
     const u64 db = desc_at(smem_desc(b, 16, 1024), (kk / 4) * b_panel + off);
-#else
-    const u64 da = smem_desc(a + (kk / 4) * a_panel + off, 16, 1024);
-    const u64 db = smem_desc(b + (kk / 4) * b_panel + off, 16, 1024);
-#endif
     if constexpr (NC == 64) Wgmma<T, 64>::ss(acc, da, db, kk > 0 ? 1 : 0);
     else WgmmaT<T, NC>::template ss<0, 0>(acc, da, db, kk > 0 ? 1 : 0);
   }
@@ -362,11 +345,7 @@ PW90 void gemm_rs(float (&acc)[D / 2], const u32 (&a)[BM / 16][4], u32 b) {
   constexpr int Q_PANEL = Smem<D>::Q_PANEL;
 #pragma unroll
   for (int kk = 0; kk < BM / 16; ++kk)
-#if PW90_BWD_DESC_INC
     Wgmma<T, D>::template rs<1>(acc, a[kk], desc_at(smem_desc(b, Q_PANEL, 1024), kk * 2048), 1);
-#else
-    Wgmma<T, D>::template rs<1>(acc, a[kk], smem_desc(b + kk * 2048, Q_PANEL, 1024), 1);
-#endif
 }
 
 template <typename T, int D, bool CAUSAL, bool DQ, bool VARLEN, int DV>
@@ -480,9 +459,13 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
           wg_wait<0>();
           reg_fence(s);
           reg_fence(dp);
-#if PW90_BWD_MASK_SPLIT
-          // Pᵀ and dSᵀ of this chunk; MASKED: the per-element mask of edge and straddling
-          // blocks (interior blocks, most of a long row's, skip its ~6 instructions an element).
+          // Pᵀ and dSᵀ of this chunk, in two copies behind a warpgroup-uniform branch. MASKED:
+          // the per-element mask of edge and straddling blocks; interior blocks, most of a long
+          // row's, skip its ~6 instructions an element (a branch-free mask on every block was
+          // ~190 of the ~930 SASS instructions per tile at D = 128, in the softmax segment
+          // that the tensor cores wait behind). The mask inputs pass through an empty asm in
+          // the masked copy: otherwise ptxas computes all the per-element distances before
+          // the GEMMs, ~30 registers that the D = 128 build does not have.
           auto softmax = [&](auto masked_c) {
             constexpr bool MASKED = decltype(masked_c)::value;
             int db = dbase, rl = rows_left;
@@ -501,6 +484,8 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
                   const int idx = 4 * jj + 2 * hh + e;
                   bool keep = true;
                   if constexpr (MASKED) {
+                    // branch-free (bitwise, not short-circuit), and below the argument of ex2
+                    // is selected, not its result: no per-element branch
                     const int d = db + 8 * j + e - 8 * hh;
                     keep = !edge | (work & (8 * hh < rl) & (!CAUSAL | (d >= 0)));
                     keep = keep & (!split | (PAIR == 1 ? d < w : d >= w));
@@ -515,37 +500,6 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
           };
           if (edge | split) softmax(MaskC<true>{});  // warpgroup-uniform
           else softmax(MaskC<false>{});
-#else
-          // The mask inputs pass through an (empty) asm here, after the wait: otherwise ptxas
-          // computes all the per-element distances before the GEMMs, ~30 registers that the
-          // D = 128 build does not have.
-          int db = dbase, rl = rows_left;
-          asm volatile("" : "+r"(db), "+r"(rl));
-#pragma unroll
-          for (int jj = 0; jj < NC / 8; ++jj) {
-            const int j = c * (NC / 8) + jj;  // column block of the 64-query tile
-            float lse2v[2], delv[2];
-            lds_f2(stats + (8 * j + 2 * (lane % 4)) * 4, lse2v[0], lse2v[1]);
-            lds_f2(stats + BM * 4 + (8 * j + 2 * (lane % 4)) * 4, delv[0], delv[1]);
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              float pr[2], ds[2];
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int idx = 4 * jj + 2 * hh + e;
-                const int d = db + 8 * j + e - 8 * hh;
-                // branch-free (bitwise, not short-circuit): ptxas otherwise branches per element
-                bool keep = !edge | (work & (8 * hh < rl) & (!CAUSAL | (d >= 0)));
-                keep = keep & (!split | (PAIR == 1 ? d < w : d >= w));
-                // select the argument, not the result: no per-element branch around ex2
-                pr[e] = exp2f_approx(keep ? fmaf(s[idx], sl2, -lse2v[e]) : PW90_NEG_INF);
-                ds[e] = pr[e] * (dp[idx] - delv[e]);
-              }
-              pa[j / 2][2 * (j % 2) + hh] = Cvt<T>::pack(pr[0], pr[1]);
-              da[j / 2][2 * (j % 2) + hh] = Cvt<T>::pack(ds[0], ds[1]);
-            }
-          }
-#endif
         }
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) {
@@ -600,13 +554,8 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
             wg_fence();
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) {
-#if PW90_BWD_DESC_INC
               const u64 a = desc_at(smem_desc(dsb, 64 * 128, 1024), kk * 2048);
               const u64 bb = desc_at(smem_desc(kpair + pn * S::K_PANEL, S::K_PANEL, 1024), kk * 2048);
-#else
-              const u64 a = smem_desc(dsb + kk * 2048, 64 * 128, 1024);
-              const u64 bb = smem_desc(kpair + pn * S::K_PANEL + kk * 2048, S::K_PANEL, 1024);
-#endif
               WgmmaT<T, 64>::template ss<1, 1>(dq, a, bb, kk > 0 ? 1 : 0);
             }
             wg_commit();

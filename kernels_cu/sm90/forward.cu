@@ -117,12 +117,6 @@
 #ifndef PW90_PAIRS64
 #define PW90_PAIRS64 0
 #endif
-// wgmma descriptors by increment (1, experiment; desc_at in hopper.cuh): each product builds
-// its base descriptors once and steps them per k-step, instead of building both per k-step.
-// Not yet timed (the backward's PW90_BWD_DESC_INC is the same idea).
-#ifndef PW90_FWD_DESC_INC
-#define PW90_FWD_DESC_INC 0
-#endif
 #ifndef PW90_PAIRS128
 #define PW90_PAIRS128 1
 #endif
@@ -264,13 +258,8 @@ PW90 void qk(float (&s)[NC / 2], u32 qa, u32 ka) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const u32 off = (kk % 4) * 32;  // k16 step inside a 128-byte row
-#if PW90_FWD_DESC_INC
-    const u64 da = desc_at(smem_desc(qa, 16, 1024), (kk / 4) * S::Q_PANEL + off);
-    const u64 db = desc_at(smem_desc(ka, 16, 1024), (kk / 4) * S::K_PANEL + off);
-#else
     const u64 da = smem_desc(qa + (kk / 4) * S::Q_PANEL + off, 16, 1024);
     const u64 db = smem_desc(ka + (kk / 4) * S::K_PANEL + off, 16, 1024);
-#endif
     Wgmma<T, NC>::ss(s, da, db, kk > 0 ? 1 : 0);
   }
 }
@@ -293,19 +282,11 @@ PW90 void pv(float (&o)[D / 2], const u32 (&a)[BN / 16][4], u32 va) {
 #pragma unroll
     for (int pn = 0; pn < D / 64; ++pn) {
       float (&op)[32] = *reinterpret_cast<float(*)[32]>(&o[32 * pn]);
-#if PW90_FWD_DESC_INC
-      Wgmma<T, 64>::template rs<1>(op, a[kk], desc_at(smem_desc(va, S::K_PANEL, 1024), pn * S::K_PANEL + kk * 2048), 1);
-#else
       Wgmma<T, 64>::template rs<1>(op, a[kk], smem_desc(va + pn * S::K_PANEL + kk * 2048,
                                                          S::K_PANEL, 1024), 1);
-#endif
     }
 #else
-#if PW90_FWD_DESC_INC
-    Wgmma<T, D>::template rs<1>(o, a[kk], desc_at(smem_desc(va, S::K_PANEL, 1024), kk * 2048), 1);
-#else
     Wgmma<T, D>::template rs<1>(o, a[kk], smem_desc(va + kk * 2048, S::K_PANEL, 1024), 1);
-#endif
 #endif
   }
 }
