@@ -104,6 +104,14 @@ constexpr int BM = 64;        // query rows per streamed tile
 constexpr int BN = 128;       // key rows per CTA: two consumer warpgroups x 64
 constexpr int THREADS = 384;  // producer warpgroup + 2 consumer warpgroups
 // Ring stages of (Q, dO, lse2, delta): 2, or 3 (fits at D = 128 only without DQ_WRITER).
+// Per-row column ranges for the masked softmax copy (1, experiment): each key row's kept
+// query columns computed once per chunk as [lo, hi), two compares per element. The default
+// builds each element's distance and tests each clause: ~300 of the masked path's ~800 SASS
+// instructions per tile at D = 128 (ISETP/PLOP3/LOP3/SEL/IMAD, and a constant-bank load of
+// the scale under each element's predicate). Not yet timed.
+#ifndef PW90_BWD_MASK_RANGE
+#define PW90_BWD_MASK_RANGE 0
+#endif
 #ifndef PW90_BWD_STAGES
 #define PW90_BWD_STAGES 2
 #endif
@@ -470,6 +478,28 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
             constexpr bool MASKED = decltype(masked_c)::value;
             int db = dbase, rl = rows_left;
             if constexpr (MASKED) asm volatile("" : "+r"(db), "+r"(rl));
+#if PW90_BWD_MASK_RANGE
+            // The kept columns of key row hh, as a range [lo[hh], hi[hh]) of the query column
+            // q = 8*j + e (0..63) of the tile: element distance d = db - 8*hh + q, so causal
+            // (d >= 0) and the pass's side of d = w each bound q from one side; an invalid
+            // key row or a warpgroup without work is an empty range. Per element that is two
+            // compares against an immediate, instead of building d and testing each clause.
+            int qlo[2], qhi[2];
+            if constexpr (MASKED) {
+#pragma unroll
+              for (int hh = 0; hh < 2; ++hh) {
+                const i64 base = (i64)db - 8 * hh;  // d - q; 64-bit: w - base may pass 2^31
+                i64 lo = 0, hi = BM;
+                if (CAUSAL) lo = -base;
+                if (split) {
+                  if (PAIR == 1) hi = (i64)w - base;
+                  else lo = max(lo, (i64)w - base);
+                }
+                qlo[hh] = (int)clamp64(lo, 0, BM);
+                qhi[hh] = (work & (8 * hh < rl)) ? (int)clamp64(hi, 0, BM) : 0;
+              }
+            }
+#endif
 #pragma unroll
             for (int jj = 0; jj < NC / 8; ++jj) {
               const int j = c * (NC / 8) + jj;
@@ -486,11 +516,25 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
                   if constexpr (MASKED) {
                     // branch-free (bitwise, not short-circuit), and below the argument of ex2
                     // is selected, not its result: no per-element branch
+#if PW90_BWD_MASK_RANGE
+                    keep = (qlo[hh] <= 8 * j + e) & (8 * j + e < qhi[hh]);
+#else
                     const int d = db + 8 * j + e - 8 * hh;
                     keep = !edge | (work & (8 * hh < rl) & (!CAUSAL | (d >= 0)));
                     keep = keep & (!split | (PAIR == 1 ? d < w : d >= w));
+#endif
                   }
+#if PW90_BWD_MASK_RANGE
+                  // FFMA then a select: as a ternary, ptxas predicates the FFMA and reloads
+                  // the scale from the constant bank under each element's predicate
+                  float arg = fmaf(s[idx], sl2, -lse2v[e]);
+                  if constexpr (MASKED)
+                    asm("{ .reg .pred k; setp.ne.u32 k, %1, 0; selp.f32 %0, %0, 0fFF800000, k; }"
+                        : "+f"(arg) : "r"((unsigned)keep));
+                  pr[e] = exp2f_approx(arg);
+#else
                   pr[e] = exp2f_approx(keep ? fmaf(s[idx], sl2, -lse2v[e]) : PW90_NEG_INF);
+#endif
                   ds[e] = pr[e] * (dp[idx] - delv[e]);
                 }
                 pa[j / 2][2 * (j % 2) + hh] = Cvt<T>::pack(pr[0], pr[1]);
