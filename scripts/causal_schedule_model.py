@@ -15,6 +15,11 @@ D = 128; measured +9-12%, +3-5%, -1%). The model has not been checked on other s
 
     python3 scripts/causal_schedule_model.py                 # the bench rows and a sweep
     python3 scripts/causal_schedule_model.py --bh 6 --L 6144  # one shape
+    python3 scripts/causal_schedule_model.py --bwd            # the causal backward's order
+
+``--bwd`` models the causal Hopper backward (one CTA per 128-key tile, each visiting the
+64-row query tiles at or after it) in the default launch order and in PW90_BWD_LPT's, with
+the forward's set-up cost; it has not been fitted to backward measurements.
 """
 from __future__ import annotations
 
@@ -53,12 +58,52 @@ def speedup(bh: int, L: int, sms: int = SMS, c: float = SETUP) -> float:
     return one_cta_per_tile(bh, nmt, sms, c) / pairs(bh, nmt, sms)
 
 
+def bwd_key_tile_work(n: int, nqt: int) -> int:
+    """Query tiles (64 rows) the causal backward's key tile n (128 keys) visits at M = N:
+    those at or after its first row, nqt - 2n (the d = w straddle's second visit ignored)."""
+    return nqt - 2 * n
+
+
+def bwd_order(bh: int, nkt: int, lpt_ctas: int = 0) -> list:
+    """Key-tile indices in launch order: the default grid (key tile fastest, head by head),
+    or with ``lpt_ctas`` the PW90_BWD_LPT order (groups of max(1, lpt_ctas // nkt) heads, each
+    group's key tiles in increasing order, the longest first, across its heads)."""
+    if not lpt_ctas:
+        return [n for _ in range(bh) for n in range(nkt)]
+    g = max(1, min(bh, lpt_ctas // nkt))
+    return [n for g0 in range(0, bh, g) for n in range(nkt) for _ in range(g0, min(bh, g0 + g))]
+
+
+def bwd_makespan(bh: int, L: int, lpt_ctas: int = 0, sms: int = SMS, c: float = SETUP) -> float:
+    """Makespan over the ideal (total work / SMs) of the causal backward's one CTA per key
+    tile, dispatched in launch order; a key tile costs its query tiles plus ``c`` of set-up."""
+    nkt, nqt = L // 128, L // 64
+    free = [0.0] * sms
+    total = 0.0
+    for n in bwd_order(bh, nkt, lpt_ctas):
+        cost = bwd_key_tile_work(n, nqt) + c
+        total += cost
+        t = heapq.heappop(free)
+        heapq.heappush(free, t + cost)
+    return max(free) / (total / sms)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bh", type=int, help="batch x heads of one shape")
     ap.add_argument("--L", type=int, help="sequence length (a multiple of 128) of one shape")
     ap.add_argument("--setup", type=float, default=SETUP, help="per-CTA set-up, key tiles")
+    ap.add_argument("--bwd", action="store_true",
+                    help="the causal backward's launch order instead: default against PW90_BWD_LPT")
     a = ap.parse_args()
+    if a.bwd:
+        print("causal backward, makespan / ideal (bench rows: B x H = 16384 x 2048 / (L x D)):")
+        for D in (64, 128):
+            for L in (2048, 8192, 16384):
+                bh = 16384 * 2048 // (L * D)
+                print(f"  D = {D:3d}, L = {L:5d}: default {bwd_makespan(bh, L, c=a.setup):.3f}, "
+                      f"longest first (256 CTAs a group) {bwd_makespan(bh, L, 256, c=a.setup):.3f}")
+        return
     if a.bh and a.L:
         print(f"B x H = {a.bh}, L = {a.L}: pairs {speedup(a.bh, a.L, c=a.setup):.3f}x")
         return

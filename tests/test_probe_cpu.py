@@ -84,6 +84,27 @@ def test_causal_schedule_model_reproduces_the_notes():
     assert got == [1.19, 1.06, 0.99]
 
 
+def test_causal_schedule_model_backward_order():
+    """The --bwd model: launch orders and a makespan by hand on a tiny case."""
+    model = pytest.importorskip("causal_schedule_model")
+    # two heads of 3 key tiles: head by head, or (groups of 6 // 3 = 2 heads) tile by tile
+    assert model.bwd_order(2, 3) == [0, 1, 2, 0, 1, 2]
+    assert model.bwd_order(2, 3, lpt_ctas=6) == [0, 0, 1, 1, 2, 2]
+    assert model.bwd_order(3, 2, lpt_ctas=4) == [0, 0, 1, 1, 0, 1]  # a last group of one head
+    # L = 256: 2 key tiles of 4 and 2 query tiles; one head on 1 SM is its total work
+    assert model.bwd_makespan(1, 256, sms=1, c=0.0) == 1.0
+    # 2 heads on 2 SMs, no set-up: head by head puts (4, 4) and (2, 2) on the SMs, 6 each;
+    # both orders balance here, the ideal is 12 / 2
+    assert model.bwd_makespan(2, 256, sms=2, c=0.0) == 1.0
+    # 3 SMs, set-up 1: costs 5, 3, 5, 3 in the default order -> SMs 5 | 3 + 3 | 5, makespan 6
+    # of an ideal 16 / 3; longest first (5, 5, 3, 3) -> 5 | 5 | 3 + 3, the same 6
+    assert model.bwd_makespan(2, 256, sms=3, c=1.0) == pytest.approx(6 / (16 / 3))
+    assert model.bwd_makespan(2, 256, 4, sms=3, c=1.0) == pytest.approx(6 / (16 / 3))
+    rows = [model.bwd_makespan(16384 * 2048 // (2048 * D), 2048, lpt) for D in (64, 128)
+            for lpt in (0, 256)]
+    assert rows[1] < rows[0] and rows[3] < rows[2]  # longest first shortens the modelled tail
+
+
 def test_mma_fwd_probe_tiles_and_table():
     mma_fwd_probe = pytest.importorskip("mma_fwd_probe")
     assert mma_fwd_probe.parse_tiles("128:128x64x8, 128x64x4;64:128x64x4") == {

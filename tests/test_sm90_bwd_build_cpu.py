@@ -307,10 +307,10 @@ def test_opt_in_dq_writer_build_compiles_with_its_shared_memory(d):
 
 #: opt-in builds of the main kernel prepared for an A/B run on a GPU (scripts/hopper_bwd_ab.py;
 #: bench/NOTES.md). PW90_BWD_MASK_RANGE=1: the masked softmax copy tests each element against
-#: its key row's range of kept query columns. It must build every main instantiation, packed
-#: and head dims 80/96 included, without spills or serialised wgmma, or it could not be timed
-#: fairly.
-BWD_VARIANTS = ["PW90_BWD_MASK_RANGE=1"]
+#: its key row's range of kept query columns; PW90_BWD_LPT=1: the causal launch order, longest
+#: key tiles first. Each must build every main instantiation, packed and head dims 80/96
+#: included, without spills or serialised wgmma, or it could not be timed fairly.
+BWD_VARIANTS = ["PW90_BWD_MASK_RANGE=1", "PW90_BWD_LPT=1"]
 
 
 @pytest.mark.parametrize("spec", BWD_VARIANTS)

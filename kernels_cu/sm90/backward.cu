@@ -109,6 +109,17 @@ constexpr int THREADS = 384;  // producer warpgroup + 2 consumer warpgroups
 // builds each element's distance and tests each clause: ~300 of the masked path's ~800 SASS
 // instructions per tile at D = 128 (ISETP/PLOP3/LOP3/SEL/IMAD, and a constant-bank load of
 // the scale under each element's predicate). Not yet timed.
+// Longest-first causal launch order (1, experiment; the block remap at the kernel's top).
+// A list-scheduling model (scripts/causal_schedule_model.py --bwd) puts the default order's
+// tail at 3-7% of a causal L = 2048 backward on 132 SMs, where forward+backward misses 0.85x
+// cuDNN by 1-6%. An earlier version timed +1-2% there (2026-12-01, within the probe's
+// offsets); not yet timed on the current kernel with the interleaved A/B.
+#ifndef PW90_BWD_LPT
+#define PW90_BWD_LPT 0
+#endif
+#ifndef PW90_BWD_LPT_CTAS
+#define PW90_BWD_LPT_CTAS 256
+#endif
 #ifndef PW90_BWD_MASK_RANGE
 #define PW90_BWD_MASK_RANGE 0
 #endif
@@ -877,7 +888,26 @@ __global__ void __launch_bounds__(pw90::bwd::THREADS, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const u32 kbar = base + S::BARS, full0 = kbar + 8, empty0 = kbar + 8 + 8 * STAGES;
+#if PW90_BWD_LPT
+  // Causal dense batches: CTA i of the launch order takes (key tile, head, batch) so that
+  // each group of heads (about PW90_BWD_LPT_CTAS CTAs) runs its key tiles longest first
+  // across the group: the launch then ends on short tiles, not on a head's longest ones.
+  int kt = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  if (CAUSAL && !VARLEN) {
+    const int NT = gridDim.x, HB = gridDim.y * gridDim.z;
+    const int lin = blockIdx.x + NT * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int G = max(1, min(HB, PW90_BWD_LPT_CTAS / NT));  // (head, batch) pairs per group
+    const int g = lin / (G * NT), r = lin % (G * NT);
+    const int gsz = min(G, HB - g * G);  // the last group may be smaller
+    kt = r / gsz;
+    const int hb = g * G + r % gsz;
+    hk = hb % gridDim.y;
+    b = hb / gridDim.y;
+  }
+  const int n0 = kt * BN;
+#else
   const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+#endif
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   BwdSeq sq = bwd_seq<VARLEN>(p, b);
   bwd_keys<VARLEN>(p, b, sq);
