@@ -104,25 +104,6 @@ constexpr int BM = 64;        // query rows per streamed tile
 constexpr int BN = 128;       // key rows per CTA: two consumer warpgroups x 64
 constexpr int THREADS = 384;  // producer warpgroup + 2 consumer warpgroups
 // Ring stages of (Q, dO, lse2, delta): 2, or 3 (fits at D = 128 only without DQ_WRITER).
-// Per-row column ranges for the masked softmax copy (1, experiment): each key row's kept
-// query columns computed once per chunk as [lo, hi), two compares per element. The default
-// builds each element's distance and tests each clause: ~300 of the masked path's ~800 SASS
-// instructions per tile at D = 128 (ISETP/PLOP3/LOP3/SEL/IMAD, and a constant-bank load of
-// the scale under each element's predicate). Not yet timed.
-// Longest-first causal launch order (1, experiment; the block remap at the kernel's top).
-// A list-scheduling model (scripts/causal_schedule_model.py --bwd) puts the default order's
-// tail at 3-7% of a causal L = 2048 backward on 132 SMs, where forward+backward misses 0.85x
-// cuDNN by 1-6%. An earlier version timed +1-2% there (2026-12-01, within the probe's
-// offsets); not yet timed on the current kernel with the interleaved A/B.
-#ifndef PW90_BWD_LPT
-#define PW90_BWD_LPT 0
-#endif
-#ifndef PW90_BWD_LPT_CTAS
-#define PW90_BWD_LPT_CTAS 256
-#endif
-#ifndef PW90_BWD_MASK_RANGE
-#define PW90_BWD_MASK_RANGE 0
-#endif
 #ifndef PW90_BWD_STAGES
 #define PW90_BWD_STAGES 2
 #endif
@@ -489,28 +470,6 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
             constexpr bool MASKED = decltype(masked_c)::value;
             int db = dbase, rl = rows_left;
             if constexpr (MASKED) asm volatile("" : "+r"(db), "+r"(rl));
-#if PW90_BWD_MASK_RANGE
-            // The kept columns of key row hh, as a range [lo[hh], hi[hh]) of the query column
-            // q = 8*j + e (0..63) of the tile: element distance d = db - 8*hh + q, so causal
-            // (d >= 0) and the pass's side of d = w each bound q from one side; an invalid
-            // key row or a warpgroup without work is an empty range. Per element that is two
-            // compares against an immediate, instead of building d and testing each clause.
-            int qlo[2], qhi[2];
-            if constexpr (MASKED) {
-#pragma unroll
-              for (int hh = 0; hh < 2; ++hh) {
-                const i64 base = (i64)db - 8 * hh;  // d - q; 64-bit: w - base may pass 2^31
-                i64 lo = 0, hi = BM;
-                if (CAUSAL) lo = -base;
-                if (split) {
-                  if (PAIR == 1) hi = (i64)w - base;
-                  else lo = max(lo, (i64)w - base);
-                }
-                qlo[hh] = (int)clamp64(lo, 0, BM);
-                qhi[hh] = (work & (8 * hh < rl)) ? (int)clamp64(hi, 0, BM) : 0;
-              }
-            }
-#endif
 #pragma unroll
             for (int jj = 0; jj < NC / 8; ++jj) {
               const int j = c * (NC / 8) + jj;
@@ -527,25 +486,11 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
                   if constexpr (MASKED) {
                     // branch-free (bitwise, not short-circuit), and below the argument of ex2
                     // is selected, not its result: no per-element branch
-#if PW90_BWD_MASK_RANGE
-                    keep = (qlo[hh] <= 8 * j + e) & (8 * j + e < qhi[hh]);
-#else
                     const int d = db + 8 * j + e - 8 * hh;
                     keep = !edge | (work & (8 * hh < rl) & (!CAUSAL | (d >= 0)));
                     keep = keep & (!split | (PAIR == 1 ? d < w : d >= w));
-#endif
                   }
-#if PW90_BWD_MASK_RANGE
-                  // FFMA then a select: as a ternary, ptxas predicates the FFMA and reloads
-                  // the scale from the constant bank under each element's predicate
-                  float arg = fmaf(s[idx], sl2, -lse2v[e]);
-                  if constexpr (MASKED)
-                    asm("{ .reg .pred k; setp.ne.u32 k, %1, 0; selp.f32 %0, %0, 0fFF800000, k; }"
-                        : "+f"(arg) : "r"((unsigned)keep));
-                  pr[e] = exp2f_approx(arg);
-#else
                   pr[e] = exp2f_approx(keep ? fmaf(s[idx], sl2, -lse2v[e]) : PW90_NEG_INF);
-#endif
                   ds[e] = pr[e] * (dp[idx] - delv[e]);
                 }
                 pa[j / 2][2 * (j % 2) + hh] = Cvt<T>::pack(pr[0], pr[1]);
@@ -888,26 +833,7 @@ __global__ void __launch_bounds__(pw90::bwd::THREADS, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const u32 kbar = base + S::BARS, full0 = kbar + 8, empty0 = kbar + 8 + 8 * STAGES;
-#if PW90_BWD_LPT
-  // Causal dense batches: CTA i of the launch order takes (key tile, head, batch) so that
-  // each group of heads (about PW90_BWD_LPT_CTAS CTAs) runs its key tiles longest first
-  // across the group: the launch then ends on short tiles, not on a head's longest ones.
-  int kt = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-  if (CAUSAL && !VARLEN) {
-    const int NT = gridDim.x, HB = gridDim.y * gridDim.z;
-    const int lin = blockIdx.x + NT * (blockIdx.y + gridDim.y * blockIdx.z);
-    const int G = max(1, min(HB, PW90_BWD_LPT_CTAS / NT));  // (head, batch) pairs per group
-    const int g = lin / (G * NT), r = lin % (G * NT);
-    const int gsz = min(G, HB - g * G);  // the last group may be smaller
-    kt = r / gsz;
-    const int hb = g * G + r % gsz;
-    hk = hb % gridDim.y;
-    b = hb / gridDim.y;
-  }
-  const int n0 = kt * BN;
-#else
   const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
-#endif
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   BwdSeq sq = bwd_seq<VARLEN>(p, b);
   bwd_keys<VARLEN>(p, b, sq);
