@@ -98,8 +98,6 @@
 namespace pw90 {
 namespace bwd {
 
-template <bool B> struct MaskC { static constexpr bool value = B; };
-
 constexpr int BM = 64;        // query rows per streamed tile
 constexpr int BN = 128;       // key rows per CTA: two consumer warpgroups x 64
 constexpr int THREADS = 384;  // producer warpgroup + 2 consumer warpgroups
@@ -498,8 +496,8 @@ PW90 void consumer(const BwdParams& p, u32 base, u32 kbar, u32 full0, u32 empty0
               }
             }
           };
-          if (edge | split) softmax(MaskC<true>{});  // warpgroup-uniform
-          else softmax(MaskC<false>{});
+          if (edge | split) softmax(BoolC<true>{});  // warpgroup-uniform
+          else softmax(BoolC<false>{});
         }
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) {

@@ -270,7 +270,6 @@ PW90 void qk(float (&s)[NC / 2], u32 qa, u32 ka) {
   }
 }
 
-template <bool B> struct BoolC { static constexpr bool value = B; };
 PW90 void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }

@@ -132,6 +132,10 @@ PW90 u64 smem_desc(u32 addr, u32 lbo_bytes, u32 sbo_bytes) {
 // k-step instead of building the descriptor again (mask, shift and an or per field).
 PW90 u64 desc_at(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
 
+// A bool as a type: a generic lambda called with BoolC<true>{} or BoolC<false>{} is two
+// instantiations, so a warpgroup-uniform run-time branch picks between two compiled bodies.
+template <bool B> struct BoolC { static constexpr bool value = B; };
+
 PW90 void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 PW90 void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N> PW90 void wg_wait() {
