@@ -32,9 +32,8 @@ NAMES = [f"pw90_forward<{ELEM[t]}, {d}, {'true' if c else 'false'}>"
 # PW90_PAIRS64=1 PW90_PAIRS128=0: the causal persistent walk over pairs of query tiles at D = 64
 # and one CTA per query tile at D = 128 (the defaults the other way round).
 # PW90_BM64=192 PW90_BN64=96: three consumer warpgroups at D = 64 (512 threads, 160 registers
-# each); with 128-key tiles they spill. PW90_FWD_MASK_RANGE=1: the masked tiles' causal and
-# column bounds as one column limit per row, prepared for an A/B run.
-VARIANTS = ["PW90_FWD_MASK_RANGE=1", "PW90_OVERLAP=0 PW90_PERSIST=0", "PW90_PERSIST=0",
+# each); with 128-key tiles they spill.
+VARIANTS = ["PW90_OVERLAP=0 PW90_PERSIST=0", "PW90_PERSIST=0",
             "PW90_PINGPONG=1 PW90_OVERLAP=0 PW90_PERSIST=0",
             "PW90_PINGPONG=1 PW90_OVERLAP=1 PW90_PERSIST=0", "PW90_OVERLAP=0",
             "PW90_BN128=96 PW90_KSLOTS128=4", "PW90_CONSUMER_REGS=240",

@@ -117,12 +117,6 @@
 #ifndef PW90_PAIRS64
 #define PW90_PAIRS64 0
 #endif
-// The masked tiles' causal and column bounds as one column limit per row (1, experiment):
-// the default tests both per element (~2.8 instructions an element on a masked tile at D = 64,
-// ISETP/VIADD/FSEL); masked tiles are the causal diagonal and the last key tile. Not yet timed.
-#ifndef PW90_FWD_MASK_RANGE
-#define PW90_FWD_MASK_RANGE 0
-#endif
 #ifndef PW90_PAIRS128
 #define PW90_PAIRS128 1
 #endif
@@ -414,25 +408,14 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& 
       const bool masked = n0 + BN > N || (CAUSAL && row0 + P - (n0 + BN - 1) < 0);
       if (masked) {
         const int cols = N - n0 - 2 * (lane % 4);
-#if PW90_FWD_MASK_RANGE
-        // Row hh keeps the columns c = 8*j + e below min(cols, dbase + 8*hh + 1) (causal:
-        // distance dbase + 8*hh - c >= 0): one compare against an immediate per element.
-        int chi[2];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) chi[hh] = CAUSAL ? min(cols, dbase + 8 * hh + 1) : cols;
-#endif
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-#if PW90_FWD_MASK_RANGE
-              if (8 * j + e >= chi[hh]) s1[4 * j + 2 * hh + e] = PW90_NEG_INF;
-#else
               if (8 * j + e >= cols || (CAUSAL && dbase + 8 * hh - 8 * j - e < 0))
                 s1[4 * j + 2 * hh + e] = PW90_NEG_INF;
-#endif
       }
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
