@@ -14,7 +14,8 @@
 # non-causal and causal, on the Hopper forward at L = 2048 (D 64 and 128) and on the KV-cache
 # decode kernel, logs in logs/ncu_*.txt.
 # TEST_PATHS / PYTEST_ARGS narrow the tests, BENCH_ARGS replaces the default --quick;
-# SANITIZE_DIMS (e.g. 80,96,256) / SANITIZE_SKIP (dense,kvcache,varlen,torch) narrow sanitize.
+# SANITIZE_DIMS (e.g. 80,96,256) / SANITIZE_SKIP (dense,kvcache,varlen,torch) / SANITIZE_PATHS
+# (hopper or mma: the dense cases of one path) narrow sanitize.
 # FUZZ_EXAMPLES (default 600, about 5 min on an H200) sets the fuzz step's example count; the examples it finds
 # failing are saved to logs/fuzz_db (copy them into tests/fuzz_db to make them replay).
 # Runs the project from its checkout (no install), as the lent H200 machines require.

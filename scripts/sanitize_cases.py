@@ -34,10 +34,12 @@ cc = launch._compute_capability(0)
 hopper = cc == (9, 0)
 # SANITIZE_DIMS=80,96,256 narrows every head-dim loop (a partial run: the coverage check
 # below then lists what it left out but does not fail); SANITIZE_SKIP=dense,kvcache,varlen,
-# torch leaves out whole groups.
+# torch leaves out whole groups; SANITIZE_PATHS=hopper (or mma) the dense cases of the
+# other path (with compute-sanitizer's --kernel-name, a run on one kernel family).
 _only = {int(d) for d in os.environ.get("SANITIZE_DIMS", "").split(",") if d.strip()}
 _skip = {g.strip() for g in os.environ.get("SANITIZE_SKIP", "").split(",") if g.strip()}
-partial = bool(_only or _skip)
+_paths = {g.strip() for g in os.environ.get("SANITIZE_PATHS", "").split(",") if g.strip()}
+partial = bool(_only or _skip or _paths)
 
 
 def _dims(dims):
@@ -54,6 +56,8 @@ def _dtypes(path, D):
 
 
 for path in (("mma", "hopper") if hopper else ("mma",)) if "dense" not in _skip else ():
+    if _paths and path not in _paths:
+        continue
     os.environ[capability.PATH_VAR] = path
     capability.refresh_env_override()
     dims = _dims(capability.HOPPER_HEAD_DIMS if path == "hopper" else capability.head_dims(cc))
@@ -190,6 +194,7 @@ for M, N in ((150, 201), (1, 5000)) if "torch" not in _skip else ():
     print(f"ok torch M={M} N={N}", flush=True)
 
 if partial:
-    print(f"partial run (SANITIZE_DIMS={sorted(_only)}, SANITIZE_SKIP={sorted(_skip)}): the "
+    print(f"partial run (SANITIZE_DIMS={sorted(_only)}, SANITIZE_SKIP={sorted(_skip)}, "
+          f"SANITIZE_PATHS={sorted(_paths)}): the "
           "variants not launched above were left out on purpose", flush=True)
 sys.exit(1 if missing and not partial else 0)
