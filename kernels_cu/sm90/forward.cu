@@ -120,6 +120,24 @@
 #ifndef PW90_PAIRS128
 #define PW90_PAIRS128 1
 #endif
+// Serial consumer loop (1, experiment; PW90_FWD_SERIAL64: at D = 64 only): each tile's P·V
+// is issued right after its own softmax and waited for before the next tile's S = Q·Kᵀ, so
+// no P of a previous tile is held across a product (32 registers at BN = 128). The overlap
+// then comes only from the other consumer warpgroups. With -DPW90_BM64=192 (three consumer
+// warpgroups at 160 registers, which spill with 128-key tiles in the pipelined loop) it
+// builds clean, and on an H200 ran the D = 64 forward 1.07-1.15x faster than the default
+// (L 2048/8192, causal or not; at D = 128, BM 128, serial is 0.91-1.00x): bench/results/
+// 2026-12-02-h200-bwd-persistent-det-cost/probe_fwd_serial.txt. Not yet the default: the
+// host's tiles (capability.HOPPER_BLOCK_M, threads, Q box) must follow, then the GPU tests.
+#ifndef PW90_FWD_SERIAL
+#define PW90_FWD_SERIAL 0
+#endif
+#ifndef PW90_FWD_SERIAL64
+#define PW90_FWD_SERIAL64 0
+#endif
+#if (PW90_FWD_SERIAL || PW90_FWD_SERIAL64) && PW90_PINGPONG
+#error "PW90_FWD_SERIAL has no P·V of the previous tile to ping-pong"
+#endif
 
 namespace pw90 {
 
@@ -324,6 +342,7 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& 
   // Thread's accumulator element (hh, j, e) of a 64-row product: row 16*wl + lane/4 + 8*hh
   // of the warpgroup, column 8*j + 2*(lane%4) + e; index 4*j + 2*hh + e.
   u32 a[BN / 16][4];  // P of the previous tile, the register A operand of P·V
+  constexpr bool SERIAL = PW90_FWD_SERIAL || (D == 64 && PW90_FWD_SERIAL64);  // (a: P of tile t)
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk) a[kk][0] = a[kk][1] = a[kk][2] = a[kk][3] = 0u;
   bool have_prev = false;
@@ -344,7 +363,7 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& 
     const bool two = cmode == 3;
     mbar_wait(kr.full(kc), kr.parity(kc));
     if (two) mbar_wait(kr.full(kc + 1), kr.parity(kc + 1));
-    if (t > 0) mbar_wait(vr.full(g - 1), vr.parity(g - 1));
+    if (!SERIAL && t > 0) mbar_wait(vr.full(g - 1), vr.parity(g - 1));
     const u32 k1a = kr.buf(kc), k2a = kr.buf(kc + (two ? 1 : 0));
     const u32 pva = vr.buf(g - 1);  // V of tile t-1
     // Rows left to this warpgroup in tile t. Without CAUSAL always true (t < ntiles), but
@@ -450,9 +469,11 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& 
     reg_fence(o);
     // P_{t-1} stays live until here: were its registers reused by the softmax above, ptxas
     // would have to wait for the P·V product before the softmax (no overlap).
+    if constexpr (!SERIAL) {
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) reg_fence(a[kk]);
-    if (t > 0) mbar_arrive(vr.empty(g - 1));  // V of tile t-1 no longer read
+      for (int kk = 0; kk < BN / 16; ++kk) reg_fence(a[kk]);
+    }
+    if (!SERIAL && t > 0) mbar_arrive(vr.empty(g - 1));  // V of tile t-1 no longer read
     if (compute) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh)
@@ -461,6 +482,10 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& 
           o[4 * j + 2 * hh] *= alpha[hh];
           o[4 * j + 2 * hh + 1] *= alpha[hh];
         }
+    }
+    // SERIAL packs on every tile (unused where !compute): a then holds nothing from one tile
+    // to the next, which ptxas sees only if no path leaves it unwritten
+    if (compute || SERIAL) {
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
         a[kk][0] = Cvt<T>::pack(s1[8 * kk + 0], s1[8 * kk + 1]);
@@ -469,18 +494,31 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& 
         a[kk][3] = Cvt<T>::pack(s1[8 * kk + 6], s1[8 * kk + 7]);
       }
     }
+    if constexpr (SERIAL) {  // O += P_t·V_t now, and wait for it: a is free again after
+      mbar_wait(vr.full(g), vr.parity(g));
+      if (compute) {
+        reg_fence(o);
+        wg_fence();
+        pv<T, D, BN>(o, a, vr.buf(g));
+        wg_commit();
+        wg_wait<0>();
+        reg_fence(o);
+      }
+      mbar_arrive(vr.empty(g));
+    } else {
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) reg_fence(a[kk]);
+      for (int kk = 0; kk < BN / 16; ++kk) reg_fence(a[kk]);
+    }
     have_prev = compute;
   };
   for (int t = 0; t < ntiles; ++t) {
-    if (have_prev) tile(BoolC<true>{}, t);
+    if (have_prev && !SERIAL) tile(BoolC<true>{}, t);
     else tile(BoolC<false>{}, t);
   }
 #if PW90_PERSIST
   if (ntiles > 0) mbar_arrive(qempty);  // every S product of this work tile is complete
 #endif
-  if (ntiles > 0) {
+  if (!SERIAL && ntiles > 0) {  // the last P·V (SERIAL: done in its tile)
     const int gl = kg + ntiles - 1;
     mbar_wait(vr.full(gl), vr.parity(gl));
     if (have_prev) {
