@@ -351,6 +351,19 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& 
   if (wg == 1) named_bar_arrive(1, 256);  // warpgroup 0 issues first
 #endif
   if (ntiles > 0) mbar_wait(qbar, qpar);
+  // V-ring use gv: wait for V, O += P(a)·V if run, wait for the product, release V.
+  auto pv_wait = [&](int gv, bool run) {
+    mbar_wait(vr.full(gv), vr.parity(gv));
+    if (run) {
+      reg_fence(o);
+      wg_fence();
+      pv<T, D, BN>(o, a, vr.buf(gv));
+      wg_commit();
+      wg_wait<0>();
+      reg_fence(o);
+    }
+    mbar_arrive(vr.empty(gv));
+  };
   // One key tile; PVX: issue P_{t-1}·V_{t-1}. Two instantiations rather than a branch around
   // the P·V product: a conditional product forces ptxas to close the group with a dummy
   // HGMMA (a third group, so wait_group 1 would also wait for P·V) or to serialise.
@@ -495,16 +508,7 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& 
       }
     }
     if constexpr (SERIAL) {  // O += P_t·V_t now, and wait for it: a is free again after
-      mbar_wait(vr.full(g), vr.parity(g));
-      if (compute) {
-        reg_fence(o);
-        wg_fence();
-        pv<T, D, BN>(o, a, vr.buf(g));
-        wg_commit();
-        wg_wait<0>();
-        reg_fence(o);
-      }
-      mbar_arrive(vr.empty(g));
+      pv_wait(g, compute);
     } else {
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) reg_fence(a[kk]);
@@ -518,19 +522,7 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& 
 #if PW90_PERSIST
   if (ntiles > 0) mbar_arrive(qempty);  // every S product of this work tile is complete
 #endif
-  if (!SERIAL && ntiles > 0) {  // the last P·V (SERIAL: done in its tile)
-    const int gl = kg + ntiles - 1;
-    mbar_wait(vr.full(gl), vr.parity(gl));
-    if (have_prev) {
-      reg_fence(o);
-      wg_fence();
-      pv<T, D, BN>(o, a, vr.buf(gl));
-      wg_commit();
-      wg_wait<0>();
-      reg_fence(o);
-    }
-    mbar_arrive(vr.empty(gl));
-  }
+  if (!SERIAL && ntiles > 0) pv_wait(kg + ntiles - 1, have_prev);  // the last P·V (SERIAL: in its tile)
 #if PW90_PINGPONG
   // Warpgroup 1 arrived on barrier 1 once more than warpgroup 0 synced on it: consume that
   // arrival so that no named barrier is left mid-phase when the CTA exits.
