@@ -125,8 +125,9 @@
 // no P of a previous tile is held across a product (32 registers at BN = 128). The overlap
 // then comes only from the other consumer warpgroups. With -DPW90_BM64=192 (three consumer
 // warpgroups at 160 registers, which spill with 128-key tiles in the pipelined loop) it
-// builds clean, and on an H200 ran the D = 64 forward 1.07-1.15x faster than the default
-// (L 2048/8192, causal or not; at D = 128, BM 128, serial is 0.91-1.00x): bench/results/
+// builds clean, and on an H200 ran the D = 64 forward about 1.08-1.15x faster than the
+// default in a probe (L 2048/8192, causal or not; the default timed in one round there; at
+// D = 128, BM 128, serial is 0.91-1.00x): bench/results/
 // 2026-12-02-h200-bwd-persistent-det-cost/probe_fwd_serial.txt. Not yet the default: the
 // host's tiles (capability.HOPPER_BLOCK_M, threads, Q box) must follow, then the GPU tests.
 #ifndef PW90_FWD_SERIAL
