@@ -39,6 +39,8 @@ hopper = cc == (9, 0)
 _only = {int(d) for d in os.environ.get("SANITIZE_DIMS", "").split(",") if d.strip()}
 _skip = {g.strip() for g in os.environ.get("SANITIZE_SKIP", "").split(",") if g.strip()}
 _paths = {g.strip() for g in os.environ.get("SANITIZE_PATHS", "").split(",") if g.strip()}
+if _paths - {"mma", "hopper"}:  # a misspelt path would silently run no dense case
+    sys.exit(f"SANITIZE_PATHS={os.environ['SANITIZE_PATHS']!r}: expected mma and/or hopper")
 partial = bool(_only or _skip or _paths)
 
 
