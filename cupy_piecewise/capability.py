@@ -74,6 +74,8 @@ __all__ = [
     "HOPPER_BWD_HEAD_DIMS",
     "hopper_head_dims",
     "hopper_compute_dim",
+    "hopper_block_m",
+    "hopper_fwd_threads",
     "hopper_shared_bytes",
     "hopper_bwd_shared_bytes",
     "hopper_bwd_helper_grid",
@@ -182,9 +184,12 @@ HOPPER_HEAD_DIMS = (64, 80, 96, 128, 256)
 #: resident K1, K2, V of a 128-key tile alone would take 192 KB, and dK + dV 256 registers
 #: per consumer thread; its backward runs the mma.sync kernels.
 HOPPER_BWD_HEAD_DIMS = (64, 80, 96, 128)
-#: Query rows per Hopper forward block (two consumer warpgroups of 64) and key rows per
-#: tile, per compute head dim (kernels_cu/sm90/forward.cu, FwdCfg).
-HOPPER_BLOCK_M = 128
+#: Query rows per Hopper forward block (a consumer warpgroup per 64) and key rows per tile,
+#: per compute head dim (kernels_cu/sm90/forward.cu, FwdCfg). Three consumer warpgroups at
+#: D = 64 (FlashAttention-3's layout there), with each tile's P·V waited for in its tile
+#: (the serial loop: no P of the previous tile held, so 160 registers suffice); two at 128
+#: and 256. A block runs a producer warpgroup besides (:func:`hopper_fwd_threads`).
+HOPPER_BLOCK_M = {64: 192, 128: 128, 256: 128}
 HOPPER_BLOCK_N = {64: 128, 128: 128, 256: 32}
 #: Buffers of BLOCK_N keys in the Hopper forward's K ring and V ring, per compute head dim
 #: (FwdCfg's KSLOTS, VSLOTS): a tile takes one K slot (K1 or K2), a tile that straddles
@@ -255,6 +260,19 @@ def hopper_compute_dim(head_dim: int) -> int:
     raise ValueError(f"no Hopper kernel for head dim {head_dim}")
 
 
+def hopper_block_m(head_dim: int) -> int:
+    """Query rows per block of the Hopper forward for tensors of ``head_dim`` columns
+    (:data:`HOPPER_BLOCK_M` of its compute head dim)."""
+    return HOPPER_BLOCK_M[hopper_compute_dim(head_dim)]
+
+
+def hopper_fwd_threads(head_dim: int) -> int:
+    """Threads per block of the Hopper forward for ``head_dim`` (mirrors
+    ``pw90::FwdWarps<D>::THREADS``): a producer warpgroup and a consumer warpgroup per 64
+    query rows (512 at D = 64, 384 at 128 and 256)."""
+    return 128 * (1 + hopper_block_m(head_dim) // 64)
+
+
 def hopper_shared_bytes(head_dim: int, *, block_n: int | None = None,
                         slots: tuple | None = None, block_m: int | None = None) -> int:
     """Dynamic shared memory of the Hopper forward (mirrors ``pw90::FwdSmem<D>::BYTES``;
@@ -266,7 +284,7 @@ def hopper_shared_bytes(head_dim: int, *, block_n: int | None = None,
     (scripts/hopper_probe.py --variants); the package never passes them."""
     head_dim = hopper_compute_dim(head_dim)
     panels = head_dim // 64
-    q_tile = panels * (block_m or HOPPER_BLOCK_M) * 128
+    q_tile = panels * (block_m or HOPPER_BLOCK_M[head_dim]) * 128
     k_tile = panels * (block_n or HOPPER_BLOCK_N[head_dim]) * 128
     nslots = sum(slots or HOPPER_FWD_SLOTS[head_dim])
     return 2 * q_tile + nslots * k_tile + 8 * (2 + 2 * nslots) + 1024

@@ -16,7 +16,7 @@ import re
 import threading
 from dataclasses import dataclass
 
-from .capability import VARLEN_PHASES, TileConfig, hopper_compute_dim
+from .capability import VARLEN_PHASES, TileConfig, hopper_compute_dim, hopper_fwd_threads
 from .kernel_sources import kernel_dir
 
 #: kernel file per phase; the delta pre-pass lives with the backward kernels.
@@ -55,8 +55,8 @@ HOPPER_ROW_KERNELS = ("bwd_sm90_prep", "bwd_sm90_dq")
 #: Hopper kernels without a causal flag: the row kernels, and the decode (one new token
 #: attends every cached key either way)
 HOPPER_UNCAUSAL = HOPPER_ROW_KERNELS + ("kvdecode_sm90",)
-#: threads of a Hopper forward or backward block: a producer warpgroup and two consumer
-#: warpgroups
+#: threads of a Hopper backward block: a producer warpgroup and two consumer warpgroups
+#: (the forward's depend on the head dim: capability.hopper_fwd_threads)
 HOPPER_THREADS = 384
 #: element tags of common.cuh: float32 inputs run the mma.sync kernels in TF32
 _ELEM = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "tf32_t"}
@@ -146,6 +146,8 @@ class Variant:
             return 256
         if self.phase == "kvdecode_sm90":  # consumer warps and a producer warp
             return 32 * (self.tiles.num_warps + 1)
+        if self.phase == "fwd_sm90":
+            return hopper_fwd_threads(self.head_dim)
         if self.phase in HOPPER_KERNELS:
             return HOPPER_THREADS
         return 32 * self.tiles.num_warps

@@ -128,7 +128,7 @@ def _forward_path(cc: tuple[int, int]) -> str:
     small = "every grid" if capability.path_override() == "hopper" else "grids of at least one block per SM"
     # query rows x key rows per tile, K + V ring slots, per compute head dim
     tiles = "  ".join(
-        f"D{d}={capability.HOPPER_BLOCK_M}x{bn} {'+'.join(map(str, capability.HOPPER_FWD_SLOTS[d]))} slots"
+        f"D{d}={capability.HOPPER_BLOCK_M[d]}x{bn} {'+'.join(map(str, capability.HOPPER_FWD_SLOTS[d]))} slots"
         for d, bn in sorted(capability.HOPPER_BLOCK_N.items()))
     pairs = "/".join(str(d) for d in capability.HOPPER_HEAD_DIMS
                      if capability.HOPPER_CAUSAL_PAIRS[capability.hopper_compute_dim(d)])

@@ -382,7 +382,7 @@ def use_hopper(problem, split: bool = True) -> bool:
         return False
     if path == "hopper" or not split:
         return True
-    blocks = math.ceil(problem.M / capability.HOPPER_BLOCK_M) * problem.H * problem.B
+    blocks = math.ceil(problem.M / capability.hopper_block_m(problem.D)) * problem.H * problem.B
     return blocks >= _multiprocessors(problem.device)
 
 
@@ -452,7 +452,8 @@ class HopperLaunches:
     struct; maps are built from the data pointers at :meth:`run` and cached per pointer
     tuple (the shapes and strides are fixed for this object), so repeated calls on the same
     buffers encode nothing. A dense non-causal batch runs the persistent grid: one CTA per
-    SM (at most one per work tile) walking the (128-row query tile, head, batch) work tiles.
+    SM (at most one per work tile) walking the (query tile, head, batch) work tiles
+    (``capability.hopper_block_m`` rows per query tile: 192 at D = 64, else 128).
     A dense causal one does too where ``capability.HOPPER_CAUSAL_PAIRS`` says so, walking
     units of two query tiles of one head (equal key-tile counts); else one CTA per work tile
     (tiles of unequal length, balanced by the hardware's block scheduling). A packed batch
@@ -469,7 +470,8 @@ class HopperLaunches:
         self.strides = dict(zip(("q1", "k1", "q2", "k2", "v", "o"), map(tuple, strides)))
         self.workspace_bytes = 0
         variant = variant or Variant("fwd_sm90", p.dtype, p.D, None, p.causal)
-        mtiles = math.ceil(p.M / capability.HOPPER_BLOCK_M)
+        bm = capability.hopper_block_m(p.D)
+        mtiles = math.ceil(p.M / bm)
         pairs = capability.HOPPER_CAUSAL_PAIRS[capability.hopper_compute_dim(p.D)]
         if grid is None and p.causal and not pairs:
             grid = (mtiles, p.H, p.B)
@@ -490,7 +492,7 @@ class HopperLaunches:
         # the kernel takes the maps in the order q1, q2, k1, k2, v
         self._maps = _TensorMaps((q_shape, k_shape, q_shape, k_shape, k_shape),
                                  [self.strides[n] for n in names],
-                                 (capability.HOPPER_BLOCK_M, bn, capability.HOPPER_BLOCK_M, bn, bn),
+                                 (bm, bn, bm, bn, bn),
                                  p.dtype, order=(0, 2, 1, 3, 4))
 
     def run(self, ptrs, stream: int, workspace: int = 0) -> None:

@@ -86,7 +86,7 @@ class HopperVarlenLaunches(launch.HopperLaunches):
         # (1, heads, total, D) views: batch stride 0 (one batch), head and row strides
         super().__init__(packed, [_view4(st) for st in strides],
                          variant=launch.Variant("fwd_sm90", p.dtype, p.D, None, p.causal, True),
-                         grid=(math.ceil(p.M / launch.capability.HOPPER_BLOCK_M), p.H, p.B))
+                         grid=(math.ceil(p.M / launch.capability.hopper_block_m(p.D)), p.H, p.B))
         self.arrays = FORWARD_ARRAYS  # run() packs cu_q and cu_k after the dense pointers
 
 

@@ -60,7 +60,8 @@ from probe_common import ROOT, find_tool, say, splice  # noqa: E402
 
 SOURCE = "sm90/forward.cu"
 ELEM = {"bfloat16": "pw90::bf16", "float16": "pw90::f16"}
-BM = capability.HOPPER_BLOCK_M  # query rows per CTA of the default build (PW90_BM64 changes D = 64)
+#: query rows per CTA of the default build (pw90::FwdCfg; -DPW90_BM64 changes D = 64)
+BM = {d: capability.HOPPER_BLOCK_M[d] for d in (64, 128)}
 #: key rows per tile of the default build (pw90::FwdCfg; -DPW90_BN128 changes D = 128)
 BN = {d: capability.HOPPER_BLOCK_N[d] for d in (64, 128)}
 LOG2E = 1.4426950408889634
@@ -98,10 +99,17 @@ def tiles(D: int, options=()) -> tuple:
 
 
 def block_m(D: int, options=()) -> int:
-    """Query rows per CTA of pw90::FwdCfg<D> built with ``options`` (-DPW90_BM64=192: three
-    consumer warpgroups at D = 64); the kernel runs 128 threads per 64 rows plus a producer
-    warpgroup."""
-    return macro_value(options, "PW90_BM64", BM) if D == 64 else BM
+    """Query rows per CTA of pw90::FwdCfg<D> built with ``options`` (-DPW90_BM64=128: two
+    consumer warpgroups at D = 64, the default before 192); the kernel runs 128 threads per
+    64 rows plus a producer warpgroup. Without the macro, the default of the source built
+    (source_of: a -DPW90_PROBE_SOURCE kernel written out from an older revision may have
+    another)."""
+    if D != 64:
+        return BM[D]
+    path = os.path.join(ROOT, "kernels_cu", source_of(options))
+    with open(path) as f:
+        m = re.search(r"^#define PW90_BM64 (\d+)\s*$", f.read(), re.M)
+    return macro_value(options, "PW90_BM64", int(m.group(1)) if m else 128)
 
 
 def smem_bytes(D: int, options=()) -> int:

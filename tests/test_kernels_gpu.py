@@ -489,6 +489,26 @@ def test_long_rows_keep_o_and_lse_within_the_rule(kernel_path, dtype):
 
 
 @pytest.mark.parametrize("cap", [None, "3"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("M, N", [(191, 191), (192, 200), (193, 450), (575, 577), (769, 300)])
+def test_hopper_d64_query_tiles_of_192_rows(monkeypatch, cap, causal, M, N):
+    """The Hopper forward at D = 64 takes 192 query rows per CTA (three consumer warpgroups,
+    capability.HOPPER_BLOCK_M): M one short of, at, one past and just under multiples of 192
+    (the last tile's third warpgroup partly or wholly past M), M > N, with the persistent grid
+    of one CTA per SM and capped at 3 CTAs (each walks several work tiles); backward too."""
+    from cupy_piecewise import capability
+
+    assert capability.hopper_block_m(64) == 192
+    monkeypatch.setenv(capability.PATH_VAR, "hopper")
+    if cap is None:
+        monkeypatch.delenv(capability.PERSIST_VAR, raising=False)
+    else:
+        monkeypatch.setenv(capability.PERSIST_VAR, cap)
+    capability.refresh_env_override()
+    run_case(D=64, dtype="bfloat16", causal=causal, M=M, N=N, w=N // 3, group=2, transposed=False)
+
+
+@pytest.mark.parametrize("cap", [None, "3"])
 @pytest.mark.parametrize("D, M, N", [(128, 640, 640), (128, 1100, 1300), (96, 900, 300),
                                      (128, 2000, 2100), (80, 2000, 100)])
 def test_causal_pairs_walk_every_query_tile(monkeypatch, cap, D, M, N):

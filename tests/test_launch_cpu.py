@@ -472,8 +472,13 @@ def test_hopper_launch(fake_gpu, fake_maps, monkeypatch):
         p64 = dataclasses.replace(p, D=64)
         assert not capability.HOPPER_CAUSAL_PAIRS[64]
         q64, k64 = _contiguous((B, H, M, 64)), _contiguous((B, Hkv, N, 64))
+        n = len(encoded)
         launch.forward_launches(p64, (q64, k64, q64, k64, k64, q64), split=True).run(ptrs, stream=9)
-        assert drv.launches[-1]["grid"] == (math.ceil(M / 128), H, B)
+        # three consumer warpgroups at D = 64: 192-row query tiles (grid, Q boxes), 512 threads
+        assert capability.HOPPER_BLOCK_M[64] == 192
+        assert drv.launches[-1]["grid"] == (math.ceil(M / 192), H, B)
+        assert drv.launches[-1]["block"] == (512, 1, 1)
+        assert [e[4] for e in encoded[n:]] == [192, 128, 192, 128, 128]
     finally:
         monkeypatch.delenv(capability.PERSIST_VAR)
         capability.refresh_env_override()

@@ -57,14 +57,16 @@ def test_variant_tiles_follow_the_macros():
     macros change them (PW90_BM64 only at D = 64)."""
     from cupy_piecewise import capability
 
-    opts = ["-DPW90_BM64=192", "-DPW90_BN64=96"]
-    assert hopper_probe.block_m(64, opts) == 192 and hopper_probe.block_m(128, opts) == 128
-    assert hopper_probe.block_m(64) == capability.HOPPER_BLOCK_M
+    opts = ["-DPW90_BM64=128", "-DPW90_BN64=96"]
+    assert hopper_probe.block_m(64, opts) == 128 and hopper_probe.block_m(128, opts) == 128
+    assert hopper_probe.block_m(64) == capability.HOPPER_BLOCK_M[64] == 192
+    assert hopper_probe.block_m(128) == capability.HOPPER_BLOCK_M[128]
     assert hopper_probe.tiles(64, opts)[0] == 96
-    # Q1, Q2 of 192 x 64; 4 K + 2 V slots of 96 x 64 (2-byte elements); 14 mbarriers; 1 KB
+    # Q1, Q2 of 128 x 64; 4 K + 2 V slots of 96 x 64 (2-byte elements); 14 mbarriers; 1 KB
     # alignment slack
     assert capability.HOPPER_FWD_SLOTS[64] == (4, 2)
-    assert hopper_probe.smem_bytes(64, opts) == 2 * 192 * 128 + 6 * 96 * 128 + 8 * 14 + 1024
+    assert hopper_probe.smem_bytes(64, opts) == 2 * 128 * 128 + 6 * 96 * 128 + 8 * 14 + 1024
+    assert hopper_probe.smem_bytes(64) == capability.hopper_shared_bytes(64)
     assert hopper_probe.smem_bytes(128) == capability.hopper_shared_bytes(128)
     assert hopper_probe.vt_configs((2048, 16384)) == [
         (L, D, c) for L in (2048, 16384) for D in (64, 128) for c in (0, 1)]

@@ -23,7 +23,12 @@ NAMES = [f"pw90_forward<{ELEM[t]}, {d}, {'true' if c else 'false'}>"
 
 #: compile-time variants of the consumer loop (kernels_cu/sm90/forward.cu), A/B-tested on a GPU
 #: by scripts/hopper_probe.py --variants; each must build without spills or serialised wgmma
-# PW90_OVERLAP is on by default (the package's build); =0 waits for P·V before the softmax.
+# The default build: D = 64 runs three consumer warpgroups (BM = 192, 512 threads, 160
+# registers) with the serial loop (PW90_FWD_SERIAL64, each tile's P·V waited for in its tile);
+# D = 128 two (BM = 128) with the pipelined loop. PW90_BM64=128 is the D = 64 build before
+# that (two consumer warpgroups, pipelined loop), kept for A/B runs; the variants that need two
+# consumer warpgroups at D = 64 (ping-pong, 192-key tiles at 240 registers) carry it.
+# PW90_OVERLAP is on by default (the pipelined loop); =0 waits for P·V before the softmax.
 # PW90_PERSIST is on by default too (dense batches); =0 gives one CTA per work tile, which
 # ping-pong needs. PW90_BN128=96 PW90_KSLOTS128=4: the D = 128 tile and memory of the layout
 # the rings replaced. PW90_BN64=192 PW90_CONSUMER_REGS=240: 192-key tiles at D = 64, which fit
@@ -31,16 +36,16 @@ NAMES = [f"pw90_forward<{ELEM[t]}, {d}, {'true' if c else 'false'}>"
 # PW90_KSLOTS64=2: the K-ring depth at D = 64 of the layout the rings replaced.
 # PW90_PAIRS64=1 PW90_PAIRS128=0: the causal persistent walk over pairs of query tiles at D = 64
 # and one CTA per query tile at D = 128 (the defaults the other way round).
-# PW90_BM64=192 PW90_BN64=96: three consumer warpgroups at D = 64 (512 threads, 160 registers
-# each); with 128-key tiles they spill in the pipelined loop, not in the serial one
-# (PW90_FWD_SERIAL=1: each tile's P·V waited for in its tile), with BM 128 or 192.
-VARIANTS = ["PW90_BM64=192 PW90_FWD_SERIAL=1", "PW90_FWD_SERIAL=1", "PW90_BM64=192 PW90_FWD_SERIAL64=1",
+# PW90_BN64=96 PW90_FWD_SERIAL64=0: three consumer warpgroups in the pipelined loop, which
+# spill with 128-key tiles and fit with 96. PW90_FWD_SERIAL=1: the serial loop at every head
+# dim (with BM 128 or 192 at D = 64).
+VARIANTS = ["PW90_BM64=128", "PW90_FWD_SERIAL=1", "PW90_BM64=128 PW90_FWD_SERIAL=1",
             "PW90_OVERLAP=0 PW90_PERSIST=0", "PW90_PERSIST=0",
-            "PW90_PINGPONG=1 PW90_OVERLAP=0 PW90_PERSIST=0",
-            "PW90_PINGPONG=1 PW90_OVERLAP=1 PW90_PERSIST=0", "PW90_OVERLAP=0",
+            "PW90_PINGPONG=1 PW90_OVERLAP=0 PW90_PERSIST=0 PW90_BM64=128",
+            "PW90_PINGPONG=1 PW90_OVERLAP=1 PW90_PERSIST=0 PW90_BM64=128", "PW90_OVERLAP=0",
             "PW90_BN128=96 PW90_KSLOTS128=4", "PW90_CONSUMER_REGS=240",
-            "PW90_BN64=192 PW90_CONSUMER_REGS=240", "PW90_KSLOTS64=2",
-            "PW90_PAIRS64=1 PW90_PAIRS128=0", "PW90_BM64=192 PW90_BN64=96"]
+            "PW90_BN64=192 PW90_CONSUMER_REGS=240 PW90_BM64=128", "PW90_KSLOTS64=2",
+            "PW90_PAIRS64=1 PW90_PAIRS128=0", "PW90_BN64=96 PW90_FWD_SERIAL64=0"]
 
 
 def _compile(defines=()):
@@ -69,7 +74,7 @@ def test_variants_no_spills_no_serialisation(variant_build):
     # the variant really took its path
     if "PW90_PINGPONG=1" in spec:
         assert re.search(r"bar\.arrive", ptx) and re.search(r"bar\.sync\s+%r", ptx), spec
-    if "PW90_BM64=192" in spec:  # the D = 64 kernels: 4 warpgroups, consumers raised to 160
+    if "PW90_BM64=128" not in spec:  # the D = 64 kernels: 4 warpgroups, consumers raised to 160
         assert ".maxntid 512" in ptx and "setmaxnreg.inc.sync.aligned.u32 160;" in ptx, spec
     else:
         assert ".maxntid 512" not in ptx, spec
@@ -106,6 +111,11 @@ def test_ptx_uses_hopper_instructions(build):
         assert needle in ptx, needle
     # P·V reads V MN-major (imm-trans-b = 1) with P from registers
     assert re.search(r"wgmma\.mma_async[^;]*\{%r\d+, ?%r\d+, ?%r\d+, ?%r\d+\}, %rd\d+, p, 1, 1, 1;", ptx)
+    # D = 64: three consumer warpgroups at 160 registers (512 threads); D = 128: two at 232
+    # (384 threads) with the pipelined loop (wait_group 1: S_t done, P_{t-1}·V still running)
+    for needle in (".maxntid 512", ".maxntid 384", "setmaxnreg.inc.sync.aligned.u32 160;",
+                   "setmaxnreg.inc.sync.aligned.u32 232;", "wgmma.wait_group.sync.aligned 1;"):
+        assert needle in ptx, needle
 
 
 def test_tma_argument_checks():

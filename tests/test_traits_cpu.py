@@ -137,18 +137,24 @@ def test_hopper_shared_bytes_match_the_kernel(nvrtc, filename, struct, figure):
 
 
 def test_hopper_forward_tiles_match_the_kernel(nvrtc):
-    """capability.HOPPER_BLOCK_N (the TMA box of K and V), HOPPER_FWD_SLOTS and
-    HOPPER_CAUSAL_PAIRS (which causal grids the launcher makes persistent) are the Hopper
-    forward's own FwdCfg<D> for every compute head dim."""
+    """capability.HOPPER_BLOCK_M and HOPPER_BLOCK_N (the TMA boxes of Q and of K, V; the
+    grids), HOPPER_FWD_SLOTS, HOPPER_CAUSAL_PAIRS (which causal grids the launcher makes
+    persistent) and hopper_fwd_threads (the block the launcher asks for) are the Hopper
+    forward's own FwdCfg<D> / FwdWarps<D> for every compute head dim."""
     src = source("sm90/forward.cu")
     for d, bn in capability.HOPPER_BLOCK_N.items():
         ks, vs = capability.HOPPER_FWD_SLOTS[d]
         pairs = "true" if capability.HOPPER_CAUSAL_PAIRS[d] else "false"
+        bm, threads = capability.HOPPER_BLOCK_M[d], capability.hopper_fwd_threads(d)
         src += (f"\nstatic_assert(pw90::FwdCfg<{d}>::BN == {bn} && pw90::FwdCfg<{d}>::KSLOTS == {ks}"
-                f" && pw90::FwdCfg<{d}>::VSLOTS == {vs} && pw90::FwdCfg<{d}>::PAIRS == {pairs},"
+                f" && pw90::FwdCfg<{d}>::VSLOTS == {vs} && pw90::FwdCfg<{d}>::PAIRS == {pairs}"
+                f" && pw90::FwdCfg<{d}>::BM == {bm} && pw90::FwdWarps<{d}>::THREADS == {threads},"
                 f" \"FwdCfg<{d}> != capability\");")
     want = sorted({capability.hopper_compute_dim(d) for d in capability.HOPPER_HEAD_DIMS})
-    assert sorted(capability.HOPPER_BLOCK_N) == sorted(capability.HOPPER_CAUSAL_PAIRS) == want
+    assert (sorted(capability.HOPPER_BLOCK_N) == sorted(capability.HOPPER_CAUSAL_PAIRS)
+            == sorted(capability.HOPPER_BLOCK_M) == want)
+    # the three consumer warpgroups of D = 64 (and 512 threads); two elsewhere
+    assert [capability.hopper_fwd_threads(d) for d in (64, 80, 128, 256)] == [512, 384, 384, 384]
     _compile_sm90a(nvrtc, src)
 
 
@@ -156,8 +162,8 @@ def test_hopper_shared_bytes_follow_the_tile_macros(nvrtc):
     """hopper_shared_bytes with block_n / slots / block_m (what scripts/hopper_probe.py asks
     for a --variants build) equals FwdSmem<D>::BYTES built with the matching macros."""
     src = ("#define PW90_BN128 96\n#define PW90_KSLOTS128 4\n#define PW90_KSLOTS64 2\n"
-           "#define PW90_BM64 192\n" + source("sm90/forward.cu"))
-    for d, bn, slots, bm in ((128, 96, (4, 2), None), (64, 128, (2, 2), 192)):
+           "#define PW90_BM64 128\n" + source("sm90/forward.cu"))
+    for d, bn, slots, bm in ((128, 96, (4, 2), None), (64, 128, (2, 2), 128)):
         figure = capability.hopper_shared_bytes(d, block_n=bn, slots=slots, block_m=bm)
         assert figure != capability.hopper_shared_bytes(d)  # the override is not the default
         src += (f"\nstatic_assert(pw90::FwdSmem<{d}>::BYTES == {figure}, "

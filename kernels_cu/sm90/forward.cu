@@ -1,31 +1,34 @@
 // Piecewise-attention forward for Hopper (sm_90a): TMA + mbarrier pipeline, wgmma, warp
 // specialisation.
 //
-// A CTA works on (128-row query tile, head, batch) work tiles (one, or several in the
-// persistent grid: PW90_PERSIST below) of BM = 128 rows, 384 threads = 3 warpgroups (BM = 192
-// and 512 threads = 4 warpgroups with -DPW90_BM64=192 at D = 64):
+// A CTA works on (query tile, head, batch) work tiles (one, or several in the persistent
+// grid: PW90_PERSIST below) of BM query rows: at D = 64, BM = 192 and 512 threads = 4
+// warpgroups; at D = 128 and 256, BM = 128 and 384 threads = 3 warpgroups (FwdCfg, FwdWarps):
 //   warpgroup 0  producer: one thread issues the TMA loads (128-byte swizzle) of Q1 and Q2 once
 //                and, per key tile, only the key projections the tile needs (near-only tiles
 //                K1, far-only K2, straddling tiles K1 and K2) into a ring of K slots, and V
 //                into a ring of V slots, each slot guarded by full/empty mbarriers; causally
 //                empty key tiles are never visited. setmaxnreg.dec to 40 registers (24
 //                with PW90_CONSUMER_REGS=240 or three consumers).
-//   warpgroups 1, 2  consumers, 64 query rows each (setmaxnreg.inc to 232; -DPW90_BM64=192:
-//                three consumer warpgroups at 160 at D = 64, FwdWarps): S = Q·Kᵀ with
+//   warpgroups 1.. consumers, 64 query rows each (two at 232 registers by setmaxnreg.inc;
+//                three at 160 at D = 64, FwdWarps): S = Q·Kᵀ with
 //                wgmma m64nBNk16 (both operands shared-memory descriptors), on straddling
 //                tiles both products (the second in parts of at most 64 keys) and a
 //                per-element select, masking only on edge/diagonal tiles, online softmax in
 //                the log2 domain (sm_scale*log2 e folded into one FFMA before ex2), P packed
 //                to 16-bit in registers as the A operand of O += P·V (wgmma m64nDk16, V read
-//                MN-major through imm-trans-b = 1). The O += P·V product of tile t-1 is issued with
-//                S = Q·Kᵀ of tile t, so the softmax of t overlaps it (PW90_OVERLAP).
+//                MN-major through imm-trans-b = 1). At D = 128 and 256 the O += P·V product of
+//                tile t-1 is issued with S = Q·Kᵀ of tile t, so the softmax of t overlaps it
+//                (PW90_OVERLAP); at D = 64 each tile's P·V is issued after its own softmax
+//                and waited for in its tile (PW90_FWD_SERIAL64), the third warpgroup
+//                supplying the overlap.
 //                Epilogue: O / l stored directly to global memory, lse (natural log, float32).
 //
 // Shared memory: Q1, Q2 (2 x BM x D x 2 bytes), then KSLOTS K slots and VSLOTS V slots of
 // BN x D x 2 bytes. A tile takes one K slot, a straddling one two (K1 and K2), so a K ring
 // of 3 slots keeps a straddling tile and the next one in flight; the V ring of 2 holds V of
 // tile t-1 (read by P·V) while V of tile t loads.
-//   D = 64,  BN = 128, 4 + 2 slots of 16 KB: 32 KB + 96 KB = 128 KB
+//   D = 64,  BM = 192, BN = 128, 4 + 2 slots of 16 KB: 48 KB + 96 KB = 144 KB
 //   D = 128, BN = 128, 3 + 2 slots of 32 KB: 64 KB + 160 KB = 224 KB
 //   D = 256, BN = 32,  4 + 2 slots of 16 KB: 128 KB + 96 KB = 224 KB
 // plus the mbarriers and 1 KB to align the base to 1024 bytes. (Before the rings, each of
@@ -87,57 +90,58 @@
 #ifndef PW90_KSLOTS128
 #define PW90_KSLOTS128 3
 #endif
-// Query rows per CTA at D = 64: 192 runs three consumer warpgroups of 64 rows (160 registers
-// each, 512 threads), so each K/V tile feeds 192 rows, as FlashAttention-3 does at head dim
-// 64 (bench/NOTES.md: the D = 64 forward is latency-bound with two). With 128-key tiles the
-// consumers spill (192 bytes with the 32-key parts below; 448 with 64-key parts) and ptxas
-// serialises their wgmma; with -DPW90_BN64=96 (or 64) neither, as the build tests check.
-// On an H200 (probe, three rounds), BN = 96 against the default: +3% at L = 8192 and +4% at
-// L = 2048 causal, -2% at L = 2048 and -5% at L = 8192 causal; BN = 64 slower everywhere
-// (bench/results/2026-12-01-h200-fwd-bm192). Not the default.
+// Query rows per CTA at D = 64 (the host's capability.HOPPER_BLOCK_M[64]): 192 (default)
+// runs three consumer warpgroups of 64 rows (160 registers each, 512 threads), so each K/V
+// tile feeds 192 rows, as FlashAttention-3 does at head dim 64 (bench/NOTES.md: the D = 64
+// forward is latency-bound with two). In the pipelined loop 128-key tiles then spill (192
+// bytes with the 32-key parts below; 448 with 64-key parts) and ptxas serialises their wgmma
+// (-DPW90_BN64=96 or 64 avoid both, and timed -5% to +4% against BM = 128: bench/results/
+// 2026-12-01-h200-fwd-bm192); the serial loop (PW90_FWD_SERIAL64, on by default with 192)
+// holds no P across a product and builds clean. -DPW90_BM64=128 is the previous default (two
+// consumer warpgroups, pipelined loop), kept for A/B runs.
 #ifndef PW90_BM64
-#define PW90_BM64 128
+#define PW90_BM64 192
 #endif
-// Key rows per tile at D = 64: 192 (three 64-key parts on straddling tiles) needs
-// -DPW90_CONSUMER_REGS=240 (else spills and serialised wgmma); within the probe's noise of
-// the default on an H200.
+// Key rows per tile at D = 64: 192 (three 64-key parts on straddling tiles) was timed with
+// -DPW90_BM64=128 and needs -DPW90_CONSUMER_REGS=240 there (else spills and serialised
+// wgmma); within the probe's noise of that build on an H200.
 #ifndef PW90_BN64
 #define PW90_BN64 128
 #endif
 // K slots at D = 64. The rings cost D = 64 2-4% against the two-stage layout, whose K depth
-// was two tiles (bench/NOTES.md); 2 and 3 timed within -2.7% to +1.3% of 4 on an H200.
+// was two tiles (bench/NOTES.md); 2 and 3 timed within -2.7% to +1.3% of 4 on an H200 (with
+// BM = 128).
 #ifndef PW90_KSLOTS64
 #define PW90_KSLOTS64 4
 #endif
 // Causal batches in the persistent grid over pairs of query tiles (PW90_PERSIST), per head
 // dim (the host's capability.HOPPER_CAUSAL_PAIRS). On an H200, against one CTA per tile in
 // the same runs: D = 128 faster in every causal cell (L 2048 and 8192); D = 64 faster at
-// L = 2048 but 5-7% slower at 8192 (a dynamic scheduler lost there too), so it keeps one CTA
-// per tile (bench/NOTES.md).
+// L = 2048 but 5-7% slower at 8192 (a dynamic scheduler lost there too; both timed with
+// BM = 128 at D = 64), so it keeps one CTA per tile (bench/NOTES.md).
 #ifndef PW90_PAIRS64
 #define PW90_PAIRS64 0
 #endif
 #ifndef PW90_PAIRS128
 #define PW90_PAIRS128 1
 #endif
-// Serial consumer loop (1, experiment; PW90_FWD_SERIAL64: at D = 64 only): each tile's P·V
-// is issued right after its own softmax and waited for before the next tile's S = Q·Kᵀ, so
-// no P of a previous tile is held across a product (32 registers at BN = 128). The overlap
-// then comes only from the other consumer warpgroups. With -DPW90_BM64=192 (three consumer
-// warpgroups at 160 registers, which spill with 128-key tiles in the pipelined loop) it
-// builds clean, and on an H200 ran the D = 64 forward about 1.08-1.15x faster than the
-// default in a probe (L 2048/8192, causal or not; the default timed in one round there; at
-// D = 128, BM 128, serial is 0.91-1.00x): bench/results/
-// 2026-12-02-h200-bwd-persistent-det-cost/probe_fwd_serial.txt. Not yet the default: the
-// host's tiles (capability.HOPPER_BLOCK_M, threads, Q box) must follow, then the GPU tests.
+// Serial consumer loop (PW90_FWD_SERIAL: every head dim, an experiment; PW90_FWD_SERIAL64:
+// D = 64 only, the default there with BM = 192): each tile's P·V is issued right after its
+// own softmax and waited for before the next tile's S = Q·Kᵀ, so no P of a previous tile is
+// held across a product (32 registers at BN = 128). The overlap then comes only from the
+// other consumer warpgroups. With three consumer warpgroups at 160 registers it builds clean
+// with 128-key tiles, and on an H200 ran the D = 64 forward about 1.08-1.15x faster than
+// BM = 128 with the pipelined loop (probe, L 2048/8192, causal or not: bench/results/
+// 2026-12-02-h200-bwd-persistent-det-cost/probe_fwd_serial.txt). At D = 128 (BM 128) serial
+// is 0.91-1.00x of the pipelined loop.
 #ifndef PW90_FWD_SERIAL
 #define PW90_FWD_SERIAL 0
 #endif
 #ifndef PW90_FWD_SERIAL64
-#define PW90_FWD_SERIAL64 0
+#define PW90_FWD_SERIAL64 (PW90_BM64 == 192)
 #endif
 #if (PW90_FWD_SERIAL || PW90_FWD_SERIAL64) && PW90_PINGPONG
-#error "PW90_FWD_SERIAL has no P·V of the previous tile to ping-pong"
+#error "PW90_FWD_SERIAL has no P·V of the previous tile to ping-pong (PW90_PINGPONG=1 needs -DPW90_BM64=128)"
 #endif
 
 namespace pw90 {
@@ -603,7 +607,7 @@ PW90 void produce_pipe(const TmaDesc* tq1, const TmaDesc* tq2, const TmaDesc* tk
 
 // Grid: (ceil(M / BM), H, B), or for the persistent walks (dense non-causal; dense causal
 // where FwdCfg<D>::PAIRS) (at most the work units, 1, 1); FwdWarps<D>::THREADS threads
-// (384; 512 with -DPW90_BM64=192); dynamic shared memory pw90::FwdSmem<D>::BYTES.
+// (512 at D = 64, 384 at 128 and 256); dynamic shared memory pw90::FwdSmem<D>::BYTES.
 // Tensor maps (cupy_piecewise/tma.py): 4-D {D, rows, heads, batch}, box {64, BM (Q) or BN
 // (K, V), 1, 1}, 128-byte swizzle, zero fill out of bounds; q1/q2 over (M, H), k1/k2/v over
 // (N, Hkv).
