@@ -130,10 +130,10 @@
 // own softmax and waited for before the next tile's S = Q·Kᵀ, so no P of a previous tile is
 // held across a product (32 registers at BN = 128). The overlap then comes only from the
 // other consumer warpgroups. With three consumer warpgroups at 160 registers it builds clean
-// with 128-key tiles, and on an H200 ran the D = 64 forward about 1.08-1.15x faster than
-// BM = 128 with the pipelined loop (probe, L 2048/8192, causal or not: bench/results/
-// 2026-12-02-h200-bwd-persistent-det-cost/probe_fwd_serial.txt). At D = 128 (BM 128) serial
-// is 0.91-1.00x of the pipelined loop.
+// with 128-key tiles, and on an H200 ran the D = 64 forward 1.07-1.15x faster than BM = 128
+// with the pipelined loop (same-call probe, 3 rounds, L 2048-16384, causal or not:
+// bench/results/2026-12-02-h200-fwd-d64-three-warpgroups/probe_ab.txt). At D = 128 (BM 128)
+// serial is 0.91-1.00x of the pipelined loop.
 #ifndef PW90_FWD_SERIAL
 #define PW90_FWD_SERIAL 0
 #endif
