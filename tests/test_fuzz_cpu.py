@@ -571,9 +571,9 @@ def _edges(tiles, limit):
 
 
 #: Tile sizes whose edges matter: mma.sync tiles (16/32/64/128 rows) and the Hopper
-#: forward's 128 query rows and 128 key rows (32 at D = 256); 96: its D = 128 key tile
-#: before the K/V rings (2026-12-01), kept as one more edge.
-TILES = (16, 32, 64, 96, 128)
+#: forward's query rows (192 at D = 64, 128 otherwise) and 128 key rows (32 at D = 256);
+#: 96: its D = 128 key tile before the K/V rings (2026-12-01), kept as one more edge.
+TILES = (16, 32, 64, 96, 128, 192)
 
 
 def lengths(small: int, limit: int, edge_limit: int | None = None, extra=()):

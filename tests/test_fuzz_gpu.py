@@ -4,8 +4,8 @@ One hypothesis property, :func:`test_gpu_fuzz`, draws every axis of the API
 (test_fuzz_cpu.py's :func:`~test_fuzz_cpu.cases`): the array library (torch CUDA tensors
 or CuPy arrays), the kernel path (``CUPY_PIECEWISE_PATH=mma`` or ``hopper``), dtype
 (float16, bfloat16), D (16, 32, 64, 128), B, H and Hkv, M and N from 0 to 3000 (tile edges
-+-1 of the 16/32/64/128-row mma tiles and of the Hopper forward's 128 query and key
-rows, and of 96, its former D = 128 key tile), w (below, inside, beyond, negative, on tile edges, beyond 64 bits),
++-1 of the 16/32/64/128-row mma tiles and of the Hopper forward's query tiles (192 rows at
+D = 64, 128 otherwise) and 128-key tiles, and of 96, its former D = 128 key tile), w (below, inside, beyond, negative, on tile edges, beyond 64 bits),
 causal, sm_scale, the memory layout of every input and of ``do`` (transposed, packed
 slot, stride-0 heads or batch, last axis of stride 2, misaligned start, length slice with
 NaN rows behind it, reversed for CuPy), a non-default stream, and for torch autograd or

@@ -412,7 +412,8 @@ def test_cached_launches_follow_the_persist_cap(fake_gpu, fake_maps, monkeypatch
 
 def test_hopper_launch(fake_gpu, fake_maps, monkeypatch):
     """On sm_90 with enough query tiles the forward is the wgmma + TMA kernel: five tensor
-    maps (q1, q2, k1, k2, v order), FwdParams, 384 threads, cached maps per pointer tuple."""
+    maps (q1, q2, k1, k2, v order), FwdParams, 384 threads (512 at D = 64, whose query tiles
+    have 192 rows), cached maps per pointer tuple."""
     drv, _ = fake_gpu
     monkeypatch.delenv(capability.PATH_VAR)
     capability.refresh_env_override()
