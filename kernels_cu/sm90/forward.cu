@@ -50,6 +50,8 @@
 //                    bench/results/2026-11-30-h200-hopper-variants.)
 //   PW90_PINGPONG=1  the two consumer warpgroups take turns issuing their GEMMs (named
 //                    barriers 1 and 2, 256 threads), so one's softmax overlaps the other's GEMMs
+//                    (two consumer warpgroups at every head dim: needs -DPW90_BM64=128 and
+//                    -DPW90_PERSIST=0)
 #ifndef PW90_OVERLAP
 #define PW90_OVERLAP 1
 #endif
@@ -79,8 +81,8 @@
 #error "PW90_PINGPONG needs -DPW90_PERSIST=0 (named-barrier arrivals can cross work tiles)"
 #endif
 // Tile-shape knobs for A/B runs (scripts/hopper_probe.py --variants); the host's figures
-// (capability.HOPPER_BLOCK_N, HOPPER_FWD_SLOTS) follow the defaults, so the package itself
-// always runs the default build. Key rows per tile and K slots at D = 128 (80, 96):
+// (capability.HOPPER_BLOCK_M, HOPPER_BLOCK_N, HOPPER_FWD_SLOTS) follow the defaults, so the
+// package itself always runs the default build. Key rows per tile and K slots at D = 128 (80, 96):
 // -DPW90_BN128=96 -DPW90_KSLOTS128=4 is the tile and memory of the two-stage layout the
 // rings replaced (slower than the default in 7 of 8 same-run probe cells on an H200, and
 // the two-stage kernel itself in 3 of 4; bench/NOTES.md).
@@ -141,7 +143,7 @@
 #define PW90_FWD_SERIAL64 (PW90_BM64 == 192)
 #endif
 #if (PW90_FWD_SERIAL || PW90_FWD_SERIAL64) && PW90_PINGPONG
-#error "PW90_FWD_SERIAL has no P·V of the previous tile to ping-pong (PW90_PINGPONG=1 needs -DPW90_BM64=128)"
+#error "PW90_FWD_SERIAL has no P·V of the previous tile to ping-pong (PINGPONG: -DPW90_BM64=128)"
 #endif
 
 namespace pw90 {
