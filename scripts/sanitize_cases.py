@@ -34,8 +34,8 @@ cc = launch._compute_capability(0)
 hopper = cc == (9, 0)
 # SANITIZE_DIMS=80,96,256 narrows every head-dim loop (a partial run: the coverage check
 # below then lists what it left out but does not fail); SANITIZE_SKIP=dense,kvcache,varlen,
-# torch leaves out whole groups; SANITIZE_PATHS=hopper (or mma) the dense cases of the
-# other path (with compute-sanitizer's --kernel-name, a run on one kernel family).
+# torch leaves out whole groups; SANITIZE_PATHS=hopper (or mma) runs the dense cases of that
+# path only (with compute-sanitizer's --kernel-name, a run on one kernel family).
 _only = {int(d) for d in os.environ.get("SANITIZE_DIMS", "").split(",") if d.strip()}
 _skip = {g.strip() for g in os.environ.get("SANITIZE_SKIP", "").split(",") if g.strip()}
 _paths = {g.strip() for g in os.environ.get("SANITIZE_PATHS", "").split(",") if g.strip()}

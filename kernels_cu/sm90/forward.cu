@@ -82,8 +82,8 @@
 #endif
 // Tile-shape knobs for A/B runs (scripts/hopper_probe.py --variants); the host's figures
 // (capability.HOPPER_BLOCK_M, HOPPER_BLOCK_N, HOPPER_FWD_SLOTS) follow the defaults, so the
-// package itself always runs the default build. Key rows per tile and K slots at D = 128 (80, 96):
-// -DPW90_BN128=96 -DPW90_KSLOTS128=4 is the tile and memory of the two-stage layout the
+// package itself always runs the default build. Key rows per tile and K slots at D = 128
+// (80, 96): -DPW90_BN128=96 -DPW90_KSLOTS128=4 is the tile and memory of the two-stage layout the
 // rings replaced (slower than the default in 7 of 8 same-run probe cells on an H200, and
 // the two-stage kernel itself in 3 of 4; bench/NOTES.md).
 #ifndef PW90_BN128
@@ -324,7 +324,9 @@ PW90 void pv(float (&o)[D / 2], const u32 (&a)[BN / 16][4], u32 va) {
 //   straddling fix-up; release K of tile t; mask; softmax statistics and exp;
 //   wait_group 0; release V of tile t-1; rescale O; pack P_t to registers.
 // After the loop the last P·V. Register cost over a loop that waits for P·V before S: P of
-// the previous tile (BN/4 registers) lives across the S product.
+// the previous tile (BN/4 registers) lives across the S product. The serial loop (SERIAL,
+// the D = 64 default) instead waits for V of tile t after the softmax, issues P_t·V_t and
+// waits for it in the same iteration (pv_wait), so no P crosses an S product.
 template <typename T, int D, bool CAUSAL, int DV>
 // kc, kg: uses of the K ring and of the V ring (= key tiles) before this work tile, counted
 // across the work tiles of a persistent CTA (kc is advanced here); qpar: parity of this work
@@ -529,7 +531,8 @@ PW90 void consumer_pipe(const FwdParams& p, u32 base, u32 qbar, const KRing<D>& 
 #if PW90_PERSIST
   if (ntiles > 0) mbar_arrive(qempty);  // every S product of this work tile is complete
 #endif
-  if (!SERIAL && ntiles > 0) pv_wait(kg + ntiles - 1, have_prev);  // the last P·V (SERIAL: in its tile)
+  // the last P·V (SERIAL: each P·V ran in its own tile)
+  if (!SERIAL && ntiles > 0) pv_wait(kg + ntiles - 1, have_prev);
 #if PW90_PINGPONG
   // Warpgroup 1 arrived on barrier 1 once more than warpgroup 0 synced on it: consume that
   // arrival so that no named barrier is left mid-phase when the CTA exits.
