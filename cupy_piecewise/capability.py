@@ -224,6 +224,12 @@ KV90_CLUSTERS = tuple(range(1, 9))
 #: Clusters of 8 measured 0.64-0.79x cuDNN where 8 split-and-combined blocks reach 0.89-0.98x
 #: (bench/NOTES.md); clusters of up to 4 gain 5-7% over the combine launch.
 KV90_MAX_CLUSTER = 4
+#: Programmatic dependent launches (cuLaunchKernelEx; kernels_cu/common.cuh) around the
+#: Hopper decode: the split merge after it (its blocks start while the decode runs and wait
+#: in griddepcontrol.wait), and the decode itself (its set-up overlaps the end of the kernel
+#: before it on the stream; it reads and writes global memory only after its wait).
+KV90_PDL = True
+KV90_PDL_DECODE = True
 
 
 def kv90_tiles(head_dim: int) -> TileConfig:

@@ -7,7 +7,10 @@ across blocks, ``pw_forward_combine`` (the forward's own merge kernel) merges th
 their log-sum-exp. On an H200 (compute capability 9.0) a decode step (M = 1, head dim 64 or
 128) runs ``pw90_kvdecode`` instead, which streams the keys by TMA (tensor maps of the three
 caches, built per cache pointer and cached) and, with 2 to ``capability.KV90_MAX_CLUSTER``
-(4) splits, merges them inside one thread-block cluster: no combine launch. Nothing here
+(4) splits, merges them inside one thread-block cluster: no combine launch. That decode and the
+combine after it are programmatic dependent launches (``capability.KV90_PDL_DECODE``,
+``KV90_PDL``; :func:`cuda_driver.launch_programmatic`): each may start before the kernel
+ahead of it completes and waits for it before touching global memory. Nothing here
 reads the cached lengths: the grid and the number of splits come from shapes only, so a
 decode step captures in a CUDA graph and replays with new lengths.
 
@@ -106,13 +109,16 @@ class KVPlan:
     :meth:`run` writes the pointers and launches. Immutable: safe from several threads."""
 
     __slots__ = ("shape", "nsplit", "cluster", "workspace_bytes", "_append", "_steps",
-                 "_combine", "_template", "_combine_template", "_ws_offset", "_maps")
+                 "_combine", "_template", "_combine_template", "_ws_offset", "_maps",
+                 "programmatic")
 
     def __init__(self, shape: KVShape):
         self.shape = s = shape
         cc = launch._compute_capability(s.device)
         self._maps = None
         self.cluster = 1
+        #: (decode, merge): programmatic dependent launches (capability.KV90_PDL*)
+        self.programmatic = (False, False)
         arch = capability.resolve_arch(cc)
         # an SM holds its per-block limit plus the 1 KB reserved per block
         per_sm = capability.SHARED_LIMIT.get(cc, capability.SHARED_LIMIT[arch]) + 1024
@@ -160,6 +166,9 @@ class KVPlan:
             cfn, _ = launch._kernel(s.device, Variant("fwd_combine", s.dtype, s.D, None, False))
             self._combine = ((cfn, math.ceil(s.H * s.M / 8), s.B, 1, 256, 0),)
 
+        if self._maps is not None:  # the Hopper decode: kernels_cu/sm90/kvdecode.cu waits
+            self.programmatic = (capability.KV90_PDL_DECODE,
+                                 bool(self._combine) and capability.KV90_PDL)
         slots = [0] * len(KV_FIELDS)
         for name, st in s.strides:
             base = _KV_SLOT[f"{name}.ptr"]
@@ -200,7 +209,8 @@ class KVPlan:
             _launch(self.shape.device, self._append, stream, block)
         if self._steps and self._maps is not None:  # tensor maps of k1, k2, v, then KVParams
             maps, keep = self._maps.addresses((ptrs["k1"], ptrs["k2"], ptrs["v"]))
-            _launch(self.shape.device, self._steps, stream, block, maps)
+            _launch(self.shape.device, self._steps, stream, block, maps,
+                    programmatic=self.programmatic[0])
             del keep  # the launch has copied the maps
         elif self._steps:
             _launch(self.shape.device, self._steps, stream, block)
@@ -210,16 +220,18 @@ class KVPlan:
             c[launch._SLOT["lse"]] = ptrs.get("lse", 0) or 0
             c[launch._SLOT["o_part"]] = workspace
             c[launch._SLOT["lse_part"]] = workspace + self._ws_offset
-            _launch(self.shape.device, self._combine, stream, launch._PACKER.pack(*c))
+            _launch(self.shape.device, self._combine, stream, launch._PACKER.pack(*c),
+                    programmatic=self.programmatic[1])
 
 
-def _launch(device: int, steps, stream: int, block: bytes, maps=()) -> None:
+def _launch(device: int, steps, stream: int, block: bytes, maps=(), programmatic=False) -> None:
     """cuLaunchKernel of each step with the parameter struct ``block`` after the tensor maps
     at the host addresses ``maps`` (all copied by the driver before the call returns, so
-    local buffers will do)."""
+    local buffers will do); ``programmatic``: as programmatic dependent launches
+    (cuda_driver.launch_programmatic)."""
     buf = ctypes.create_string_buffer(block, len(block))
     args = (ctypes.c_void_p * (len(maps) + 1))(*maps, ctypes.addressof(buf))
-    launch._launch_all(device, steps, stream, ctypes.addressof(args))
+    launch._launch_all(device, steps, stream, ctypes.addressof(args), programmatic)
 
 
 #: Plans per (shape, tile override).

@@ -18,7 +18,7 @@ import threading
 from dataclasses import replace
 from typing import NamedTuple
 
-from . import capability
+from . import capability, cuda_driver
 from .compile import HOPPER_KERNELS, ROW_KERNELS, Variant, get_function
 
 __all__ = ["ArrayRef", "Launches", "kernel_ready", "forward", "backward", "forward_launches",
@@ -267,24 +267,32 @@ class Launches:
         _launch_all(self.device, self._steps, stream, args)
 
 
-def _launch_all(device: int, steps, stream: int, args: int) -> None:
+def _launch_all(device: int, steps, stream: int, args: int, programmatic: bool = False) -> None:
     """cuLaunchKernel for each (CUfunction, grid x, y, z, threads, shared bytes) of
     ``steps`` with the argument array at address ``args``, with ``device``'s primary
     context current on the calling thread (a thread that never touched CUDA has none; one
-    working on another device has that one's); the caller's context is restored after."""
+    working on another device has that one's); the caller's context is restored after.
+    ``programmatic``: cuLaunchKernelEx with programmatic stream serialization instead
+    (:func:`cuda_driver.launch_programmatic`; the kernels must wait for their producer)."""
     drv = _driver_mod or _driver()
     prev = drv.ctxGetCurrent()
     if prev and prev == _primary.get(device):
-        for fn, gx, gy, gz, threads, smem in steps:
-            drv.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, args, 0)
+        _launch_steps(drv, steps, stream, args, programmatic)
         return
     _make_current(device)
     try:
-        for fn, gx, gy, gz, threads, smem in steps:
-            drv.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, args, 0)
+        _launch_steps(drv, steps, stream, args, programmatic)
     finally:
         if prev:  # restore the caller's context; a thread that had none keeps ours
             drv.ctxSetCurrent(prev)
+
+
+def _launch_steps(drv, steps, stream: int, args: int, programmatic: bool) -> None:
+    for fn, gx, gy, gz, threads, smem in steps:
+        if programmatic:
+            cuda_driver.launch_programmatic(fn, (gx, gy, gz), threads, smem, stream, args)
+        else:
+            drv.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, args, 0)
 
 
 #: Primary context handle per device, as seen by :func:`_make_current`.

@@ -89,24 +89,14 @@ def _encode_bindings(dtype_code, rank, addr, dims, strides, box, estr, swizzle):
     return struct.pack("<16Q", *[int(x) for x in tmap.opaque])
 
 
-_libcuda = None
-
-
 def _encode_ctypes(dtype_code, rank, addr, dims, strides, box, estr, swizzle):
-    global _libcuda
-    if _libcuda is None:
-        _libcuda = ctypes.CDLL("libcuda.so.1")
-        f = _libcuda.cuTensorMapEncodeTiled
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
-                      ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
-                      ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
-                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    from .cuda_driver import libcuda
+
     raw = ctypes.create_string_buffer(TMA_BYTES + 64)
     out = (ctypes.addressof(raw) + 63) & ~63
     u64 = ctypes.c_uint64 * rank
     u32 = ctypes.c_uint32 * rank
-    rc = _libcuda.cuTensorMapEncodeTiled(
+    rc = libcuda().cuTensorMapEncodeTiled(
         out, dtype_code, rank, addr, u64(*dims), (ctypes.c_uint64 * max(1, rank - 1))(*strides),
         u32(*box), u32(*estr), _INTERLEAVE_NONE, swizzle, _L2_PROMOTION_128B, _OOB_FILL_NONE)
     if rc != 0:

@@ -149,6 +149,23 @@ PW_DEVICE float fast_exp2(float x) {
   return y;
 }
 
+// Programmatic dependent launch (sm_90 and later; no-ops below). A kernel launched with the
+// programmatic-stream-serialization attribute may start while the kernel before it on the
+// stream still runs, once every block of that one has called grid_launch_dependents() (or
+// exited); grid_dependency_wait() then blocks until that kernel has completed and its memory
+// writes are visible. Without the attribute the wait returns at once. The KV-cache decode and
+// its split merge use it so that the merge's launch and block start-up overlap the decode.
+PW_DEVICE void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+PW_DEVICE void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Floor and ceiling division for possibly negative numerators (positive divisor).
 PW_DEVICE i64 floor_div(i64 a, i64 b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 PW_DEVICE i64 ceil_div(i64 a, i64 b) { return -floor_div(-a, b); }

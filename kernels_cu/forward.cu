@@ -250,6 +250,7 @@ PW_DEVICE void merge_split_row(const float* lse_part, const float* o_part, i64 r
 // few rows, latency-bound, not occupancy-bound.
 template <typename T, int D>
 __global__ void __launch_bounds__(256, 1) pw_forward_combine(const Params p) {
+  grid_dependency_wait();  // the partials' writer may still run (a programmatic launch)
   const i64 row = (i64)blockIdx.x * 8 + threadIdx.x / 32;  // over H * M
   if (row >= p.H * p.M) return;
   const i64 b = blockIdx.y, h = row / p.M, i = row % p.M;

@@ -9,7 +9,7 @@ Hopper forward and backward). scripts/gpu_run.sh's ncu step profiles the pw90_bw
 pw90_forward launches of this process.
 
 ``--decode`` instead runs attention_with_kvcache a few times: one new token against L
-cached keys per head (B = 1, H = Hkv = 32), what the ncu step profiles for pw_kvcache.
+cached keys per head (B = --batch, default 1; H = Hkv = 32), what the ncu step profiles for pw_kvcache.
 """
 from __future__ import annotations
 
@@ -29,12 +29,14 @@ def main() -> None:
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--decode", action="store_true", help="KV-cache decode instead")
+    ap.add_argument("--batch", type=int, default=1, help="--decode: sequences (B)")
     a = ap.parse_args()
     if a.decode:
         dt = getattr(torch, a.dtype)
-        q1, q2 = (torch.randn(1, 32, 1, a.D, device="cuda", dtype=dt) for _ in range(2))
-        caches = [torch.randn(1, 32, a.L, a.D, device="cuda", dtype=dt) for _ in range(3)]
-        seq = torch.full((1,), a.L, dtype=torch.int32, device="cuda")
+        B = a.batch
+        q1, q2 = (torch.randn(B, 32, 1, a.D, device="cuda", dtype=dt) for _ in range(2))
+        caches = [torch.randn(B, 32, a.L, a.D, device="cuda", dtype=dt) for _ in range(3)]
+        seq = torch.full((B,), a.L, dtype=torch.int32, device="cuda")
         for _ in range(a.iters):
             cupy_piecewise.attention_with_kvcache(q1, q2, *caches, a.L // 4, cache_seqlens=seq)
         torch.cuda.synchronize()

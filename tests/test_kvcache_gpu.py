@@ -491,3 +491,57 @@ def test_sixty_four_splits_merge_by_lse(path, monkeypatch):
     if plan.nsplit <= 32:
         pytest.skip(f"{plan.nsplit} splits on this GPU (64 on an H200): result checked, but "
                     "the merge's second round of 32 splits was not exercised")
+
+
+@pytest.mark.parametrize("layout", ["unsplit", "cluster", "combine"])
+def test_programmatic_launches_read_what_the_kernel_before_wrote(layout, monkeypatch):
+    """The Hopper decode and its merge start early (programmatic dependent launches,
+    capability.KV90_PDL*): every global read must wait for the kernel before. Each round the
+    caches, queries and lengths are NaN-poisoned, then rewritten by copy kernels queued just
+    before the call; the outputs must equal, bit for bit, those of the same kernels launched
+    plainly (and be finite). ``layout``: unsplit, splits merged in a cluster, or merged by
+    pw_forward_combine."""
+    torch = pytest.importorskip("torch")
+    import cupy_piecewise
+    from cupy_piecewise import capability, kvcache_launch as kl, launch
+
+    if launch._compute_capability(0) != (9, 0):
+        pytest.skip("the programmatic launches are the Hopper decode's (compute capability 9.0)")
+    B, H, N, D = {"unsplit": (8, 32, 2048, 128), "cluster": (2, 8, 4096, 128),
+                  "combine": (2, 8, 4096, 64)}[layout]
+    if layout == "combine":  # one tile per split at least: 16 splits, more than a cluster
+        monkeypatch.setitem(capability.KV90_MIN_TILES, 64, 1)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    dt = torch.bfloat16
+    src = [torch.randn(B, H, N, D, device="cuda", dtype=dt, generator=g) for _ in range(3)]
+    qsrc = [torch.randn(B, H, 1, D, device="cuda", dtype=dt, generator=g) for _ in range(2)]
+    lens = torch.randint(N // 2, N + 1, (B,), device="cuda", generator=g).to(torch.int32)
+    caches = [torch.empty_like(s) for s in src]
+    qs = [torch.empty_like(q) for q in qsrc]
+    seq = torch.empty_like(lens)
+
+    def call():
+        for t in caches + qs:
+            t.fill_(float("nan"))
+        seq.fill_(0)
+        for dst, s in zip(caches + qs + [seq], src + qsrc + [lens]):
+            dst.copy_(s)  # the kernels right before the decode on the stream
+        return cupy_piecewise.attention_with_kvcache(qs[0], qs[1], *caches, N // 4,
+                                                     cache_seqlens=seq, return_lse=True)
+
+    results = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(capability, "KV90_PDL", pdl)
+        monkeypatch.setattr(capability, "KV90_PDL_DECODE", pdl)
+        kl._plans._data.clear()
+        results[pdl] = [call() for _ in range(10)]
+        (plan,) = kl._plans._data.values()
+        assert plan.programmatic == ((pdl, pdl and layout == "combine")), plan.programmatic
+        want = {"unsplit": (1, 1), "cluster": (plan.nsplit, plan.nsplit), "combine": (16, 1)}
+        assert (plan.nsplit, plan.cluster) == want[layout] and (plan.nsplit > 1) == (
+            layout != "unsplit"), (plan.nsplit, plan.cluster)
+    kl._plans._data.clear()
+    base_o, base_lse = results[False][0]
+    assert torch.isfinite(base_o).all() and torch.isfinite(base_lse).all()
+    for o, lse in results[False] + results[True]:
+        assert torch.equal(o, base_o) and torch.equal(lse, base_lse)

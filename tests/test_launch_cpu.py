@@ -618,3 +618,59 @@ def test_hopper_packed_backward_launches(fake_gpu, fake_maps, monkeypatch, deter
         assert conv["grid"] == (H * math.ceil(max_q / 16), B, 1)
         f = launch._BWD_CONV.unpack(conv["params"])
         assert f[8:13] == (acc, 1, H, total_q, mpad) and f[14:] == (max_q, named["cu_q"])
+
+
+def test_launch_config_layout_is_cudas():
+    """cuda_driver's ctypes mirrors of CUlaunchConfig / CUlaunchAttribute (cuda.h, CUDA 12+):
+    sizes, offsets, and the programmatic-stream-serialization attribute it sets."""
+    from cupy_piecewise import cuda_driver as cd
+
+    assert ctypes.sizeof(cd.LaunchAttribute) == 72 and cd.LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(cd.LaunchConfig) == 56
+    assert (cd.LaunchConfig.sharedMemBytes.offset, cd.LaunchConfig.hStream.offset,
+            cd.LaunchConfig.attrs.offset, cd.LaunchConfig.numAttrs.offset) == (24, 32, 40, 48)
+    cfg = cd.programmatic_config((5, 6, 7), 160, 4096, 0x1234)
+    assert (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.blockDimY,
+            cfg.blockDimZ, cfg.sharedMemBytes, cfg.hStream, cfg.numAttrs) == (
+                5, 6, 7, 160, 1, 1, 4096, 0x1234, 1)
+    assert cfg.attrs[0].id == cd.ATTR_PROGRAMMATIC_STREAM_SERIALIZATION == 6
+    assert int.from_bytes(bytes(cfg.attrs[0].value[:4]), "little") == 1
+    assert cd.programmatic_config((1, 1, 1), 32, 0, 0).hStream is None  # the legacy stream
+
+
+@pytest.mark.parametrize("B,pdl", [(1, True), (1, False), (8, True)])
+def test_hopper_decode_launches_programmatically(fake_gpu, fake_maps, monkeypatch, B, pdl):
+    """The Hopper decode and its split merge go through cuLaunchKernelEx with the
+    programmatic attribute when capability.KV90_PDL* say so, and through cuLaunchKernel
+    otherwise; B = 1 at 4096 keys splits 8 ways (merged by pw_forward_combine), B = 8 does
+    not split."""
+    from cupy_piecewise import cuda_driver, kvcache_launch as kl
+
+    drv, _ = fake_gpu
+    monkeypatch.delenv(capability.PATH_VAR, raising=False)
+    capability.refresh_env_override()
+    monkeypatch.setattr(capability, "KV90_PDL", pdl)
+    monkeypatch.setattr(capability, "KV90_PDL_DECODE", pdl)
+    calls = []
+    monkeypatch.setattr(drv, "launchKernel", lambda fn, gx, gy, gz, bx, by, bz, smem, stream,
+                        args, extra: calls.append(("plain", fn.phase, (gx, gy, gz), bx, stream)))
+    monkeypatch.setattr(cuda_driver, "launch_programmatic", lambda fn, grid, threads, smem,
+                        stream, args: calls.append(("programmatic", fn.phase, grid, threads, stream)))
+    H, N, D = 32, 4096, 64
+    q = _contiguous((B, H, 1, D))
+    kv = _contiguous((B, H, N, D))
+    strides = tuple((name, st[:3]) for name, st in (("q1", q), ("q2", q), ("o", q), ("k1", kv),
+                                                    ("k2", kv), ("v", kv)))
+    shape = kl.KVShape(0, "bfloat16", B, H, H, 1, D, N, B, 0, 0, False, True, N // 4, 0.125,
+                       strides)
+    plan = kl.KVPlan(shape)
+    plan.run({"q1": 16, "q2": 32, "o": 48, "k1": 64, "k2": 80, "v": 96, "seqlens": 112},
+             stream=9, workspace=1 << 20 if plan.workspace_bytes else 0)
+    kind = "programmatic" if pdl else "plain"
+    if B == 1:
+        assert (plan.nsplit, plan.cluster) == (8, 1)
+        assert calls == [(kind, "kvdecode_sm90", (H, 8, 1), 160, 9),
+                         (kind, "fwd_combine", (H // 8, 1, 1), 256, 9)]
+    else:
+        assert plan.nsplit == 1 and calls == [(kind, "kvdecode_sm90", (H, 1, B), 160, 9)]
+    assert len(fake_maps) == 3  # k1, k2, v

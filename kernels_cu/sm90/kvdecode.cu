@@ -124,6 +124,34 @@ __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
   const i64 G = p.group, rows = G;  // M = 1: one packed row per head of the group
   const i64 rtiles = (rows + BM - 1) / BM;
   const i64 hk = blockIdx.x / rtiles, row0 = (blockIdx.x % rtiles) * BM;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      pw90::mbar_init(full(s), 1);
+      pw90::mbar_init(empty(s), CW);  // every consumer warp reads a chunk of every stage
+    }
+    pw90::mbar_init_fence();
+  }
+  if (warp == CW && lane == 0) {  // the descriptors are kernel parameters
+    pw90::tma_prefetch_desc(&tk1);
+    pw90::tma_prefetch_desc(&tk2);
+    pw90::tma_prefetch_desc(&tv);
+  }
+  __syncthreads();
+  // Programmatic dependent launch (common.cuh). When pw_forward_combine merges the splits,
+  // it may start now: it waits for this grid's completion before reading the partials.
+  // Nothing else is triggered early: when the next kernel is the next step's decode, its
+  // blocks would sit in the SMs beside these ones, which timed 1% (unsplit) to 16% (splits
+  // in clusters) slower on an H200 (bench/NOTES.md); without the trigger it may start as
+  // this grid's blocks exit. And this grid may itself have started before the kernel ahead
+  // of it on the stream completed (that kernel may have written the lengths, the queries
+  // or the caches: the append kernel does): everything above touches only shared memory
+  // and the parameters; every global read and write comes after the wait.
+  if constexpr (CLUSTER == 1) {
+    if (p.nsplit > 1) grid_launch_dependents();
+  }
+  grid_dependency_wait();
+
   const int L = kv_length(p, b);
   const int P = L - 1;  // the token's position; d(n) = P - n
   // keys n < nfar are at distance >= w (K2); the others use K1
@@ -134,21 +162,7 @@ __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
   const int t_begin = (int)min((i64)ntiles_all, split * per);
   const int t_end = min(ntiles_all, t_begin + per);
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      pw90::mbar_init(full(s), 1);
-      pw90::mbar_init(empty(s), CW);  // every consumer warp reads a chunk of every stage
-    }
-    pw90::mbar_init_fence();
-  }
-  __syncthreads();
-
   if (warp == CW) {  // ------------------------------------------------ producer
-    if (lane == 0) {
-      pw90::tma_prefetch_desc(&tk1);
-      pw90::tma_prefetch_desc(&tk2);
-      pw90::tma_prefetch_desc(&tv);
-    }
     // lane c < CHUNKS loads chunk c of each tile; its page is looked up a tile ahead
     int page = 0, prow = 0;
     if (lane < CHUNKS && t_begin < t_end && t_begin * BN + lane * CHUNK < L)

@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""A/B probe of the Hopper KV-cache decode (kernels_cu/sm90/kvdecode.cu) on one GPU.
+
+    PYTHONPATH=$PWD python3 scripts/kvdecode_probe.py --rounds 3 \\
+        --configs "base;pdl=0;l2=256;KV90_QREG=1" --out $OUT/kvdecode_probe.txt
+
+Each config is a set of space-separated tokens: ``NAME=VALUE`` compile-time macros of the
+decode kernel (passed as -D options), ``pdl=0|1`` (the split merge as a programmatic
+dependent launch, capability.KV90_PDL), ``pdld=0|1`` (the decode itself, KV90_PDL_DECODE) and ``l2=128|256`` (the L2 promotion of the caches'
+tensor maps); ``base`` is the package's defaults. Configs with the same macros share one
+worker process (a fresh process per macro set and round, so each build is compiled once and
+cached by CuPy); within a worker the configs are timed back to back per shape, beside SDPA
+cuDNN on the same shape. Rounds interleave the workers, and the table gives each cell's
+median over the rounds and its spread, so that a difference smaller than the spread is not
+read as one.
+
+Shapes: bench/kvcache_decode.py's decode table (M = 1, w = N / 4, every sequence full),
+contiguous caches; timing as there (a CUDA graph of 20 calls, median of 15 replays);
+effective bytes as there. Every config's output is checked against a float32 PyTorch
+reference of the piecewise decode (max |err| / max |ref| < 2e-2; this is a sanity check of
+the build under test, the test suite is the real one).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPES = [(1, 32, 32, 4096), (1, 32, 32, 32768), (1, 32, 32, 131072), (8, 32, 32, 4096),
+          (8, 32, 32, 32768), (4, 32, 8, 32768)]
+
+
+def parse_config(text):
+    """-> (macros tuple, {'pdl': bool, 'l2': int})"""
+    macros, toggles = [], {"pdl": None, "pdld": None, "l2": None}
+    for tok in text.split():
+        if tok == "base":
+            continue
+        name, _, value = tok.partition("=")
+        if name in toggles:
+            toggles[name] = int(value)
+        else:
+            macros.append(tok)
+    return tuple(sorted(macros)), toggles
+
+
+def reference(q1, q2, k1, k2, v, w, scale):
+    """float32 piecewise decode of one new token per sequence at position N - 1."""
+    import torch
+
+    B, H, _, D = q1.shape
+    Hkv, N = k1.shape[1], k1.shape[2]
+    g = H // Hkv
+    f = lambda t: t.float().repeat_interleave(g, dim=1) if g > 1 else t.float()  # noqa: E731
+    s1 = torch.einsum("bhmd,bhnd->bhmn", q1.float(), f(k1))
+    s2 = torch.einsum("bhmd,bhnd->bhmn", q2.float(), f(k2))
+    far = (N - 1 - torch.arange(N, device=q1.device)) >= w
+    s = torch.where(far, s2, s1) * scale
+    return torch.einsum("bhmn,bhnd->bhmd", torch.softmax(s, dim=-1), f(v))
+
+
+def worker(macros, configs, dims, dtypes, seed):
+    import torch
+    import torch.nn.attention
+    import torch.nn.functional as F
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import cupy_piecewise
+    from common import decode_bytes
+    from cupy_piecewise import capability, compile as C, kvcache_launch, tma
+    from kvcache_decode import graph_ms
+
+    if macros:  # the decode kernel's builds carry the macros
+        orig = C.Variant.options.fget
+        extra = tuple(f"-D{m}" for m in macros)
+        C.Variant.options = property(
+            lambda self: orig(self) + (extra if self.phase == "kvdecode_sm90" else ()))
+    defaults = (capability.KV90_PDL, tma._L2_PROMOTION_128B, capability.KV90_PDL_DECODE)
+    out = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        for D in dims:
+            for B, H, Hkv, N in SHAPES:
+                gen = torch.Generator(device="cuda").manual_seed(seed + N + H + D + B)
+                q1, q2 = (torch.randn(B, H, 1, D, device="cuda", dtype=dtype, generator=gen)
+                          for _ in range(2))
+                k1, k2, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=gen)
+                             for _ in range(3))
+                seq = torch.full((B,), N, dtype=torch.int32, device="cuda")
+                w = N // 4
+                ref = reference(q1, q2, k1, k2, v, w, D ** -0.5)
+                nbytes = decode_bytes(B, H, Hkv, 1, N, D, q1.element_size(), 2)
+                gqa = dict(enable_gqa=True) if H != Hkv else {}
+
+                def cudnn():
+                    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+                        return F.scaled_dot_product_attention(q1, k1, v, **gqa)
+                ms_c = graph_ms(cudnn)
+                cb = decode_bytes(B, H, Hkv, 1, N, D, q1.element_size(), 1) / (ms_c * 1e-3) / 1e9
+                for text in configs:
+                    _, tog = parse_config(text)
+                    capability.KV90_PDL = defaults[0] if tog["pdl"] is None else bool(tog["pdl"])
+                    capability.KV90_PDL_DECODE = (defaults[2] if tog["pdld"] is None
+                                                  else bool(tog["pdld"]))
+                    tma._L2_PROMOTION_128B = (defaults[1] if tog["l2"] is None
+                                              else {128: 2, 256: 3, 0: 0}[tog["l2"]])
+                    kvcache_launch._plans._data.clear()
+
+                    def ours():
+                        return cupy_piecewise.attention_with_kvcache(q1, q2, k1, k2, v, w,
+                                                                     cache_seqlens=seq)
+                    o = ours()
+                    torch.cuda.synchronize()
+                    err = float((o.float() - ref).abs().max() / ref.abs().max())
+                    ms = graph_ms(ours)
+                    plan = next(iter(kvcache_launch._plans._data.values()))
+                    out.append(dict(config=text, dtype=dtype_name, D=D, B=B, H=H, Hkv=Hkv, N=N,
+                                    ms=ms, gbps=nbytes / (ms * 1e-3) / 1e9, cudnn_gbps=cb,
+                                    err=err, ok=err < 2e-2, nsplit=plan.nsplit,
+                                    cluster=plan.cluster, programmatic=list(plan.programmatic)))
+                q1 = q2 = k1 = k2 = v = ref = None  # free the caches before the next shape
+                torch.cuda.empty_cache()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="base;pdl=0")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--dtypes", default="bfloat16")
+    ap.add_argument("--out", help="also write the table here (and the raw rows as .json)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(";") if c.strip()]
+    dims = [int(d) for d in args.dims.split(",")]
+    dtypes = args.dtypes.split(",")
+    if args.worker is not None:
+        macros = tuple(m for m in args.worker.split() if m)
+        mine = [c for c in configs if parse_config(c)[0] == macros]
+        worker(macros, mine, dims, dtypes, seed=int(os.environ.get("PROBE_SEED", "0")))
+        return 0
+
+    groups = sorted({parse_config(c)[0] for c in configs})
+    rows, lines = [], []
+
+    def say(s):
+        print(s, flush=True)
+        lines.append(s)
+    t0 = time.time()
+    for r in range(args.rounds):
+        order = groups[r % len(groups):] + groups[:r % len(groups)]
+        for macros in order:
+            cmd = [sys.executable, __file__, "--worker", " ".join(macros), "--configs",
+                   args.configs, "--dims", args.dims, "--dtypes", args.dtypes]
+            env = dict(os.environ, PROBE_SEED=str(r))
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+            got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            if p.returncode or not got:
+                say(f"worker {macros} round {r} failed (rc {p.returncode}):\n{p.stderr[-3000:]}")
+                continue
+            for row in json.loads(got[0][7:]):
+                row["round"] = r
+                rows.append(row)
+            say(f"round {r} macros {' '.join(macros) or '(none)'}: done at {time.time() - t0:.0f} s")
+    bad = [x for x in rows if not x["ok"]]
+    say(f"reference checks: {len(rows) - len(bad)}/{len(rows)} passed" +
+        "".join(f"\n  FAILED {x['config']} {x['dtype']} D{x['D']} B{x['B']} H{x['H']}/{x['Hkv']} "
+                f"N{x['N']} err {x['err']:.3g}" for x in bad))
+    say(f"GB/s medians over {args.rounds} rounds (spread = (max - min) / median); "
+        "x cuDNN = ours / SDPA cuDNN of the same worker, median; splits (cluster) per config")
+    keys = sorted({(x["dtype"], x["D"], x["B"], x["H"], x["Hkv"], x["N"]) for x in rows})
+    head = "| dtype | D | B | H/Hkv | N | " + " | ".join(configs) + " | cuDNN |"
+    say(head)
+    say("|" + "---|" * (head.count("|") - 1))
+    for k in keys:
+        cells = []
+        cud = [x["cudnn_gbps"] for x in rows if (x["dtype"], x["D"], x["B"], x["H"], x["Hkv"], x["N"]) == k]
+        for c in configs:
+            xs = [x for x in rows if x["config"] == c and (x["dtype"], x["D"], x["B"], x["H"],
+                                                            x["Hkv"], x["N"]) == k]
+            if not xs:
+                cells.append("-")
+                continue
+            g = [x["gbps"] for x in xs]
+            med = statistics.median(g)
+            vs = statistics.median(x["gbps"] / x["cudnn_gbps"] for x in xs)
+            cells.append(f"{med:.0f} ({(max(g) - min(g)) / med * 100:.1f}%) x{vs:.3f} "
+                         f"s{xs[0]['nsplit']}c{xs[0]['cluster']}")
+        say(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]}/{k[4]} | {k[5]} | " + " | ".join(cells) +
+            f" | {statistics.median(cud):.0f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
