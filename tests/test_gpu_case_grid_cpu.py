@@ -32,3 +32,15 @@ def test_float32_case_list_covers_every_head_dim_both_ways():
     assert any(c["D"] == 96 and c["M"] <= 16 for c in F32)  # the D = 96 decode tiles
     assert {c["group"] for c in F32} == {1, 4} and {c["transposed"] for c in F32} == {False, True}
     assert any(c["N"] == 1 for c in F32) and any(c["M"] == 1 for c in F32)
+
+
+def test_gpu_tests_seeds_are_fresh_or_replayed(monkeypatch):
+    """tests/seeds.py: a new seed per draw, or PW_TEST_SEED's on every draw (the replay a
+    failure message's seed asks for)."""
+    import seeds
+
+    monkeypatch.delenv(seeds.ENV, raising=False)
+    draws = {seeds.fresh_seed() for _ in range(4)}
+    assert len(draws) == 4 and all(0 <= d < 2**63 for d in draws)
+    monkeypatch.setenv(seeds.ENV, "7164795616750225254")
+    assert seeds.fresh_seed() == seeds.fresh_seed() == 7164795616750225254

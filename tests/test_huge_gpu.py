@@ -75,6 +75,7 @@ import pytest
 import cupy_piecewise
 from cupy_piecewise import tolerance
 from cupy_piecewise.gpu_arrays import bfloat16, poisoned_outputs
+from seeds import fresh_seed  # tests/ is on sys.path: tests/seeds.py
 
 pytestmark = pytest.mark.gpu
 
@@ -403,7 +404,7 @@ def huge():
     if free < NEEDS_BYTES:
         pytest.skip(f"needs {NEEDS_BYTES / 2**30:.0f} GiB of free GPU memory, "
                     f"{free / 2**30:.1f} GiB free")
-    seed = int(np.random.SeedSequence().entropy % 2**63)  # fresh inputs; printed on failure
+    seed = fresh_seed()  # fresh inputs; printed on failure
     rng = cupy.random.default_rng(seed)
     x = {"seed": seed}
     for name, rows, std in (("q1", M, STD), ("q2", M, STD), ("k1", N, STD), ("k2", N, STD),

@@ -12,6 +12,7 @@ import pytest
 import cupy_piecewise
 from cupy_piecewise import reference, tolerance
 from cupy_piecewise.gpu_arrays import poisoned_outputs, round_to, to_device, to_host
+from seeds import fresh_seed  # noqa: E402  (tests/ is on sys.path: tests/seeds.py)
 
 pytestmark = pytest.mark.gpu
 
@@ -66,7 +67,7 @@ def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1, deterministic=
     H = Hkv * group
     big = max(M, N) >= 2048
     B = 1 if big else 2
-    seed = int(np.random.SeedSequence().entropy % 2**63)  # fresh inputs; printed on failure
+    seed = fresh_seed()  # fresh inputs; printed on failure
     rng = np.random.default_rng(seed)
     shapes = [(B, H, M, D), (B, Hkv, N, D), (B, H, M, D), (B, Hkv, N, D), (B, Hkv, N, D)]
     # Several standard deviations, never zeros; the two projections deliberately differ.
@@ -229,7 +230,7 @@ def test_merge_of_complementary_key_ranges(kernel_path, causal, D):
     import torch
 
     dtype, M, N, s, w, B, H, Hkv = "bfloat16", 333, 900, 410, 150, 1, 4, 2
-    seed = int(np.random.SeedSequence().entropy % 2**63)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     shapes = [(B, H, M, D), (B, Hkv, N, D), (B, H, M, D), (B, Hkv, N, D), (B, Hkv, N, D)]
     host = [round_to(rng.standard_normal(x).astype(np.float32) * 1.5, dtype) for x in shapes]
@@ -314,7 +315,7 @@ def test_public_api_cupy_float16_matches_reference():
 
     import cupy_piecewise
 
-    seed = int(np.random.SeedSequence().entropy % 2**63)  # fresh inputs; printed on failure
+    seed = fresh_seed()  # fresh inputs; printed on failure
     rng = np.random.default_rng(seed)
     B, H, M, N, D, w = 2, 4, 333, 555, 64, 100
     host = [round_to(rng.standard_normal(s).astype(np.float32), "float16")
@@ -344,7 +345,7 @@ def test_public_api_cupy_memo_and_lse_skip(M, N):
     import cupy_piecewise
     from cupy_piecewise.adapters import cupy as adapter
 
-    seed = int(np.random.SeedSequence().entropy % 2**63)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     host = [round_to(rng.standard_normal(s).astype(np.float32), "float16")
             for s in [(1, 4, M, 64), (1, 2, N, 64), (1, 4, M, 64), (1, 2, N, 64), (1, 2, N, 64)]]
@@ -381,7 +382,7 @@ def test_non_default_stream_and_new_w_does_not_recompile():
     import cupy_piecewise
     from cupy_piecewise import compile as kcompile
 
-    seed = int(np.random.SeedSequence().entropy % 2**63)  # fresh inputs; printed on failure
+    seed = fresh_seed()  # fresh inputs; printed on failure
     rng = np.random.default_rng(seed)
     args = [cupy.asarray(rng.standard_normal((1, 2, 256, 64)).astype(np.float16)) for _ in range(5)]
     base = cupy_piecewise.attention(*args, 37)
@@ -401,7 +402,7 @@ def test_empty_and_degenerate_lengths():
 
     import cupy_piecewise
 
-    seed = int(np.random.SeedSequence().entropy % 2**63)  # fresh inputs; printed on failure
+    seed = fresh_seed()  # fresh inputs; printed on failure
     rng = np.random.default_rng(seed)
     for M, N in ((0, 5), (5, 0), (0, 0)):
         q = cupy.asarray(rng.standard_normal((1, 2, M, 32)).astype(np.float16))
@@ -470,7 +471,7 @@ def test_long_rows_keep_o_and_lse_within_the_rule(kernel_path, dtype):
     max rescale), which put lse 12x past the rule here and grows with the row length
     (scripts/long_rows.py); o and lse must stay within the rule."""
     M, N, D, w = 96, 65536, 128, 20000
-    seed = int(np.random.SeedSequence().entropy % 2**63)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     host = [round_to(rng.standard_normal(s).astype(np.float32) * 1.5, dtype)
             for s in [(1, 1, M, D), (1, 1, N, D), (1, 1, M, D), (1, 1, N, D), (1, 1, N, D)]]

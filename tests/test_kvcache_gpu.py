@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from seeds import fresh_seed  # noqa: E402  (tests/seeds.py)
 import kvcache_cases as kc  # noqa: E402
 
 from cupy_piecewise import kvcache, reference, tolerance  # noqa: E402
@@ -68,7 +69,7 @@ CASES = [  # (dtype, D, M, paged block size or 0, causal, appended)
                               for c in CASES])
 def test_kvcache_matches_reference(dtype, D, M, bs, causal, appended, monkeypatch):
     cupy = _poisoned_outputs(monkeypatch)
-    seed = int(np.random.SeedSequence().entropy % 2**63)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     B, H, Hkv, N = 4, 8, 2, 1024
     seq = np.array([0, 1, 300, N - (M if appended else 0)], np.int32)  # empty .. full
@@ -348,7 +349,7 @@ def test_decode_never_reads_cache_rows_past_the_lengths(dtype, D, H, Hkv, layout
     monkeypatch.setenv(capability.PATH_VAR, path)
     capability.refresh_env_override()
     _poisoned_outputs(monkeypatch)
-    seed = int(np.random.SeedSequence().entropy % 2**63)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     B, N = 6, 512
     seq = np.array([0, 1, 15, 64, 300, N], np.int32)
@@ -410,7 +411,7 @@ def test_hopper_decode_merges_splits_in_a_cluster(splits, monkeypatch):
 def _check_decode_splits(splits, monkeypatch, kl, capability):
     import cupy
 
-    seed = int(np.random.SeedSequence().entropy % 2**63)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     dtype, D, B, H, Hkv = "bfloat16", 128, 3, 40, 2
     N = 64 * (4 * splits + 1) - 9  # 4 * splits + 1 tiles: `splits` splits of at least 4
@@ -461,7 +462,7 @@ def test_sixty_four_splits_merge_by_lse(path, monkeypatch):
         capability.refresh_env_override()
     monkeypatch.setitem(capability.KV90_MIN_TILES, 128, 1)  # 64 splits > any cluster
     kl._plans._data.clear()  # plans keep their split count, which the knobs do not key
-    seed = int(np.random.SeedSequence().entropy % 2**63)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     dtype, D, B, H, Hkv, N = "float16", 128, 2, 1, 1, 64 * 79 - 5
     seq = np.array([0, N], np.int32)

@@ -15,6 +15,7 @@ import cupy_piecewise
 from cupy_piecewise import reference, tolerance
 from cupy_piecewise.gpu_arrays import poisoned_outputs, round_to, to_host
 from test_kernels_gpu import INPUT_SCALE, kernel_path  # noqa: F401  (fixture: mma / hopper paths)
+from seeds import fresh_seed  # noqa: E402  (tests/ is on sys.path: tests/seeds.py)
 
 pytestmark = pytest.mark.gpu
 
@@ -81,7 +82,7 @@ def run_packed(lq, lk, D=64, dtype="bfloat16", causal=False, w=3, H=4, Hkv=2, gi
     """One packed call and its backward against the reference; returns the gradients (CuPy)."""
     import cupy
 
-    seed = int(np.random.SeedSequence().entropy % 2**63)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     host, cu = _packed_host(lq, lk, H, Hkv, D, dtype, rng)
     sm_scale = 1.0 / np.sqrt(D)
