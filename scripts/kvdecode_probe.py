@@ -6,8 +6,11 @@
 
 Each config is a set of space-separated tokens: ``NAME=VALUE`` compile-time macros of the
 decode kernel (passed as -D options), ``pdl=0|1`` (the split merge as a programmatic
-dependent launch, capability.KV90_PDL), ``pdld=0|1`` (the decode itself, KV90_PDL_DECODE) and ``l2=128|256`` (the L2 promotion of the caches'
-tensor maps); ``base`` is the package's defaults. Configs with the same macros share one
+dependent launch, capability.KV90_PDL), ``pdld=0|1`` (the decode itself, KV90_PDL_DECODE),
+``l2=128|256`` (the L2 promotion of the caches' tensor maps), ``s=N`` (ring stages,
+KV90_TILES), ``c=N`` (most splits merged in a cluster, KV90_MAX_CLUSTER) and ``m=N`` (fewest
+key tiles per split, KV90_MIN_TILES), the last three for the shape's head dim; ``base`` is
+the package's defaults. Configs with the same macros share one
 worker process (a fresh process per macro set and round, so each build is compiled once and
 cached by CuPy); within a worker the configs are timed back to back per shape, beside SDPA
 cuDNN on the same shape. Rounds interleave the workers, and the table gives each cell's
@@ -23,6 +26,8 @@ the build under test, the test suite is the real one).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -31,13 +36,15 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: host-side knobs a config may set (everything else is a -D macro of the kernel)
+TOGGLES = ("pdl", "pdld", "l2", "s", "c", "m")
 SHAPES = [(1, 32, 32, 4096), (1, 32, 32, 32768), (1, 32, 32, 131072), (8, 32, 32, 4096),
           (8, 32, 32, 32768), (4, 32, 8, 32768)]
 
 
 def parse_config(text):
     """-> (macros tuple, {'pdl': bool, 'l2': int})"""
-    macros, toggles = [], {"pdl": None, "pdld": None, "l2": None}
+    macros, toggles = [], {k: None for k in TOGGLES}
     for tok in text.split():
         if tok == "base":
             continue
@@ -64,6 +71,43 @@ def reference(q1, q2, k1, k2, v, w, scale):
     return torch.einsum("bhmn,bhnd->bhmd", torch.softmax(s, dim=-1), f(v))
 
 
+@contextlib.contextmanager
+def settings(toggles, head_dim):
+    """The package's decode knobs set as ``toggles`` (parse_config's dict; None = leave the
+    default) for the body, restored after; KV-cache plans dropped on both sides (a plan
+    keeps its split count and launch flags)."""
+    from cupy_piecewise import capability, kvcache_launch, tma
+
+    saved = (capability.KV90_PDL, capability.KV90_PDL_DECODE, tma._L2_PROMOTION_128B,
+             dict(capability.KV90_TILES), capability.KV90_MAX_CLUSTER,
+             dict(capability.KV90_MIN_TILES))
+    t = toggles
+    try:
+        if t["pdl"] is not None:
+            capability.KV90_PDL = bool(t["pdl"])
+        if t["pdld"] is not None:
+            capability.KV90_PDL_DECODE = bool(t["pdld"])
+        if t["l2"] is not None:
+            tma._L2_PROMOTION_128B = {0: 0, 64: 1, 128: 2, 256: 3}[t["l2"]]
+        if t["s"] is not None:
+            capability.KV90_TILES[head_dim] = dataclasses.replace(
+                capability.KV90_TILES[head_dim], stages=t["s"])
+        if t["c"] is not None:
+            capability.KV90_MAX_CLUSTER = t["c"]
+        if t["m"] is not None:
+            capability.KV90_MIN_TILES[head_dim] = t["m"]
+        kvcache_launch._plans._data.clear()
+        yield
+    finally:
+        (capability.KV90_PDL, capability.KV90_PDL_DECODE, tma._L2_PROMOTION_128B) = saved[:3]
+        capability.KV90_TILES.clear()
+        capability.KV90_TILES.update(saved[3])
+        capability.KV90_MAX_CLUSTER = saved[4]
+        capability.KV90_MIN_TILES.clear()
+        capability.KV90_MIN_TILES.update(saved[5])
+        kvcache_launch._plans._data.clear()
+
+
 def worker(macros, configs, dims, dtypes, seed):
     import torch
     import torch.nn.attention
@@ -72,7 +116,7 @@ def worker(macros, configs, dims, dtypes, seed):
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import cupy_piecewise
     from common import decode_bytes
-    from cupy_piecewise import capability, compile as C, kvcache_launch, tma
+    from cupy_piecewise import compile as C, kvcache_launch
     from kvcache_decode import graph_ms
 
     if macros:  # the decode kernel's builds carry the macros
@@ -80,7 +124,6 @@ def worker(macros, configs, dims, dtypes, seed):
         extra = tuple(f"-D{m}" for m in macros)
         C.Variant.options = property(
             lambda self: orig(self) + (extra if self.phase == "kvdecode_sm90" else ()))
-    defaults = (capability.KV90_PDL, tma._L2_PROMOTION_128B, capability.KV90_PDL_DECODE)
     out = []
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
@@ -103,22 +146,15 @@ def worker(macros, configs, dims, dtypes, seed):
                 ms_c = graph_ms(cudnn)
                 cb = decode_bytes(B, H, Hkv, 1, N, D, q1.element_size(), 1) / (ms_c * 1e-3) / 1e9
                 for text in configs:
-                    _, tog = parse_config(text)
-                    capability.KV90_PDL = defaults[0] if tog["pdl"] is None else bool(tog["pdl"])
-                    capability.KV90_PDL_DECODE = (defaults[2] if tog["pdld"] is None
-                                                  else bool(tog["pdld"]))
-                    tma._L2_PROMOTION_128B = (defaults[1] if tog["l2"] is None
-                                              else {128: 2, 256: 3, 0: 0}[tog["l2"]])
-                    kvcache_launch._plans._data.clear()
-
-                    def ours():
-                        return cupy_piecewise.attention_with_kvcache(q1, q2, k1, k2, v, w,
-                                                                     cache_seqlens=seq)
-                    o = ours()
-                    torch.cuda.synchronize()
-                    err = float((o.float() - ref).abs().max() / ref.abs().max())
-                    ms = graph_ms(ours)
-                    plan = next(iter(kvcache_launch._plans._data.values()))
+                    with settings(parse_config(text)[1], D):
+                        def ours():
+                            return cupy_piecewise.attention_with_kvcache(q1, q2, k1, k2, v, w,
+                                                                         cache_seqlens=seq)
+                        o = ours()
+                        torch.cuda.synchronize()
+                        err = float((o.float() - ref).abs().max() / ref.abs().max())
+                        ms = graph_ms(ours)
+                        plan = next(iter(kvcache_launch._plans._data.values()))
                     out.append(dict(config=text, dtype=dtype_name, D=D, B=B, H=H, Hkv=Hkv, N=N,
                                     ms=ms, gbps=nbytes / (ms * 1e-3) / 1e9, cudnn_gbps=cb,
                                     err=err, ok=err < 2e-2, nsplit=plan.nsplit,
@@ -126,6 +162,38 @@ def worker(macros, configs, dims, dtypes, seed):
                 q1 = q2 = k1 = k2 = v = ref = None  # free the caches before the next shape
                 torch.cuda.empty_cache()
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def table(rows, configs, rounds) -> list[str]:
+    """The report of the workers' ``rows``: the reference checks, then per shape and config
+    the median GB/s over the rounds, its spread ((max - min) / median), the median ratio to
+    SDPA cuDNN of the same worker, and the split count and cluster size."""
+    out = []
+    bad = [x for x in rows if not x["ok"]]
+    out.append(f"reference checks: {len(rows) - len(bad)}/{len(rows)} passed" +
+               "".join(f"\n  FAILED {x['config']} {x['dtype']} D{x['D']} B{x['B']} "
+                       f"H{x['H']}/{x['Hkv']} N{x['N']} err {x['err']:.3g}" for x in bad))
+    out.append(f"GB/s medians over {rounds} rounds (spread = (max - min) / median); x cuDNN = "
+               "ours / SDPA cuDNN of the same worker, median; splits (cluster) per config")
+    shape = lambda x: (x["dtype"], x["D"], x["B"], x["H"], x["Hkv"], x["N"])  # noqa: E731
+    head = "| dtype | D | B | H/Hkv | N | " + " | ".join(configs) + " | cuDNN |"
+    out += [head, "|" + "---|" * (head.count("|") - 1)]
+    for k in sorted({shape(x) for x in rows}):
+        cells = []
+        for c in configs:
+            xs = [x for x in rows if x["config"] == c and shape(x) == k]
+            if not xs:
+                cells.append("-")
+                continue
+            g = [x["gbps"] for x in xs]
+            med = statistics.median(g)
+            vs = statistics.median(x["gbps"] / x["cudnn_gbps"] for x in xs)
+            cells.append(f"{med:.0f} ({(max(g) - min(g)) / med * 100:.1f}%) x{vs:.3f} "
+                         f"s{xs[0]['nsplit']}c{xs[0]['cluster']}")
+        cud = statistics.median(x["cudnn_gbps"] for x in rows if shape(x) == k)
+        out.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]}/{k[4]} | {k[5]} | " + " | ".join(cells)
+                   + f" | {cud:.0f} |")
+    return out
 
 
 def main(argv=None) -> int:
@@ -168,38 +236,14 @@ def main(argv=None) -> int:
                 row["round"] = r
                 rows.append(row)
             say(f"round {r} macros {' '.join(macros) or '(none)'}: done at {time.time() - t0:.0f} s")
-    bad = [x for x in rows if not x["ok"]]
-    say(f"reference checks: {len(rows) - len(bad)}/{len(rows)} passed" +
-        "".join(f"\n  FAILED {x['config']} {x['dtype']} D{x['D']} B{x['B']} H{x['H']}/{x['Hkv']} "
-                f"N{x['N']} err {x['err']:.3g}" for x in bad))
-    say(f"GB/s medians over {args.rounds} rounds (spread = (max - min) / median); "
-        "x cuDNN = ours / SDPA cuDNN of the same worker, median; splits (cluster) per config")
-    keys = sorted({(x["dtype"], x["D"], x["B"], x["H"], x["Hkv"], x["N"]) for x in rows})
-    head = "| dtype | D | B | H/Hkv | N | " + " | ".join(configs) + " | cuDNN |"
-    say(head)
-    say("|" + "---|" * (head.count("|") - 1))
-    for k in keys:
-        cells = []
-        cud = [x["cudnn_gbps"] for x in rows if (x["dtype"], x["D"], x["B"], x["H"], x["Hkv"], x["N"]) == k]
-        for c in configs:
-            xs = [x for x in rows if x["config"] == c and (x["dtype"], x["D"], x["B"], x["H"],
-                                                            x["Hkv"], x["N"]) == k]
-            if not xs:
-                cells.append("-")
-                continue
-            g = [x["gbps"] for x in xs]
-            med = statistics.median(g)
-            vs = statistics.median(x["gbps"] / x["cudnn_gbps"] for x in xs)
-            cells.append(f"{med:.0f} ({(max(g) - min(g)) / med * 100:.1f}%) x{vs:.3f} "
-                         f"s{xs[0]['nsplit']}c{xs[0]['cluster']}")
-        say(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]}/{k[4]} | {k[5]} | " + " | ".join(cells) +
-            f" | {statistics.median(cud):.0f} |")
+    for line in table(rows, configs, args.rounds):
+        say(line)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
             json.dump(rows, f, indent=1)
-    return 1 if bad else 0
+    return 0 if all(x["ok"] for x in rows) else 1
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 bookkeeping (the comparison table from the workers' output lines: medians over interleaved
 rounds, the spread, ratios to cuDNN; the tile figures it derives from the -D options of a
 variant), scripts/mma_fwd_probe.py's tile argument and A/B table, scripts/mma_bwd_probe.py's
-table, scripts/hopper_bwd_ab.py's parsing and summary, and
-scripts/causal_schedule_model.py's makespans."""
+table, scripts/hopper_bwd_ab.py's parsing and summary, scripts/kvdecode_probe.py's configs,
+table and knob settings, and scripts/causal_schedule_model.py's makespans."""
 from __future__ import annotations
 
 import os
@@ -205,3 +205,41 @@ def test_hopper_bwd_ab_summary_takes_medians_and_speed_ratios():
     # no timings at all (a probe that could not run): one line, not an empty table
     empty = ab.summary(["default", "X=1"], {"default": [{}], "X=1": []}, {"default": (104, 0)})
     assert empty.startswith("pw90 fused, bwd: no timings parsed") and "default: 104 pass, 0 fail" in empty
+
+
+def test_kvdecode_probe_configs_table_and_settings():
+    """scripts/kvdecode_probe.py: configs split into -D macros and host knobs; its table,
+    recomputed from a recorded run's rows, is that run's text; ``settings`` sets the
+    package's decode knobs for the body and restores them."""
+    import json
+
+    kvdecode_probe = pytest.importorskip("kvdecode_probe")
+    from cupy_piecewise import capability, tma
+
+    assert kvdecode_probe.parse_config("base") == ((), dict.fromkeys(kvdecode_probe.TOGGLES))
+    macros, tog = kvdecode_probe.parse_config("KV90_X=1 pdl=0 s=4 A=2 m=8")
+    assert macros == ("A=2", "KV90_X=1") and (tog["pdl"], tog["s"], tog["m"], tog["c"]) == (
+        0, 4, 8, None)
+
+    res = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "results",
+                       "2026-12-03-h200-kvdecode-pdl")
+    with open(os.path.join(res, "probe_final.json")) as f:
+        rows = json.load(f)
+    with open(os.path.join(res, "probe_final.txt")) as f:
+        want = [ln for ln in f.read().splitlines() if not ln.startswith("round ")]
+    assert kvdecode_probe.table(rows, ["base", "pdld=0", "pdl=0 pdld=0"], 3) == want
+    rows[0]["ok"] = False
+    assert "FAILED base" in kvdecode_probe.table(rows, ["base"], 3)[0]
+
+    before = (capability.KV90_PDL, capability.KV90_PDL_DECODE, tma._L2_PROMOTION_128B,
+              dict(capability.KV90_TILES), capability.KV90_MAX_CLUSTER,
+              dict(capability.KV90_MIN_TILES))
+    _, tog = kvdecode_probe.parse_config("pdl=0 pdld=0 l2=256 s=5 c=2 m=3")
+    with kvdecode_probe.settings(tog, 64):
+        assert not capability.KV90_PDL and not capability.KV90_PDL_DECODE
+        assert tma._L2_PROMOTION_128B == 3 and capability.KV90_TILES[64].stages == 5
+        assert capability.KV90_MAX_CLUSTER == 2 and capability.KV90_MIN_TILES[64] == 3
+        assert capability.KV90_TILES[128] == before[3][128]
+    assert (capability.KV90_PDL, capability.KV90_PDL_DECODE, tma._L2_PROMOTION_128B,
+            dict(capability.KV90_TILES), capability.KV90_MAX_CLUSTER,
+            dict(capability.KV90_MIN_TILES)) == before
