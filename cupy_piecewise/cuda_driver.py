@@ -10,8 +10,8 @@ from __future__ import annotations
 import ctypes
 import threading
 
-__all__ = ["libcuda", "launch_programmatic", "LaunchAttribute", "LaunchConfig",
-           "ATTR_PROGRAMMATIC_STREAM_SERIALIZATION"]
+__all__ = ["libcuda", "launch_programmatic", "programmatic_available", "LaunchAttribute",
+           "LaunchConfig", "ATTR_PROGRAMMATIC_STREAM_SERIALIZATION"]
 
 #: CUlaunchAttributeID of cuda.h: the launch may begin before the previous kernel on the
 #: stream completes, once that kernel's blocks have all triggered (griddepcontrol)
@@ -40,7 +40,8 @@ _lock = threading.Lock()
 
 def libcuda() -> ctypes.CDLL:
     """The CUDA driver library (``libcuda.so.1``), opened once, with the argument types of
-    the entry points this package calls set. Raises OSError where there is no driver."""
+    the entry points this package calls set (``cuLaunchKernelEx`` where the driver has it:
+    :func:`programmatic_available`). Raises OSError where there is no driver."""
     global _lib
     if _lib is None:
         with _lock:
@@ -52,12 +53,23 @@ def libcuda() -> ctypes.CDLL:
                               ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
                               ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-                f = lib.cuLaunchKernelEx
-                f.restype = ctypes.c_int
-                f.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
-                              ctypes.c_void_p]
+                f = getattr(lib, "cuLaunchKernelEx", None)  # CUDA 12.0 and later
+                if f is not None:
+                    f.restype = ctypes.c_int
+                    f.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
+                                  ctypes.c_void_p, ctypes.c_void_p]
                 _lib = lib
     return _lib
+
+
+def programmatic_available() -> bool:
+    """True when the driver has ``cuLaunchKernelEx`` (CUDA 12.0 and later): launches asked
+    to be programmatic are plain launches otherwise (the kernels' waits then return at
+    once)."""
+    try:
+        return getattr(libcuda(), "cuLaunchKernelEx", None) is not None
+    except OSError:
+        return False
 
 
 def programmatic_config(grid, threads: int, smem: int, stream: int) -> LaunchConfig:

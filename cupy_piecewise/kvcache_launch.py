@@ -167,8 +167,11 @@ class KVPlan:
             self._combine = ((cfn, math.ceil(s.H * s.M / 8), s.B, 1, 256, 0),)
 
         if self._maps is not None:  # the Hopper decode: kernels_cu/sm90/kvdecode.cu waits
-            self.programmatic = (capability.KV90_PDL_DECODE,
-                                 bool(self._combine) and capability.KV90_PDL)
+            from . import cuda_driver
+
+            ok = cuda_driver.programmatic_available()  # else plain launches, same results
+            self.programmatic = (ok and capability.KV90_PDL_DECODE,
+                                 ok and bool(self._combine) and capability.KV90_PDL)
         slots = [0] * len(KV_FIELDS)
         for name, st in s.strides:
             base = _KV_SLOT[f"{name}.ptr"]
@@ -239,7 +242,8 @@ _plans = Memo(4096)
 
 
 def plan(shape: KVShape) -> KVPlan:
-    """The :class:`KVPlan` of ``shape`` (built once per signature and tile override)."""
+    """The :class:`KVPlan` of ``shape`` (built once per signature and tile override; it
+    reads ``capability.KV90_*``, programmatic launches included, when it is built)."""
     key = (shape, capability.plan_switches())
     hit = _plans.get(key)
     if hit is None:

@@ -12,8 +12,8 @@ KV90_TILES), ``c=N`` (most splits merged in a cluster, KV90_MAX_CLUSTER) and ``m
 key tiles per split, KV90_MIN_TILES), the last three for the shape's head dim; ``base`` is
 the package's defaults. Configs with the same macros share one
 worker process (a fresh process per macro set and round, so each build is compiled once and
-cached by CuPy); within a worker the configs are timed back to back per shape, beside SDPA
-cuDNN on the same shape. Rounds interleave the workers, and the table gives each cell's
+cached by CuPy); within a worker the configs are timed back to back per shape, in an order
+rotated every round, after SDPA cuDNN on the same shape. Rounds interleave the workers, and the table gives each cell's
 median over the rounds and its spread, so that a difference smaller than the spread is not
 read as one.
 
@@ -43,7 +43,7 @@ SHAPES = [(1, 32, 32, 4096), (1, 32, 32, 32768), (1, 32, 32, 131072), (8, 32, 32
 
 
 def parse_config(text):
-    """-> (macros tuple, {'pdl': bool, 'l2': int})"""
+    """-> (sorted -D macros, {knob: int or None} for every knob of TOGGLES)"""
     macros, toggles = [], {k: None for k in TOGGLES}
     for tok in text.split():
         if tok == "base":
@@ -119,6 +119,9 @@ def worker(macros, configs, dims, dtypes, seed):
     from cupy_piecewise import compile as C, kvcache_launch
     from kvcache_decode import graph_ms
 
+    # the configs take turns going first, round by round: within a worker the order alone
+    # moved identical launches by up to 2% (bench/results/2026-12-03-h200-kvdecode-pdl)
+    configs = configs[seed % len(configs):] + configs[:seed % len(configs)]
     if macros:  # the decode kernel's builds carry the macros
         orig = C.Variant.options.fget
         extra = tuple(f"-D{m}" for m in macros)

@@ -494,17 +494,60 @@ def test_sixty_four_splits_merge_by_lse(path, monkeypatch):
                     "the merge's second round of 32 splits was not exercised")
 
 
+# A kernel that lets the next kernel on its stream start at once (a programmatic launch
+# may), then writes its data late: what a decode that skipped its wait would miss.
+_LATE_WRITER = r"""
+extern "C" __global__ void pw_test_late_writer(int* dst, const int* src, long long n,
+                                               unsigned long long delay_ns) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < delay_ns);
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x)
+    dst[i] = src[i];
+}
+"""
+
+
+def _late_write(torch, dst, src, delay_ns):
+    """dst <- src (same bytes, a multiple of 4) by _LATE_WRITER on torch's current stream."""
+    import cupy
+
+    kern = cupy.RawKernel(_LATE_WRITER, "pw_test_late_writer")
+    d, s_ = (cupy.asarray(t.view(torch.int32).reshape(-1)) for t in (dst, src))
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        kern((4,), (256,), (d, s_, cupy.int64(d.size), cupy.uint64(delay_ns)))
+
+
+def _decode_reference_f32(torch, q1, q2, k1, k2, v, w, lens, scale):
+    """float32 decode of one token per sequence at position lens[b] - 1 over keys < lens[b]."""
+    N = k1.shape[2]
+    n = torch.arange(N, device=q1.device)
+    pos = (lens.long() - 1)[:, None, None, None]
+    s1 = torch.einsum("bhmd,bhnd->bhmn", q1.float(), k1.float())
+    s2 = torch.einsum("bhmd,bhnd->bhmn", q2.float(), k2.float())
+    s = torch.where(pos - n >= w, s2, s1) * scale
+    s = s.masked_fill(n >= lens.long()[:, None, None, None], float("-inf"))
+    return torch.einsum("bhmn,bhnd->bhmd", torch.softmax(s, dim=-1), v.float())
+
+
 @pytest.mark.parametrize("layout", ["unsplit", "cluster", "combine"])
 def test_programmatic_launches_read_what_the_kernel_before_wrote(layout, monkeypatch):
     """The Hopper decode and its merge start early (programmatic dependent launches,
-    capability.KV90_PDL*): every global read must wait for the kernel before. Each round the
-    caches, queries and lengths are NaN-poisoned, then rewritten by copy kernels queued just
-    before the call; the outputs must equal, bit for bit, those of the same kernels launched
-    plainly (and be finite). ``layout``: unsplit, splits merged in a cluster, or merged by
-    pw_forward_combine."""
+    capability.KV90_PDL*), so each must wait before touching global memory. Per round, on
+    fresh inputs: the queries and lengths are poisoned (NaN, 0), then written by kernels
+    queued just before the call; the last of them lets the decode start at once
+    (griddepcontrol.launch_dependents) and writes the lengths 50 us later; the split-KV
+    workspace is NaN-filled. The outputs must equal, bit for bit, those of plain launches
+    on the same inputs, be finite, and match a float32 reference. ``layout``: unsplit,
+    splits merged in a cluster, or merged by pw_forward_combine."""
     torch = pytest.importorskip("torch")
     import cupy_piecewise
     from cupy_piecewise import capability, kvcache_launch as kl, launch
+    from cupy_piecewise.adapters import torch as torch_adapter
 
     if launch._compute_capability(0) != (9, 0):
         pytest.skip("the programmatic launches are the Hopper decode's (compute capability 9.0)")
@@ -512,37 +555,42 @@ def test_programmatic_launches_read_what_the_kernel_before_wrote(layout, monkeyp
                   "combine": (2, 8, 4096, 64)}[layout]
     if layout == "combine":  # one tile per split at least: 16 splits, more than a cluster
         monkeypatch.setitem(capability.KV90_MIN_TILES, 64, 1)
-    g = torch.Generator(device="cuda").manual_seed(7)
-    dt = torch.bfloat16
-    src = [torch.randn(B, H, N, D, device="cuda", dtype=dt, generator=g) for _ in range(3)]
-    qsrc = [torch.randn(B, H, 1, D, device="cuda", dtype=dt, generator=g) for _ in range(2)]
-    lens = torch.randint(N // 2, N + 1, (B,), device="cuda", generator=g).to(torch.int32)
-    caches = [torch.empty_like(s) for s in src]
-    qs = [torch.empty_like(q) for q in qsrc]
-    seq = torch.empty_like(lens)
-
-    def call():
-        for t in caches + qs:
-            t.fill_(float("nan"))
-        seq.fill_(0)
-        for dst, s in zip(caches + qs + [seq], src + qsrc + [lens]):
-            dst.copy_(s)  # the kernels right before the decode on the stream
-        return cupy_piecewise.attention_with_kvcache(qs[0], qs[1], *caches, N // 4,
-                                                     cache_seqlens=seq, return_lse=True)
-
-    results = {}
-    for pdl in (False, True):
-        monkeypatch.setattr(capability, "KV90_PDL", pdl)
-        monkeypatch.setattr(capability, "KV90_PDL_DECODE", pdl)
-        kl._plans._data.clear()
-        results[pdl] = [call() for _ in range(10)]
-        (plan,) = kl._plans._data.values()
-        assert plan.programmatic == ((pdl, pdl and layout == "combine")), plan.programmatic
-        want = {"unsplit": (1, 1), "cluster": (plan.nsplit, plan.nsplit), "combine": (16, 1)}
-        assert (plan.nsplit, plan.cluster) == want[layout] and (plan.nsplit > 1) == (
-            layout != "unsplit"), (plan.nsplit, plan.cluster)
+    monkeypatch.setattr(torch_adapter, "OPS", torch_adapter.OPS._replace(
+        scratch=lambda nbytes, device: torch.full((nbytes,), 0xFF, dtype=torch.uint8,
+                                                  device=f"cuda:{device}")))  # NaN floats
+    dt, w = torch.bfloat16, N // 4
+    qs = [torch.empty(B, H, 1, D, device="cuda", dtype=dt) for _ in range(2)]
+    seq = torch.empty(B, dtype=torch.int32, device="cuda")
+    for rnd in range(3):
+        seed = fresh_seed()
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        caches = [torch.randn(B, H, N, D, device="cuda", dtype=dt, generator=g) for _ in range(3)]
+        qsrc = [torch.randn(B, H, 1, D, device="cuda", dtype=dt, generator=g) for _ in range(2)]
+        lens = torch.randint(N // 2, N + 1, (B,), device="cuda", generator=g).to(torch.int32)
+        results = {}
+        for pdl in (False, True):
+            monkeypatch.setattr(capability, "KV90_PDL", pdl)
+            monkeypatch.setattr(capability, "KV90_PDL_DECODE", pdl)
+            kl._plans._data.clear()
+            for q in qs:
+                q.fill_(float("nan"))
+            seq.fill_(0)
+            _late_write(torch, qs[0], qsrc[0], 0)
+            _late_write(torch, qs[1], qsrc[1], 0)
+            _late_write(torch, seq, lens, 50_000)  # the decode's predecessor
+            results[pdl] = cupy_piecewise.attention_with_kvcache(
+                qs[0], qs[1], *caches, w, cache_seqlens=seq, return_lse=True)
+            torch.cuda.synchronize()
+            (plan,) = kl._plans._data.values()
+            assert plan.programmatic == (pdl, pdl and layout == "combine"), plan.programmatic
+            want = {"unsplit": (1, 1), "cluster": (plan.nsplit, plan.nsplit),
+                    "combine": (16, 1)}[layout]
+            assert (plan.nsplit, plan.cluster) == want and (plan.nsplit > 1) == (
+                layout != "unsplit"), (plan.nsplit, plan.cluster)
+        (o0, l0), (o1, l1) = results[False], results[True]
+        assert torch.isfinite(o0).all() and torch.isfinite(l0).all(), f"seed {seed}"
+        assert torch.equal(o1, o0) and torch.equal(l1, l0), f"round {rnd}, seed {seed}"
+        ref = _decode_reference_f32(torch, *qsrc, *caches, w, lens, D ** -0.5)
+        err = float((o0.float() - ref).abs().max() / ref.abs().max())
+        assert err < 2e-2, f"max |o - ref| / max |ref| = {err:.3g} (seed {seed})"
     kl._plans._data.clear()
-    base_o, base_lse = results[False][0]
-    assert torch.isfinite(base_o).all() and torch.isfinite(base_lse).all()
-    for o, lse in results[False] + results[True]:
-        assert torch.equal(o, base_o) and torch.equal(lse, base_lse)

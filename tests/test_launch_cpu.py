@@ -638,12 +638,14 @@ def test_launch_config_layout_is_cudas():
     assert cd.programmatic_config((1, 1, 1), 32, 0, 0).hStream is None  # the legacy stream
 
 
-@pytest.mark.parametrize("B,pdl", [(1, True), (1, False), (8, True)])
-def test_hopper_decode_launches_programmatically(fake_gpu, fake_maps, monkeypatch, B, pdl):
+@pytest.mark.parametrize("B,pdl,driver_has_it", [(1, True, True), (1, False, True),
+                                                  (8, True, True), (1, True, False)])
+def test_hopper_decode_launches_programmatically(fake_gpu, fake_maps, monkeypatch, B, pdl,
+                                                 driver_has_it):
     """The Hopper decode and its split merge go through cuLaunchKernelEx with the
-    programmatic attribute when capability.KV90_PDL* say so, and through cuLaunchKernel
-    otherwise; B = 1 at 4096 keys splits 8 ways (merged by pw_forward_combine), B = 8 does
-    not split."""
+    programmatic attribute when capability.KV90_PDL* say so and the driver has that entry
+    point, and through cuLaunchKernel otherwise; B = 1 at 4096 keys splits 8 ways (merged by
+    pw_forward_combine), B = 8 does not split."""
     from cupy_piecewise import cuda_driver, kvcache_launch as kl
 
     drv, _ = fake_gpu
@@ -651,6 +653,7 @@ def test_hopper_decode_launches_programmatically(fake_gpu, fake_maps, monkeypatc
     capability.refresh_env_override()
     monkeypatch.setattr(capability, "KV90_PDL", pdl)
     monkeypatch.setattr(capability, "KV90_PDL_DECODE", pdl)
+    monkeypatch.setattr(cuda_driver, "programmatic_available", lambda: driver_has_it)
     calls = []
     monkeypatch.setattr(drv, "launchKernel", lambda fn, gx, gy, gz, bx, by, bz, smem, stream,
                         args, extra: calls.append(("plain", fn.phase, (gx, gy, gz), bx, stream)))
@@ -666,7 +669,7 @@ def test_hopper_decode_launches_programmatically(fake_gpu, fake_maps, monkeypatc
     plan = kl.KVPlan(shape)
     plan.run({"q1": 16, "q2": 32, "o": 48, "k1": 64, "k2": 80, "v": 96, "seqlens": 112},
              stream=9, workspace=1 << 20 if plan.workspace_bytes else 0)
-    kind = "programmatic" if pdl else "plain"
+    kind = "programmatic" if pdl and driver_has_it else "plain"
     if B == 1:
         assert (plan.nsplit, plan.cluster) == (8, 1)
         assert calls == [(kind, "kvdecode_sm90", (H, 8, 1), 160, 9),

@@ -141,9 +141,9 @@ __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
   // Programmatic dependent launch (common.cuh). When pw_forward_combine merges the splits,
   // it may start now: it waits for this grid's completion before reading the partials.
   // Nothing else is triggered early: when the next kernel is the next step's decode, its
-  // blocks would sit in the SMs beside these ones, which timed 1% (unsplit) to 16% (splits
-  // in clusters) slower on an H200 (bench/NOTES.md); without the trigger it may start as
-  // this grid's blocks exit. And this grid may itself have started before the kernel ahead
+  // blocks would start beside these ones and wait, which timed 16% slower with splits in
+  // clusters on an H200 (bench/NOTES.md); without the trigger it may start as this grid's
+  // blocks exit. And this grid may itself have started before the kernel ahead
   // of it on the stream completed (that kernel may have written the lengths, the queries
   // or the caches: the append kernel does): everything above touches only shared memory
   // and the parameters; every global read and write comes after the wait.
