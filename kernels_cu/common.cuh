@@ -457,10 +457,13 @@ template <bool Trans> PW_DEVICE int elem_dist(const Geom& g, int r, int c) {
 }
 
 // Scores of one warp's 16MW rows against a BN-column tile, in the log2 domain (scaled by
-// sm_scale*log2 e). mode selects the products; masked elements become -inf.
-template <typename T, int D, int BN, int MW, bool CAUSAL, bool Trans>
-PW_DEVICE void score_tile(float s[MW][BN / 8][4], u32 sA1, u32 sA2, u32 sB1, u32 sB2, int mode,
-                          bool masked, const Geom& g, float scale_log2, int lane) {
+// sm_scale*log2 e). mode selects the products; masked elements become -inf. MASK: -1 tests
+// `masked` per element (the compiler if-converts that test, so every tile pays for it),
+// 0 / 1 build a copy without / with the mask (score_tile picks one per tile under
+// PW_SCORE_MASK_SPLIT).
+template <typename T, int D, int BN, int MW, bool CAUSAL, bool Trans, int MASK>
+PW_DEVICE void score_tile_as(float s[MW][BN / 8][4], u32 sA1, u32 sA2, u32 sB1, u32 sB2,
+                             int mode, bool masked, const Geom& g, float scale_log2, int lane) {
   zero_n<MW * BN / 2>(&s[0][0][0]);
   if (mode == 3) {
     // Straddling tile: the second product goes 16 columns at a time through a small
@@ -492,12 +495,36 @@ PW_DEVICE void score_tile(float s[MW][BN / 8][4], u32 sA1, u32 sA2, u32 sB1, u32
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = s[mi][nb][e] * scale_log2;
-        if (masked) {
+        if (MASK == 1 || (MASK < 0 && masked)) {
           const int r = frag_row(mi, e, lane), c = frag_col(nb, e, lane);
           if (c >= g.cols_left || (CAUSAL && elem_dist<Trans>(g, r, c) < 0)) x = PW_NEG_INF;
         }
         s[mi][nb][e] = x;
       }
+}
+
+// PW_SCORE_MASK_SPLIT=1: tiles that need no mask run a copy of score_tile without mask code,
+// as the forward's visits body does (bench/NOTES.md: there the split was worth 3-15% on
+// causal rows). A tuning variant of the mma.sync kernels that use score_tile (the dq and
+// dk/dv kernels, the one-kernel backward, the merged forward body), for an A/B run
+// (scripts/mma_bwd_probe.py --macros PW_SCORE_MASK_SPLIT=1); not measured yet.
+#ifndef PW_SCORE_MASK_SPLIT
+#define PW_SCORE_MASK_SPLIT 0
+#endif
+template <typename T, int D, int BN, int MW, bool CAUSAL, bool Trans>
+PW_DEVICE void score_tile(float s[MW][BN / 8][4], u32 sA1, u32 sA2, u32 sB1, u32 sB2, int mode,
+                          bool masked, const Geom& g, float scale_log2, int lane) {
+#if PW_SCORE_MASK_SPLIT
+  if (masked)
+    score_tile_as<T, D, BN, MW, CAUSAL, Trans, 1>(s, sA1, sA2, sB1, sB2, mode, masked, g,
+                                                  scale_log2, lane);
+  else
+    score_tile_as<T, D, BN, MW, CAUSAL, Trans, 0>(s, sA1, sA2, sB1, sB2, mode, masked, g,
+                                                  scale_log2, lane);
+#else
+  score_tile_as<T, D, BN, MW, CAUSAL, Trans, -1>(s, sA1, sA2, sB1, sB2, mode, masked, g,
+                                                 scale_log2, lane);
+#endif
 }
 
 // a - b saturated to the int range (sub.sat.s32).

@@ -7,6 +7,8 @@
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
 # probes (not in all): the Hopper forward and backward probes (scripts/hopper_probe.py,
 # scripts/hopper_bwd_probe.py), about 4 minutes each, logs in logs/hopper_*.txt.
+# kvprobe (not in all): scripts/kvdecode_probe.py, the Hopper decode's A/B probe, configs from
+# KVPROBE_CONFIGS (default "base;pdl=0 pdld=0"), about 1-2 minutes per macro set.
 # mma_probes (not in all): the mma.sync forward and backward A/B probes (scripts/mma_fwd_probe.py;
 # scripts/mma_bwd_probe.py, default and with -DPW_DQ_RED4=0, the 8-byte dQ reductions), a few minutes each, logs in
 # logs/mma_*.txt.
@@ -127,6 +129,14 @@ if asked mma_probes; then
     rc=$?; echo "$args: exit $rc"; tail -12 "$logs/$name.log"
     status=$((status | rc))
   done
+fi
+if asked kvprobe; then
+  # the Hopper decode's A/B probe: KVPROBE_CONFIGS (';'-separated, scripts/kvdecode_probe.py)
+  timeout 420 python3 scripts/kvdecode_probe.py --rounds 3 \
+    --configs "${KVPROBE_CONFIGS:-base;pdl=0 pdld=0}" --out "$logs/kvdecode_probe.txt" \
+    > "$logs/kvdecode_probe.log" 2>&1
+  rc=$?; echo "kvdecode_probe: exit $rc"; tail -16 "$logs/kvdecode_probe.log"
+  status=$((status | rc))
 fi
 tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$logs"
 exit $status

@@ -163,3 +163,24 @@ def test_fused_backward_red2_form_builds_without_spills(nvrtc, monkeypatch):
     assert vs
     for r in compile_offline(SM90, vs):
         assert r.ok and not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+
+
+def test_score_mask_split_variant_compiles(nvrtc, monkeypatch):
+    """-DPW_SCORE_MASK_SPLIT=1 (kernels_cu/common.cuh: score_tile's unmasked tiles run a
+    copy without mask code; a tuning variant for an A/B run, not measured yet) compiles for
+    the sm_90 row's dense mma.sync backward at D = 64 and 128. Some of those builds spill a
+    few bytes (bench/results/2026-12-03-offline-score-mask-split): this checks only that
+    the variant builds."""
+    from cupy_piecewise import compile as comp
+
+    base = comp.arch_options
+    monkeypatch.setattr(comp, "arch_options",
+                        lambda cc, hopper=False: base(cc, hopper) + ("-DPW_SCORE_MASK_SPLIT=1",))
+    vs = sorted({Variant(phase, dt, d, t, c)
+                 for phase, d, dt, c, t in capability.selectable_configs(SM90)
+                 if phase in ("bwd_dq", "bwd_dkv", "bwd_fused") and d in (64, 128)
+                 and dt == "bfloat16"}, key=str)
+    assert vs
+    for r in compile_offline(SM90, vs):
+        assert r.ok and r.registers, (r.variant, r.log)
+
