@@ -541,7 +541,8 @@ def test_programmatic_launches_read_what_the_kernel_before_wrote(layout, monkeyp
     fresh inputs: the queries and lengths are poisoned (NaN, 0), then written by kernels
     queued just before the call; the last of them lets the decode start at once
     (griddepcontrol.launch_dependents) and writes the lengths 50 us later; the split-KV
-    workspace is NaN-filled. The outputs must equal, bit for bit, those of plain launches
+    workspace is NaN-filled before those kernels (the call launches nothing of its own
+    before the decode). The outputs must equal, bit for bit, those of plain launches
     on the same inputs, be finite, and match a float32 reference. ``layout``: unsplit,
     splits merged in a cluster, or merged by pw_forward_combine."""
     torch = pytest.importorskip("torch")
@@ -555,9 +556,14 @@ def test_programmatic_launches_read_what_the_kernel_before_wrote(layout, monkeyp
                   "combine": (2, 8, 4096, 64)}[layout]
     if layout == "combine":  # one tile per split at least: 16 splits, more than a cluster
         monkeypatch.setitem(capability.KV90_MIN_TILES, 64, 1)
-    monkeypatch.setattr(torch_adapter, "OPS", torch_adapter.OPS._replace(
-        scratch=lambda nbytes, device: torch.full((nbytes,), 0xFF, dtype=torch.uint8,
-                                                  device=f"cuda:{device}")))  # NaN floats
+    # The split-KV workspace: one buffer, NaN-filled (0xFF bytes) before the kernels that
+    # precede each call, so that the call itself launches nothing before the decode.
+    ws = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+
+    def scratch(nbytes, device):
+        assert nbytes <= ws.numel() and device == 0, (nbytes, device)
+        return ws[:nbytes]
+    monkeypatch.setattr(torch_adapter, "OPS", torch_adapter.OPS._replace(scratch=scratch))
     dt, w = torch.bfloat16, N // 4
     qs = [torch.empty(B, H, 1, D, device="cuda", dtype=dt) for _ in range(2)]
     seq = torch.empty(B, dtype=torch.int32, device="cuda")
@@ -575,6 +581,7 @@ def test_programmatic_launches_read_what_the_kernel_before_wrote(layout, monkeyp
             for q in qs:
                 q.fill_(float("nan"))
             seq.fill_(0)
+            ws.fill_(0xFF)
             _late_write(torch, qs[0], qsrc[0], 0)
             _late_write(torch, qs[1], qsrc[1], 0)
             _late_write(torch, seq, lens, 50_000)  # the decode's predecessor
