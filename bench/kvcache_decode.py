@@ -74,19 +74,29 @@ def copy_gbps() -> float:
 
 
 @contextlib.contextmanager
-def kernel_choice(path=None, stages=None, head_dim=None, min_tiles=None, max_cluster=None):
+def kernel_choice(path=None, stages=None, head_dim=None, min_tiles=None, max_cluster=None,
+                  pdl=None, pdl_decode=None, l2=None):
     """Run the body with ``CUPY_PIECEWISE_PATH=path`` (``'mma'``: the cp.async decode kernel
     instead of the Hopper TMA one) and/or, for tuning comparisons, the Hopper decode's ring
-    depth for ``head_dim`` set to ``stages``, its fewest key tiles per split to ``min_tiles``
-    and its largest cluster of splits merged on chip to ``max_cluster``. Restores all of it
-    and drops the KV-cache plans built meanwhile (a plan keeps its kernel and split count,
-    and no tuning knob is in the plan's key)."""
-    from cupy_piecewise import capability, kvcache_launch
+    depth for ``head_dim`` set to ``stages``, its fewest key tiles per split to ``min_tiles``,
+    its largest cluster of splits merged on chip to ``max_cluster``, its programmatic
+    launches of the merge (``pdl``) and of the decode (``pdl_decode``) on or off, and the L2
+    promotion of the caches' tensor maps to ``l2`` bytes (0, 64, 128 or 256). Restores all
+    of it and drops the KV-cache plans built meanwhile (a plan keeps its kernel, split count
+    and launch flags, and no tuning knob is in the plan's key)."""
+    from cupy_piecewise import capability, kvcache_launch, tma
 
     saved_env = os.environ.get(capability.PATH_VAR)
     saved = (dict(capability.KV90_TILES), dict(capability.KV90_MIN_TILES),
-             capability.KV90_MAX_CLUSTER)
+             capability.KV90_MAX_CLUSTER, capability.KV90_PDL, capability.KV90_PDL_DECODE,
+             tma._L2_PROMOTION_128B)
     try:
+        if pdl is not None:
+            capability.KV90_PDL = bool(pdl)
+        if pdl_decode is not None:
+            capability.KV90_PDL_DECODE = bool(pdl_decode)
+        if l2 is not None:
+            tma._L2_PROMOTION_128B = {0: 0, 64: 1, 128: 2, 256: 3}[l2]
         if path is not None:
             os.environ[capability.PATH_VAR] = path
             capability.refresh_env_override()
@@ -111,6 +121,7 @@ def kernel_choice(path=None, stages=None, head_dim=None, min_tiles=None, max_clu
         capability.KV90_MIN_TILES.clear()
         capability.KV90_MIN_TILES.update(saved[1])
         capability.KV90_MAX_CLUSTER = saved[2]
+        capability.KV90_PDL, capability.KV90_PDL_DECODE, tma._L2_PROMOTION_128B = saved[3:]
         kvcache_launch._plans._data.clear()
 
 

@@ -26,8 +26,6 @@ the build under test, the test suite is the real one).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import json
 import os
 import statistics
@@ -71,41 +69,16 @@ def reference(q1, q2, k1, k2, v, w, scale):
     return torch.einsum("bhmn,bhnd->bhmd", torch.softmax(s, dim=-1), f(v))
 
 
-@contextlib.contextmanager
 def settings(toggles, head_dim):
-    """The package's decode knobs set as ``toggles`` (parse_config's dict; None = leave the
-    default) for the body, restored after; KV-cache plans dropped on both sides (a plan
-    keeps its split count and launch flags)."""
-    from cupy_piecewise import capability, kvcache_launch, tma
+    """bench/kvcache_decode.kernel_choice with the knobs of ``toggles`` (parse_config's dict;
+    None = the package's default) for ``head_dim``: a context that sets them for the body,
+    restores them after and drops the KV-cache plans built meanwhile."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from kvcache_decode import kernel_choice
 
-    saved = (capability.KV90_PDL, capability.KV90_PDL_DECODE, tma._L2_PROMOTION_128B,
-             dict(capability.KV90_TILES), capability.KV90_MAX_CLUSTER,
-             dict(capability.KV90_MIN_TILES))
     t = toggles
-    try:
-        if t["pdl"] is not None:
-            capability.KV90_PDL = bool(t["pdl"])
-        if t["pdld"] is not None:
-            capability.KV90_PDL_DECODE = bool(t["pdld"])
-        if t["l2"] is not None:
-            tma._L2_PROMOTION_128B = {0: 0, 64: 1, 128: 2, 256: 3}[t["l2"]]
-        if t["s"] is not None:
-            capability.KV90_TILES[head_dim] = dataclasses.replace(
-                capability.KV90_TILES[head_dim], stages=t["s"])
-        if t["c"] is not None:
-            capability.KV90_MAX_CLUSTER = t["c"]
-        if t["m"] is not None:
-            capability.KV90_MIN_TILES[head_dim] = t["m"]
-        kvcache_launch._plans._data.clear()
-        yield
-    finally:
-        (capability.KV90_PDL, capability.KV90_PDL_DECODE, tma._L2_PROMOTION_128B) = saved[:3]
-        capability.KV90_TILES.clear()
-        capability.KV90_TILES.update(saved[3])
-        capability.KV90_MAX_CLUSTER = saved[4]
-        capability.KV90_MIN_TILES.clear()
-        capability.KV90_MIN_TILES.update(saved[5])
-        kvcache_launch._plans._data.clear()
+    return kernel_choice(stages=t["s"], head_dim=head_dim, min_tiles=t["m"], max_cluster=t["c"],
+                         pdl=t["pdl"], pdl_decode=t["pdld"], l2=t["l2"])
 
 
 def worker(macros, configs, dims, dtypes, seed):
