@@ -278,9 +278,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
       const Geom g = make_geom<false>(row0, n0, P, p.w, N);
 
       float s[MW][BN / 8][4];
-      score_tile<T, D, BN, MW, CAUSAL, false>(s, aQ1, aQ2, smem_addr(st + L::k1_in_stage),
-                                              smem_addr(st + L::k2_in_stage), mode, masked, g,
-                                              p.scale_log2, lane);
+      score_tile<PW_MASK_SPLIT_OR(2), T, D, BN, MW, CAUSAL, false>(
+          s, aQ1, aQ2, smem_addr(st + L::k1_in_stage), smem_addr(st + L::k2_in_stage), mode,
+          masked, g, p.scale_log2, lane);
       float dp[MW][BN / 8][4];
       zero_n<MW * BN / 2>(&dp[0][0][0]);
       mma_abt<T, D, BN, MW>(dp, aDO, smem_addr(st + L::v_in_stage), lane);
@@ -374,9 +374,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
                            const Geom& g) {
     const u16* st = sQ + stage * L::stage_elems;
     const float* ss = sStat + stage * L::stats_stage_floats;
-    score_tile<T, D, BM, MW, CAUSAL, true>(s, aK1, aK2, smem_addr(st + L::q1_in_stage),
-                                           smem_addr(st + L::q2_in_stage), mode, masked, g,
-                                           p.scale_log2, lane);
+    score_tile<PW_MASK_SPLIT_OR(2), T, D, BM, MW, CAUSAL, true>(
+        s, aK1, aK2, smem_addr(st + L::q1_in_stage), smem_addr(st + L::q2_in_stage), mode,
+        masked, g, p.scale_log2, lane);
 #pragma unroll
     for (int mi = 0; mi < MW; ++mi)
 #pragma unroll

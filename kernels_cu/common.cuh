@@ -456,11 +456,32 @@ template <bool Trans> PW_DEVICE int elem_dist(const Geom& g, int r, int c) {
   return Trans ? g.base + c - r : g.base + r - c;
 }
 
+// Scale to the log2 domain and apply the mask: MASK 1 always tests, 0 never, -1 tests per
+// element when `masked` (a run-time flag the compiler if-converts into every element).
+template <int BN, int MW, bool CAUSAL, bool Trans, int MASK>
+PW_DEVICE void scale_mask(float s[MW][BN / 8][4], bool masked, const Geom& g, float scale_log2,
+                          int lane) {
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+    for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[mi][nb][e] * scale_log2;
+        if (MASK == 1 || (MASK < 0 && masked)) {
+          const int r = frag_row(mi, e, lane), c = frag_col(nb, e, lane);
+          if (c >= g.cols_left || (CAUSAL && elem_dist<Trans>(g, r, c) < 0)) x = PW_NEG_INF;
+        }
+        s[mi][nb][e] = x;
+      }
+}
+
 // Scores of one warp's 16MW rows against a BN-column tile, in the log2 domain (scaled by
-// sm_scale*log2 e). mode selects the products; masked elements become -inf. MASK: -1 tests
-// `masked` per element (the compiler if-converts that test, so every tile pays for it),
-// 0 / 1 build a copy without / with the mask (score_tile picks one per tile under
-// PW_SCORE_MASK_SPLIT).
+// sm_scale*log2 e). mode selects the products; masked elements become -inf. MASK says how
+// the mask test is built: -1 tests `masked` per element inside one body (the compiler
+// if-converts that test, so every tile pays for it); 0 / 1 build a body without / with the
+// mask; -2 runs the products once and then picks the scale loop with or without the mask by
+// a branch on `masked` (score_tile chooses among these, see SPLIT there).
 template <typename T, int D, int BN, int MW, bool CAUSAL, bool Trans, int MASK>
 PW_DEVICE void score_tile_as(float s[MW][BN / 8][4], u32 sA1, u32 sA2, u32 sB1, u32 sB2,
                              int mode, bool masked, const Geom& g, float scale_log2, int lane) {
@@ -488,43 +509,46 @@ PW_DEVICE void score_tile_as(float s[MW][BN / 8][4], u32 sA1, u32 sA2, u32 sB1, 
   } else {
     mma_abt<T, D, BN, MW>(s, sA2, sB2, lane);
   }
-#pragma unroll
-  for (int mi = 0; mi < MW; ++mi)
-#pragma unroll
-    for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[mi][nb][e] * scale_log2;
-        if (MASK == 1 || (MASK < 0 && masked)) {
-          const int r = frag_row(mi, e, lane), c = frag_col(nb, e, lane);
-          if (c >= g.cols_left || (CAUSAL && elem_dist<Trans>(g, r, c) < 0)) x = PW_NEG_INF;
-        }
-        s[mi][nb][e] = x;
-      }
+  if constexpr (MASK == -2) {
+    // The branch is warp-uniform (one tile, one flag), so only the taken loop issues.
+    if (masked) scale_mask<BN, MW, CAUSAL, Trans, 1>(s, masked, g, scale_log2, lane);
+    else scale_mask<BN, MW, CAUSAL, Trans, 0>(s, masked, g, scale_log2, lane);
+  } else {
+    scale_mask<BN, MW, CAUSAL, Trans, MASK>(s, masked, g, scale_log2, lane);
+  }
 }
 
-// PW_SCORE_MASK_SPLIT=1: tiles that need no mask run a copy of score_tile without mask code,
-// as the forward's visits body does (bench/NOTES.md: there the split was worth 3-15% on
-// causal rows). A tuning variant of the mma.sync kernels that use score_tile (the dq and
-// dk/dv kernels, the one-kernel backward, the merged forward body), for an A/B run
-// (scripts/mma_bwd_probe.py --macros PW_SCORE_MASK_SPLIT=1); not measured yet.
-#ifndef PW_SCORE_MASK_SPLIT
-#define PW_SCORE_MASK_SPLIT 0
+// score_tile: how a kernel's call site builds the mask (SPLIT, a compile-time choice per site):
+//   0: one body with the per-element test of `masked` (MASK -1 above);
+//   1: two copies of products and mask, one per tile kind (fastest in the forward's merged
+//      body, +3-14%, but the duplicated products spill in 9 entries: the build check refuses);
+//   2: products once, then the scale loop with or without the mask (MASK -2): spill-free in
+//      the sm_90 entries that use it, +0-6% (bench/results/2026-12-03-h200-score-mask-split).
+// -DPW_SCORE_MASK_SPLIT=n overrides every site's choice, for A/B runs of the probes
+// (scripts/mma_fwd_probe.py --variants, scripts/mma_bwd_probe.py --macros).
+#ifdef PW_SCORE_MASK_SPLIT
+#define PW_MASK_SPLIT_OR(site_default) (PW_SCORE_MASK_SPLIT)
+#else
+#define PW_MASK_SPLIT_OR(site_default) (site_default)
 #endif
-template <typename T, int D, int BN, int MW, bool CAUSAL, bool Trans>
+template <int SPLIT, typename T, int D, int BN, int MW, bool CAUSAL, bool Trans>
 PW_DEVICE void score_tile(float s[MW][BN / 8][4], u32 sA1, u32 sA2, u32 sB1, u32 sB2, int mode,
                           bool masked, const Geom& g, float scale_log2, int lane) {
-#if PW_SCORE_MASK_SPLIT
-  if (masked)
-    score_tile_as<T, D, BN, MW, CAUSAL, Trans, 1>(s, sA1, sA2, sB1, sB2, mode, masked, g,
-                                                  scale_log2, lane);
-  else
-    score_tile_as<T, D, BN, MW, CAUSAL, Trans, 0>(s, sA1, sA2, sB1, sB2, mode, masked, g,
-                                                  scale_log2, lane);
-#else
-  score_tile_as<T, D, BN, MW, CAUSAL, Trans, -1>(s, sA1, sA2, sB1, sB2, mode, masked, g,
-                                                 scale_log2, lane);
-#endif
+  static_assert(SPLIT >= 0 && SPLIT <= 2, "score_tile: SPLIT is 0, 1 or 2");
+  if constexpr (SPLIT == 2) {
+    score_tile_as<T, D, BN, MW, CAUSAL, Trans, -2>(s, sA1, sA2, sB1, sB2, mode, masked, g,
+                                                   scale_log2, lane);
+  } else if constexpr (SPLIT == 1) {
+    if (masked)
+      score_tile_as<T, D, BN, MW, CAUSAL, Trans, 1>(s, sA1, sA2, sB1, sB2, mode, masked, g,
+                                                    scale_log2, lane);
+    else
+      score_tile_as<T, D, BN, MW, CAUSAL, Trans, 0>(s, sA1, sA2, sB1, sB2, mode, masked, g,
+                                                    scale_log2, lane);
+  } else {
+    score_tile_as<T, D, BN, MW, CAUSAL, Trans, -1>(s, sA1, sA2, sB1, sB2, mode, masked, g,
+                                                   scale_log2, lane);
+  }
 }
 
 // a - b saturated to the int range (sub.sat.s32).

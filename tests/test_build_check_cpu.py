@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 
+import pytest
 
 from cupy_piecewise import build_check, capability
 from cupy_piecewise.compile import HOPPER_KERNELS, ROW_KERNELS, Variant, compile_offline
@@ -165,17 +166,19 @@ def test_fused_backward_red2_form_builds_without_spills(nvrtc, monkeypatch):
         assert r.ok and not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-def test_score_mask_split_variant_compiles(nvrtc, monkeypatch):
-    """-DPW_SCORE_MASK_SPLIT=1 (kernels_cu/common.cuh: score_tile's unmasked tiles run a
-    copy without mask code; a tuning variant for an A/B run, not measured yet) compiles for
-    the sm_90 row's dense mma.sync backward at D = 64 and 128. Some of those builds spill a
-    few bytes (bench/results/2026-12-03-offline-score-mask-split): this checks only that
-    the variant builds."""
+@pytest.mark.parametrize("split", [0, 1])
+def test_score_mask_split_override_compiles(nvrtc, monkeypatch, split):
+    """-DPW_SCORE_MASK_SPLIT=n (kernels_cu/common.cuh) overrides every score_tile call
+    site's mask form for A/B runs: 0 the one-body mask of the tree before 2026-12-03, 1 the
+    product copies (fastest in the forward, but spills in some entries:
+    bench/results/2026-12-03-offline-score-mask-split). The defaults (2 in the backward and
+    the forward at D >= 128) go through the build check; this checks that each override
+    still builds the sm_90 row's dense mma.sync backward at D = 64 and 128."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
-    monkeypatch.setattr(comp, "arch_options",
-                        lambda cc, hopper=False: base(cc, hopper) + ("-DPW_SCORE_MASK_SPLIT=1",))
+    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
+        f"-DPW_SCORE_MASK_SPLIT={split}",))
     vs = sorted({Variant(phase, dt, d, t, c)
                  for phase, d, dt, c, t in capability.selectable_configs(SM90)
                  if phase in ("bwd_dq", "bwd_dkv", "bwd_fused") and d in (64, 128)
