@@ -520,10 +520,11 @@ PW_DEVICE void score_tile_as(float s[MW][BN / 8][4], u32 sA1, u32 sA2, u32 sB1, 
 
 // score_tile: how a kernel's call site builds the mask (SPLIT, a compile-time choice per site):
 //   0: one body with the per-element test of `masked` (MASK -1 above);
-//   1: two copies of products and mask, one per tile kind (fastest in the forward's merged
-//      body, +3-14%, but the duplicated products spill in 9 entries: the build check refuses);
+//   1: two copies of products and mask, one per tile kind (+3-5% in the forward's merged
+//      body, but the duplicated products spill in 9 entries: the build check refuses);
 //   2: products once, then the scale loop with or without the mask (MASK -2): spill-free in
-//      the sm_90 entries that use it, +0-6% (bench/results/2026-12-03-h200-score-mask-split).
+//      the entries that use it; forward +4-5%, backward up to +6% on the H200
+//      (bench/results/2026-12-03-h200-score-mask-split).
 // -DPW_SCORE_MASK_SPLIT=n overrides every site's choice, for A/B runs of the probes
 // (scripts/mma_fwd_probe.py --variants, scripts/mma_bwd_probe.py --macros).
 #ifdef PW_SCORE_MASK_SPLIT
