@@ -121,8 +121,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       const u16* st = sKV + stage * L::stage_elems;
       const Geom g = make_geom<false>(row0, n0, P, p.w, N);
       float s[MW][BN / 8][4];
-      // D = 64 keeps the one-body mask: split, its 128x64x4 entry spills 8 bytes, and the
-      // H200 measured it within noise (-1% to +3%).
+      // D = 64 keeps the one-body mask (SPLIT 0): form 2 spills 8 bytes at its 128x64x4
+      // table entry, and the build check allows no spill.
       score_tile<PW_MASK_SPLIT_OR(D >= 128 ? 2 : 0), T, D, BN, MW, CAUSAL, false>(
           s, aQ1, aQ2, smem_addr(st + L::k1_in_stage), smem_addr(st + L::k2_in_stage), mode,
           masked, g, p.scale_log2, lane);
