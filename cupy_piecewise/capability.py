@@ -79,6 +79,7 @@ __all__ = [
     "hopper_shared_bytes",
     "hopper_bwd_shared_bytes",
     "hopper_bwd_helper_grid",
+    "fwd_one_key_slot",
     "shared_bytes",
     "elem_bytes",
     "has_float32_kernels",
@@ -392,12 +393,24 @@ def fused_ds_bytes(cfg: TileConfig) -> int:
     return 2 * cfg.block_n * (cfg.block_m + 8)
 
 
+def fwd_one_key_slot(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> bool:
+    """Whether the mma.sync forward (phases fwd and fwd_decode) keeps one key slot per
+    pipeline stage instead of two: 16-bit inputs (``elem_bytes`` 2), ``head_dim`` >= 128 and
+    32 query rows per warp (``block_m == 32 * num_warps``). The kernel's rule is
+    ``fwd_one_key_slot`` of kernels_cu/traits.cuh; tests/test_traits_cpu.py checks that the
+    two agree on every selectable variant. A straddling tile's second key projection then
+    replaces its first between the tile's two visits, and 128x32x4 at D = 128 fits two
+    blocks per SM on sm_90 (113 KB each)."""
+    return elem_bytes == 2 and head_dim >= 128 and cfg.block_m == 32 * cfg.num_warps
+
+
 def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> int:
     """Shared memory (bytes) one block of ``phase`` needs with tiles ``cfg``.
 
     Rows are padded by 16 bytes (bank-conflict-free ``ldmatrix``); ``elem_bytes`` is 4
     for float32 inputs (:func:`elem_bytes`), 2 otherwise. fwd keeps
-    q1, q2 and ``stages`` copies of k1, k2, v; bwd_dq adds do (and 8 bytes per
+    q1, q2 and ``stages`` copies of k1, k2, v (of one key slot and v where
+    :func:`fwd_one_key_slot` says so); bwd_dq adds do (and 8 bytes per
     row for lse and delta); bwd_dkv keeps the key tile (k1, k2, v) and
     ``stages`` copies of the query-side tiles (q1, q2, do) plus lse/delta; bwd_fused adds
     one dS tile (:func:`fused_ds_bytes`).
@@ -411,7 +424,10 @@ def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2
     together. (bwd_dq's 8 bytes per row are reserved there, not read.)
     """
     row = elem_bytes * head_dim + 16  # padded rows (Pitch<D * width> of common.cuh), bytes
-    if phase in ("fwd", "fwd_decode", "kvcache"):  # kvcache: 16 query rows, two key slots
+    if phase in ("fwd", "fwd_decode"):
+        slots = 1 if fwd_one_key_slot(head_dim, cfg, elem_bytes) else 2
+        return (2 * cfg.block_m + (slots + 1) * cfg.stages * cfg.block_n) * row
+    if phase == "kvcache":  # 16 query rows, two key slots
         return (2 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * row
     if phase == "kvdecode":  # one key slot and v per stage
         return (2 * cfg.block_m + 2 * cfg.stages * cfg.block_n) * row
@@ -463,9 +479,11 @@ _SM86_89 = {
 # measured about tile shapes carries over, within each GPU's shared memory per block: for
 # head dims 64 and 128 each row takes the fastest shape of bench/results/tiles_h200.json
 # (and of the sm_90 row, which later runs refined) that fits, and the build check proves it
-# compiles without spills for that architecture. The H200 runs four warps per SM at most
-# in these shapes (one block at D = 128, two at 64), so the figures did not depend on
-# occupancy the smaller GPUs cannot reach. The bwd_fused entries take the one-kernel
+# compiles without spills for that architecture. The H200 ran one block per SM at D = 128
+# and two at 64 in the shapes those rows were taken from, so those figures did not depend on
+# occupancy the smaller GPUs cannot reach. (Since 2026-12-04 the sm_90 D = 128 forward runs
+# two blocks of 128x32x4 per SM with one key slot, 113 KB each; an A100 fits one, and one
+# block of 128x32x4 ran no faster than 128x64x8 on the H200, so sm_80 keeps 64x64x4.) The bwd_fused entries take the one-kernel
 # backward for the variants where it won on the H200 (the sm_90 row), in shapes that fit.
 # sm_86 and sm_89 share one row on purpose: every quantity the choice depends on is the same
 # (99 KiB per block and 100 KiB per SM of shared memory, 64K registers and 1536 threads per
@@ -510,7 +528,12 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
         # 96 need fewer registers and less shared memory); 256 takes 16-key steps and one
         # 16-row block per warp (a D-wide accumulator is 128 registers; the build check
         # finds these at 247-255 without spills). Not yet timed.
-        "fwd": {256: _T(64, 16, 4), 128: _T(128, 64, 8), 96: _T(128, 64, 8), 80: _T(128, 64, 8),
+        # 128: 128x32x4 with one key slot per stage (fwd_one_key_slot), two blocks per SM:
+        # 1.12-1.21x the 128x64x8 entry before it on an H200 (2026-12-04, bf16 and fp16,
+        # L 2048 and 8192, causal and not; bench/results/2026-12-04-h200-fwd-one-key-slot).
+        # 96 and 80: 128x32x4 fits two blocks per SM with both key slots (93 and 79 KB):
+        # 1.16x (96) and 1.04-1.12x (80) the 128x64x8 entry there (one bf16 round, L 8192).
+        "fwd": {256: _T(64, 16, 4), 128: _T(128, 32, 4), 96: _T(128, 32, 4), 80: _T(128, 32, 4),
                 64: _T(128, 64, 4), 32: _T(128, 128, 8), 16: _T(128, 64, 4)},
         "fwd_decode": {256: _T(16, 16, 1), 128: _T(16, 32, 1), 96: _T(16, 32, 1), 80: _T(16, 32, 1),
                        64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
@@ -553,7 +576,9 @@ VARLEN_TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
         "bwd_dkv": {128: _T(16, 64, 4), 96: _T(16, 64, 4), 80: _T(16, 64, 4)},
     },
     (9, 0): {
-        "fwd": {64: _T(64, 64, 4)},
+        # 128, 96, 80: the dense entries before 128x32x4 (which spills 20-28 bytes at 128
+        # and 8 at 96 with the packed batch's registers; 80 not timed packed)
+        "fwd": {128: _T(128, 64, 8), 96: _T(128, 64, 8), 80: _T(128, 64, 8), 64: _T(64, 64, 4)},
         "bwd_dkv": {
             128: {(None, True): _T(16, 64, 4), (None, None): _T(16, 64, 4)},
             64: {(None, True): _T(32, 64, 4), (None, None): _T(64, 64, 4)},
@@ -596,7 +621,9 @@ TF32_TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
     (8, 6): _SM86_89_TF32,
     (8, 9): _SM86_89_TF32,
     (9, 0): {
-        "fwd": {256: None, 128: _T(64, 32, 4), 96: _T(64, 32, 4), 64: _T(64, 64, 4)},
+        # 80: the 16-bit entry before 128x32x4 (which spills 84 bytes in float32)
+        "fwd": {256: None, 128: _T(64, 32, 4), 96: _T(64, 32, 4), 80: _T(128, 64, 8),
+                64: _T(64, 64, 4)},
         "fwd_decode": {256: None, 96: _T(16, 16, 1), 80: _T(16, 16, 1)},
         "bwd_dq": {256: None, 128: _T(64, 32, 4), 96: _T(64, 16, 4), 80: _T(64, 32, 4),
                    64: _T(64, 32, 4), 16: _T(64, 64, 4)},

@@ -15,14 +15,19 @@
 // on every causal shape measured (H200, 2026-12-02, bf16/fp16, D 64 and 128, L 2048-16384;
 // bench/results/2026-12-02-h200-mma-fwd-visits). Without it the merged body is as fast or
 // faster (the second visit cost 4-8% at L = 2048, D = 64). float32 (TF32) keeps the merged
-// body: not measured with visits. PW_FWD_VISITS=0 / =1 forces one or the other (A/B runs).
+// body: not measured with visits. PW_FWD_VISITS=0 / =1 forces one or the other (A/B runs),
+// except where the layout has one key slot per stage, which always visits (below).
 #ifndef PW_FWD_VISITS
 #define PW_FWD_VISITS -1
 #endif
-template <typename T, bool CAUSAL> struct VisitPairs {
+template <typename T, bool CAUSAL, bool ONE_K> struct VisitPairs {
   static constexpr bool value =
-      PW_FWD_VISITS >= 0 ? PW_FWD_VISITS == 1 : (CAUSAL && Elem<T>::width == 1);
+      ONE_K || (PW_FWD_VISITS >= 0 ? PW_FWD_VISITS == 1 : (CAUSAL && Elem<T>::width == 1));
 };
+// One key slot per pipeline stage (traits.cuh fwd_one_key_slot) needs the visits body: a
+// straddling tile is loaded with its first projection, and the second replaces it in the
+// slot between the two visits (the block waits for that copy, on a few tiles per query
+// tile; the second block on the SM runs meanwhile).
 
 // Online softmax over one tile's log2-domain scores s (in place: s becomes the unnormalised
 // probabilities), rescaling the output accumulator. A row's running max is shared by the
@@ -63,7 +68,8 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   constexpr int DS = D * Elem<T>::width;   // a row in 16-bit units (common.cuh, Elem)
-  using L = FwdTraits<DS, BM, BN, WARPS>;  // shared-memory layout and warp split (traits.cuh)
+  constexpr bool ONE_K = fwd_one_key_slot(Elem<T>::width, D, BM, WARPS);
+  using L = FwdTraits<DS, BM, BN, WARPS, ONE_K>;  // shared-memory layout, warp split (traits.cuh)
   constexpr int MW = L::MW;                // 16-row blocks per warp (1 or 2, checked there)
   constexpr int THREADS = L::threads;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -98,7 +104,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
     u16* st = sKV + stage * L::stage_elems;
     if (mode & 1) load_rows<BN, DS, THREADS>(smem_addr(st + L::k1_in_stage), k1, p.k1.sr, n0, N);
-    if (mode & 2) load_rows<BN, DS, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
+    // ONE_K: a straddling tile's k2 comes after its first visit (below)
+    if ((mode & 2) && !(ONE_K && (mode & 1)))
+      load_rows<BN, DS, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
     load_rows<BN, DS, THREADS>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
   };
 
@@ -112,7 +120,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   const u32 aQ1 = smem_addr(sQ1 + warp * L::warp_rows * L::pitch);
   const u32 aQ2 = smem_addr(sQ2 + warp * L::warp_rows * L::pitch);
 
-  if constexpr (!VisitPairs<T, CAUSAL>::value) {
+  if constexpr (!VisitPairs<T, CAUSAL, ONE_K>::value) {
     // One visit per tile; a straddling tile's two products go into one score tile.
     pipelined_tiles(t_begin, ntiles, issue, [&](int t, int stage) {
       const i64 n0 = (i64)t * BN;
@@ -142,10 +150,17 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       const Geom g = make_geom<false>(row0, n0, P, p.w, N);
 #pragma unroll 1
       for (int pair = (mode & 1) ? 1 : 2; pair <= ((mode & 2) ? 2 : 1); ++pair) {
+        if (ONE_K && pair == 2 && mode == 3) {  // k1 read by every warp: k2 replaces it
+          __syncthreads();
+          load_rows<BN, DS, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
+          cp_async_commit();
+          cp_async_wait<0>();  // with the next tile's loads, issued before this body
+          __syncthreads();
+        }
         float s[MW][BN / 8][4];
         const u32 sA = pair == 1 ? aQ1 : aQ2;
-        // k2 follows k1 in a stage (traits.cuh)
-        const u32 sB = smem_addr(st + L::k1_in_stage + (pair - 1) * L::k_tile_elems);
+        // k2 follows k1 in a stage (traits.cuh), or shares its slot (ONE_K)
+        const u32 sB = smem_addr(st + L::k1_in_stage + (pair - 1) * (L::k2_in_stage - L::k1_in_stage));
         if (masked)
           score_pair<T, D, BN, MW, true>(s, sA, sB, pair_window<MW, CAUSAL>(g, pair, lane),
                                          p.scale_log2, lane);

@@ -53,7 +53,10 @@ template <int D, int OWN_ROWS, int WARPS> struct TileTraitsBase {
 
 // pw_forward (phases fwd and fwd_decode; forward.cu). Rows of the block are queries.
 //   [q1 tile | q2 tile | stage 0: k1, k2, v | stage 1: k1, k2, v]
-template <int D, int BM, int BN, int WARPS> struct FwdTraits : TileTraitsBase<D, BM, WARPS> {
+// ONE_K: one key slot per stage, [q1 | q2 | stage 0: k, v | stage 1: k, v]; a straddling
+// tile's second projection is loaded into the slot between its two visits (forward.cu).
+template <int D, int BM, int BN, int WARPS, bool ONE_K = false>
+struct FwdTraits : TileTraitsBase<D, BM, WARPS> {
   using Base = TileTraitsBase<D, BM, WARPS>;
   static constexpr int block_m = BM, block_n = BN;
   static constexpr int q_tile_elems = BM * Base::pitch;   // one (BM x D) query-side tile
@@ -65,7 +68,7 @@ template <int D, int BM, int BN, int WARPS> struct FwdTraits : TileTraitsBase<D,
   static constexpr int kv_offset = q2_offset + q_tile_bytes;  // stage 0 of the key tiles
   // Within a stage (elements from the stage's start): k1, k2, v.
   static constexpr int k1_in_stage = 0;
-  static constexpr int k2_in_stage = k1_in_stage + k_tile_elems;
+  static constexpr int k2_in_stage = k1_in_stage + (ONE_K ? 0 : k_tile_elems);
   static constexpr int v_in_stage = k2_in_stage + k_tile_elems;
   static constexpr int stage_elems = v_in_stage + k_tile_elems;
   static constexpr int stage_bytes = stage_elems * PW_ELEM_BYTES;
@@ -73,6 +76,16 @@ template <int D, int BM, int BN, int WARPS> struct FwdTraits : TileTraitsBase<D,
   static_assert(kv_offset % PW_SMEM_ALIGN == 0 && stage_bytes % PW_SMEM_ALIGN == 0,
                 "buffers start on 16-byte boundaries");
 };
+
+// Whether pw_forward keeps one key slot per stage (FwdTraits' ONE_K; capability.py
+// fwd_one_key_slot says the same for the launch's shared-memory size): 16-bit inputs
+// (width 1), D >= 128 and 32 query rows per warp. There the two Q tiles are 68 KB at BM = 128,
+// and dropping the second key slot takes 128x32x4 from 122 KB to 113 KB, so two blocks share
+// an SM (255 registers per thread still allow two 4-warp blocks): 1.12-1.21x the forward
+// of the 128x64x8 table entry before on an H200 (bench/results/2026-12-04-h200-fwd-one-key-slot).
+__host__ __device__ constexpr bool fwd_one_key_slot(int width, int D, int BM, int WARPS) {
+  return width == 1 && D >= 128 && BM == 2 * PW_MMA_ROWS * WARPS;
+}
 
 // pw_backward_dq (phase bwd_dq; backward.cu). Rows of the block are queries.
 //   [q1 | q2 | dO | stage 0: k1, k2, v | stage 1: k1, k2, v | lse, delta (reserved)]

@@ -67,8 +67,19 @@ def test_entry_satisfies_constraints(cc, phase, head_dim, cfg):
 
 
 def test_shared_bytes_formula():
-    cfg = TileConfig(128, 64, 8)  # sm_90 fwd D128
+    cfg = TileConfig(128, 64, 8)  # 16 rows per warp: two key slots and v per stage
     assert shared_bytes("fwd", 128, cfg) == 2 * (2 * 128 + 3 * 2 * 64) * 136
+    # sm_90 fwd D128: 32 rows per warp at D >= 128 keeps one key slot (fwd_one_key_slot),
+    # 113 KB, so two blocks share an SM's 228 KB (1 KB reserved per block)
+    cfg = TileConfig(128, 32, 4)
+    assert cap.fwd_one_key_slot(128, cfg) and shared_bytes("fwd", 128, cfg) == 2 * (2 * 128 + 2 * 2 * 32) * 136
+    assert 2 * (shared_bytes("fwd", 128, cfg) + 1024) <= 233472
+    assert shared_bytes("fwd_decode", 128, cfg) == shared_bytes("fwd", 128, cfg)
+    # not for float32, smaller head dims or 16 rows per warp
+    assert not cap.fwd_one_key_slot(128, cfg, elem_bytes=4)
+    assert not cap.fwd_one_key_slot(96, cfg)
+    assert not cap.fwd_one_key_slot(128, TileConfig(128, 32, 8))
+    assert shared_bytes("fwd", 128, cfg, elem_bytes=4) == (2 * 128 + 3 * 2 * 32) * (4 * 128 + 16)
     cfg = TileConfig(64, 64, 4)
     assert shared_bytes("bwd_dq", 128, cfg) == 2 * (3 * 64 + 3 * 2 * 64) * 136 + 8 * 64
     assert shared_bytes("bwd_dkv", 128, cfg) == 2 * (3 * 64 + 3 * 2 * 64) * 136 + 8 * 2 * 64
@@ -80,7 +91,7 @@ def test_shared_bytes_formula():
 
 def test_table_lookups_and_refinement():
     # sm_90 entries come from bench/tiles.py measurements; others from ptxas budgets.
-    assert lookup((9, 0), "fwd", 128, "bfloat16", False) == TileConfig(128, 64, 8)
+    assert lookup((9, 0), "fwd", 128, "bfloat16", False) == TileConfig(128, 32, 4)
     assert lookup((9, 0), "fwd", 64, "float16", True) == TileConfig(128, 64, 4)
     # refinement by causal
     assert lookup((9, 0), "bwd_dkv", 64, "float16", True) == TileConfig(32, 128, 4)
