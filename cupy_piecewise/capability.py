@@ -400,7 +400,7 @@ def fwd_one_key_slot(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> boo
     ``fwd_one_key_slot`` of kernels_cu/traits.cuh; tests/test_traits_cpu.py checks that the
     two agree on every selectable variant. A straddling tile's second key projection then
     replaces its first between the tile's two visits, and 128x32x4 at D = 128 fits two
-    blocks per SM on sm_90 (113 KB each)."""
+    blocks per SM on sm_90 (104 KB each)."""
     return elem_bytes == 2 and head_dim >= 128 and cfg.block_m == 32 * cfg.num_warps
 
 
@@ -482,7 +482,7 @@ _SM86_89 = {
 # compiles without spills for that architecture. The H200 ran one block per SM at D = 128
 # and two at 64 in the shapes those rows were taken from, so those figures did not depend on
 # occupancy the smaller GPUs cannot reach. (Since 2026-12-04 the sm_90 D = 128 forward runs
-# two blocks of 128x32x4 per SM with one key slot, 113 KB each; an A100 fits one, and one
+# two blocks of 128x32x4 per SM with one key slot, 104 KB each; an A100 fits one, and one
 # block of 128x32x4 ran no faster than 128x64x8 on the H200, so sm_80 keeps 64x64x4.) The bwd_fused entries take the one-kernel
 # backward for the variants where it won on the H200 (the sm_90 row), in shapes that fit.
 # sm_86 and sm_89 share one row on purpose: every quantity the choice depends on is the same

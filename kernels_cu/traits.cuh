@@ -79,8 +79,8 @@ struct FwdTraits : TileTraitsBase<D, BM, WARPS> {
 
 // Whether pw_forward keeps one key slot per stage (FwdTraits' ONE_K; capability.py
 // fwd_one_key_slot says the same for the launch's shared-memory size): 16-bit inputs
-// (width 1), D >= 128 and 32 query rows per warp. There the two Q tiles are 68 KB at BM = 128,
-// and dropping the second key slot takes 128x32x4 from 122 KB to 113 KB, so two blocks share
+// (width 1), D >= 128 and 32 query rows per warp. There the two Q tiles are 70 KB at BM = 128,
+// and dropping the second key slot takes 128x32x4 from 122 KB to 104 KB, so two blocks share
 // an SM (255 registers per thread still allow two 4-warp blocks): 1.12-1.21x the forward
 // of the 128x64x8 table entry before on an H200 (bench/results/2026-12-04-h200-fwd-one-key-slot).
 __host__ __device__ constexpr bool fwd_one_key_slot(int width, int D, int BM, int WARPS) {
