@@ -424,13 +424,13 @@ def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2
     together. (bwd_dq's 8 bytes per row are reserved there, not read.)
     """
     row = elem_bytes * head_dim + 16  # padded rows (Pitch<D * width> of common.cuh), bytes
-    if phase in ("fwd", "fwd_decode"):
-        slots = 1 if fwd_one_key_slot(head_dim, cfg, elem_bytes) else 2
+    if phase in ("fwd", "fwd_decode", "kvcache", "kvdecode"):
+        # q1, q2, and per stage the key slots and v: kvcache two slots (16 query rows),
+        # kvdecode one (one new token: every key has one distance), fwd by fwd_one_key_slot
+        slots = {"kvcache": 2, "kvdecode": 1}.get(phase)
+        if slots is None:
+            slots = 1 if fwd_one_key_slot(head_dim, cfg, elem_bytes) else 2
         return (2 * cfg.block_m + (slots + 1) * cfg.stages * cfg.block_n) * row
-    if phase == "kvcache":  # 16 query rows, two key slots
-        return (2 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * row
-    if phase == "kvdecode":  # one key slot and v per stage
-        return (2 * cfg.block_m + 2 * cfg.stages * cfg.block_n) * row
     if phase == "bwd_dq":
         return (3 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * row + 8 * cfg.block_m
     if phase in ("bwd_dkv", "bwd_fused"):
@@ -483,8 +483,8 @@ _SM86_89 = {
 # and two at 64 in the shapes those rows were taken from, so those figures did not depend on
 # occupancy the smaller GPUs cannot reach. (Since 2026-12-04 the sm_90 D = 128 forward runs
 # two blocks of 128x32x4 per SM with one key slot, 104 KB each; an A100 fits one, and one
-# block of 128x32x4 ran no faster than 128x64x8 on the H200, so sm_80 keeps 64x64x4.) The bwd_fused entries take the one-kernel
-# backward for the variants where it won on the H200 (the sm_90 row), in shapes that fit.
+# block of 128x32x4 ran no faster than 128x64x8 on the H200, so sm_80 keeps 64x64x4.)
+# The bwd_fused entries take the one-kernel backward for the variants where it won on the H200 (the sm_90 row), in shapes that fit.
 # sm_86 and sm_89 share one row on purpose: every quantity the choice depends on is the same
 # (99 KiB per block and 100 KiB per SM of shared memory, 64K registers and 1536 threads per
 # SM). What differs, Ada's much larger L2 cache (up to 96 MB against 6 MB), changes how often

@@ -159,8 +159,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
         }
         float s[MW][BN / 8][4];
         const u32 sA = pair == 1 ? aQ1 : aQ2;
-        // k2 follows k1 in a stage (traits.cuh), or shares its slot (ONE_K)
-        const u32 sB = smem_addr(st + L::k1_in_stage + (pair - 1) * (L::k2_in_stage - L::k1_in_stage));
+        // k2 follows k1 in a stage (traits.cuh), or shares its slot (ONE_K). Written as an
+        // offset times (pair - 1): a select here changed the PTX of every causal variant.
+        constexpr int k2_off = L::k2_in_stage - L::k1_in_stage;
+        const u32 sB = smem_addr(st + L::k1_in_stage + (pair - 1) * k2_off);
         if (masked)
           score_pair<T, D, BN, MW, true>(s, sA, sB, pair_window<MW, CAUSAL>(g, pair, lane),
                                          p.scale_log2, lane);

@@ -72,7 +72,8 @@ def test_shared_bytes_formula():
     # sm_90 fwd D128: 32 rows per warp at D >= 128 keeps one key slot (fwd_one_key_slot),
     # 104 KB, so two blocks share an SM's 228 KB (1 KB reserved per block)
     cfg = TileConfig(128, 32, 4)
-    assert cap.fwd_one_key_slot(128, cfg) and shared_bytes("fwd", 128, cfg) == 2 * (2 * 128 + 2 * 2 * 32) * 136
+    assert cap.fwd_one_key_slot(128, cfg)
+    assert shared_bytes("fwd", 128, cfg) == 2 * (2 * 128 + 2 * 2 * 32) * 136
     assert 2 * (shared_bytes("fwd", 128, cfg) + 1024) <= 233472
     assert shared_bytes("fwd_decode", 128, cfg) == shared_bytes("fwd", 128, cfg)
     # not for float32, smaller head dims or 16 rows per warp
