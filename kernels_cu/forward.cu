@@ -32,9 +32,20 @@ template <typename T, bool CAUSAL, bool ONE_K> struct VisitPairs {
 // Online softmax over one tile's log2-domain scores s (in place: s becomes the unnormalised
 // probabilities), rescaling the output accumulator. A row's running max is shared by the
 // four lanes that hold it.
+// PW_FWD_LAZY_RESCALE=1 (an A/B build, off by default): the accumulator is rescaled only when
+// some row of the warp has a rescale factor other than 1, i.e. its running max grew (ex2 of
+// +-0 is exactly 1, so a skipped multiply by 1 changes no bit). With independent random
+// scores some row of a 32-row warp raises its max on at most about 32 + 32 ln(T / 32) of T
+// tiles (union bound; 98 of 256 at L = 8192, BN = 32); the rescale it skips is MW * D / 2
+// multiplies per thread per tile (128 at D = 128, 32 rows per warp), beside 32 exponentials.
+#ifndef PW_FWD_LAZY_RESCALE
+#define PW_FWD_LAZY_RESCALE 0
+#endif
 template <int D, int BN, int MW>
 PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
                               float row_max[MW][2], float row_sum[MW][2]) {
+  constexpr bool LAZY = PW_FWD_LAZY_RESCALE != 0;
+  float alpha[MW][2];
 #pragma unroll
   for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
@@ -47,7 +58,8 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       // A row that has seen only masked keys keeps max -inf; subtracting 0 keeps exp2 at 0.
       const float base = mx == PW_NEG_INF ? 0.f : mx;
-      const float alpha = fast_exp2(row_max[mi][hh] - base);
+      const float a = fast_exp2(row_max[mi][hh] - base);
+      alpha[mi][hh] = a;
       row_max[mi][hh] = mx;
       float sum = 0.f;
 #pragma unroll
@@ -56,13 +68,31 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
         s[mi][nb][2 * hh + 1] = fast_exp2(s[mi][nb][2 * hh + 1] - base);
         sum += s[mi][nb][2 * hh] + s[mi][nb][2 * hh + 1];
       }
-      row_sum[mi][hh] = row_sum[mi][hh] * alpha + sum;
+      row_sum[mi][hh] = row_sum[mi][hh] * a + sum;
+      if constexpr (!LAZY) {
 #pragma unroll
-      for (int nb = 0; nb < D / 8; ++nb) {
-        acc[mi][nb][2 * hh] *= alpha;
-        acc[mi][nb][2 * hh + 1] *= alpha;
+        for (int nb = 0; nb < D / 8; ++nb) {
+          acc[mi][nb][2 * hh] *= a;
+          acc[mi][nb][2 * hh + 1] *= a;
+        }
       }
     }
+  if constexpr (LAZY) {
+    bool grew = false;
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) grew |= (alpha[mi][0] != 1.f) | (alpha[mi][1] != 1.f);
+    if (__any_sync(0xffffffffu, grew)) {  // warp-uniform: the loop below stays unrolled
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+          for (int nb = 0; nb < D / 8; ++nb) {
+            acc[mi][nb][2 * hh] *= alpha[mi][hh];
+            acc[mi][nb][2 * hh + 1] *= alpha[mi][hh];
+          }
+    }
+  }
 }
 
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>

@@ -187,3 +187,27 @@ def test_score_mask_split_override_compiles(nvrtc, monkeypatch, split):
     for r in compile_offline(SM90, vs):
         assert r.ok and r.registers, (r.variant, r.log)
 
+
+
+def test_lazy_rescale_build_compiles(nvrtc, monkeypatch):
+    """-DPW_FWD_LAZY_RESCALE=1 (kernels_cu/forward.cu: the output accumulator rescaled only
+    when some row of the warp raised its max; an A/B build, off by default, not yet timed)
+    builds the sm_90 row's dense 16-bit forward at D = 64 and 128, and at D = 128 without
+    spills (there it needs fewer registers than the default: 240-241 against 247-248 with
+    NVRTC 13.5, 2026-12-04). D = 64's non-causal 128x64x4 entry, already at 255 registers,
+    spills 12/16 bytes with it; an A/B there times a spilling build, which the note of the
+    run must say."""
+    from cupy_piecewise import compile as comp
+
+    base = comp.arch_options
+    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
+        "-DPW_FWD_LAZY_RESCALE=1",))
+    vs = sorted({Variant(phase, dt, d, t, c)
+                 for phase, d, dt, c, t in capability.selectable_configs(SM90)
+                 if phase == "fwd" and d in (64, 128) and dt in capability.HALF_DTYPES},
+                key=str)
+    assert len(vs) == 8
+    for r in compile_offline(SM90, vs):
+        assert r.ok and r.registers, (r.variant, r.log)
+        if r.variant.head_dim == 128:
+            assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
