@@ -25,6 +25,22 @@
 #define PW_DQ_RED4 1
 #endif
 
+// PW_BWD_P_FIXED=1 (an A/B build, off by default, not yet timed): float16's P in the dk/dv
+// kernel takes a fixed factor 2^14 instead of fit_rows' per-row scale. P = 2^(s - lse2) is at
+// most 1 (up to rounding) when lse is the forward's, so P * 2^14 stays below float16's 65504,
+// and values down to 2^-28 stay normal. The 14 is folded into the lse term of the exponent
+// (its roundings then happen at magnitudes up to 14 larger: a relative change in P of order
+// 2^-24 (|lse2| + 14), far below float16's 2^-11), which drops a max-abs reduction, two
+// shuffles and 16 multiplies per tile (bench/NOTES.md, twenty-first session). An lse below the row's true log-sum-exp (not the forward's) would
+// overflow P to inf where the per-row scale copes; the default build keeps that scale.
+#ifndef PW_BWD_P_FIXED
+#define PW_BWD_P_FIXED 0
+#endif
+template <typename T> struct FixedP {
+  static constexpr bool on = PW_BWD_P_FIXED != 0 && RowScale<T>::active;
+  static constexpr int ex = 14;  // P carries 2^ex
+};
+
 // delta[b, h, i] = sum_d dO[i, d] * O[i, d], one warp per row, 16-byte loads.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) pw_backward_delta(const Params p) {
@@ -383,8 +399,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
       for (int nb = 0; nb < BM / 8; ++nb)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          s[mi][nb][e] =
-              fast_exp2(s[mi][nb][e] - lse_to_log2(ss[L::lse_in_stage + frag_col(nb, e, lane)]));
+          if constexpr (FixedP<T>::on)
+            s[mi][nb][e] = fast_exp2(s[mi][nb][e] -
+                                     (lse_to_log2(ss[L::lse_in_stage + frag_col(nb, e, lane)]) -
+                                      (float)FixedP<T>::ex));
+          else
+            s[mi][nb][e] = fast_exp2(
+                s[mi][nb][e] - lse_to_log2(ss[L::lse_in_stage + frag_col(nb, e, lane)]));
   };
 
   // Above head dim 128 a dV and a dK accumulator (2 x D/2 registers per row block) do not
@@ -395,6 +416,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
   zero_n<MW * D / 2>(&dv[0][0][0]);
   int ex_v[MW][2];
   init_rows<T, MW>(ex_v);
+  if constexpr (FixedP<T>::on)  // P arrives scaled by 2^ex: dV is unscaled by it at the end
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) ex_v[mi][0] = ex_v[mi][1] = FixedP<T>::ex;
   if constexpr (SPLIT_DV) {
     const int per_head = t_hi - t_lo;
     auto issue = [&](int it, int stage) {
@@ -409,7 +433,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
       probabilities(s, tile_mode(m0, BM, n0, BN, P, p.w),
                     tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), m0 + BM, M), stage,
                     make_geom<true>(row0, m0, P, p.w, M));
-      fit_rows<T, BM / 8, D / 8, MW>(s, dv, ex_v);
+      if constexpr (!FixedP<T>::on) fit_rows<T, BM / 8, D / 8, MW>(s, dv, ex_v);
       mma_xb<T, D, BM, MW>(dv, s, smem_addr(sQ + stage * L::stage_elems + L::do_in_stage), lane);
     });
     float one[MW][2];
@@ -451,14 +475,17 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
       // P is scaled per row for float16 (fit_rows) and unscaled exactly for dS below.
       const bool count_dv = !SPLIT_DV && (pair == 1 || t >= end1);
       if (count_dv) {
-        fit_rows<T, BM / 8, D / 8, MW>(s, dv, ex_v);
+        if constexpr (!FixedP<T>::on) fit_rows<T, BM / 8, D / 8, MW>(s, dv, ex_v);
         mma_xb<T, D, BM, MW>(dv, s, smem_addr(st + L::do_in_stage), lane);
       }
       float unscale[MW][2];
 #pragma unroll
       for (int mi = 0; mi < MW; ++mi)
-        unscale[mi][0] = count_dv ? pow2f(-ex_v[mi][0]) : 1.f,
-        unscale[mi][1] = count_dv ? pow2f(-ex_v[mi][1]) : 1.f;
+        if constexpr (FixedP<T>::on)  // every tile's P carries the fixed factor
+          unscale[mi][0] = unscale[mi][1] = pow2f(-FixedP<T>::ex);
+        else
+          unscale[mi][0] = count_dv ? pow2f(-ex_v[mi][0]) : 1.f,
+          unscale[mi][1] = count_dv ? pow2f(-ex_v[mi][1]) : 1.f;
 #pragma unroll
       for (int mi = 0; mi < MW; ++mi)
 #pragma unroll

@@ -211,3 +211,26 @@ def test_lazy_rescale_build_compiles(nvrtc, monkeypatch):
         assert r.ok and r.registers, (r.variant, r.log)
         if r.variant.head_dim == 128:
             assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+
+
+def test_fixed_p_scale_build_compiles(nvrtc, monkeypatch):
+    """-DPW_BWD_P_FIXED=1 (kernels_cu/backward.cu: float16's P in the dk/dv kernel takes a
+    fixed 2^14 folded into its exponent instead of fit_rows' per-row scale; an A/B build, off
+    by default, not yet timed) builds the sm_90 row's float16 dk/dv and one-kernel backward
+    variants at D = 64 and 128, the dk/dv ones without spills. The one-kernel D = 128 causal
+    entry spills 16/16 bytes with it (NVRTC 13.5, 2026-12-04); an A/B there times a spilling
+    build, which the note of the run must say."""
+    from cupy_piecewise import compile as comp
+
+    base = comp.arch_options
+    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
+        "-DPW_BWD_P_FIXED=1",))
+    vs = sorted({Variant(phase, dt, d, t, c)
+                 for phase, d, dt, c, t in capability.selectable_configs(SM90)
+                 if phase in ("bwd_dkv", "bwd_fused") and d in (64, 128) and dt == "float16"},
+                key=str)
+    assert any(v.phase == "bwd_dkv" for v in vs) and any(v.phase == "bwd_fused" for v in vs)
+    for r in compile_offline(SM90, vs):
+        assert r.ok and r.registers, (r.variant, r.log)
+        if r.variant.phase == "bwd_dkv":
+            assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
