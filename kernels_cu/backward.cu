@@ -31,8 +31,9 @@
 // and values down to 2^-28 stay normal. The 14 is folded into the lse term of the exponent
 // (its roundings then happen at magnitudes up to 14 larger: a relative change in P of order
 // 2^-24 (|lse2| + 14), far below float16's 2^-11), which drops a max-abs reduction, two
-// shuffles and 16 multiplies per tile (bench/NOTES.md, twenty-first session). An lse below the row's true log-sum-exp (not the forward's) would
-// overflow P to inf where the per-row scale copes; the default build keeps that scale.
+// shuffles and 16 multiplies per tile (bench/NOTES.md, twenty-first session). An lse below
+// the row's true log-sum-exp (not the forward's) would overflow P to inf where the per-row
+// scale copes; the default build keeps that scale.
 #ifndef PW_BWD_P_FIXED
 #define PW_BWD_P_FIXED 0
 #endif
