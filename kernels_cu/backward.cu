@@ -28,7 +28,8 @@
 // PW_BWD_P_FIXED=1 (an A/B build, off by default, not yet timed): float16's P in the dk/dv
 // kernel takes a fixed factor 2^14 instead of fit_rows' per-row scale. P = 2^(s - lse2) is at
 // most 1 (up to rounding) when lse is the forward's, so P * 2^14 stays below float16's 65504,
-// and values down to 2^-28 stay normal. The 14 is folded into the lse term of the exponent
+// and values down to 2^-28 stay normal (below that they lose bits as float16 subnormals,
+// which the per-row scale avoids for keys whose every P is that small). The 14 is folded into the lse term of the exponent
 // (its roundings then happen at magnitudes up to 14 larger: a relative change in P of order
 // 2^-24 (|lse2| + 14), far below float16's 2^-11), which drops a max-abs reduction, two
 // shuffles and 16 multiplies per tile (bench/NOTES.md, twenty-first session). An lse below

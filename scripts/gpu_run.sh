@@ -18,7 +18,8 @@
 # decode kernel, logs in logs/ncu_*.txt.
 # TEST_PATHS / PYTEST_ARGS narrow the tests, BENCH_ARGS replaces the default --quick;
 # on one H200 the whole suite outlasts one 10-minute device call (2026-12-04: about 570 s
-# without tests/test_torch_gpu.py and test_huge_gpu.py, about 190 s for test_torch_gpu.py),
+# without tests/test_torch_gpu.py and test_huge_gpu.py; test_torch_gpu.py took 191 s beside
+# three other processes),
 # so run it in two calls with TEST_PATHS / PYTEST_ARGS (--ignore=...), one pytest process
 # each: several pytest processes on one GPU time-slice it and finish fewer tests in the same time
 # (bench/results/2026-12-04-h200-gpu-suite).
