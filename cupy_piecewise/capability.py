@@ -484,7 +484,8 @@ _SM86_89 = {
 # occupancy the smaller GPUs cannot reach. (Since 2026-12-04 the sm_90 D = 128 forward runs
 # two blocks of 128x32x4 per SM with one key slot, 104 KB each; an A100 fits one, and one
 # block of 128x32x4 ran no faster than 128x64x8 on the H200, so sm_80 keeps 64x64x4.)
-# The bwd_fused entries take the one-kernel backward for the variants where it won on the H200 (the sm_90 row), in shapes that fit.
+# The bwd_fused entries take the one-kernel backward for the variants where it won on the
+# H200 (the sm_90 row), in shapes that fit.
 # sm_86 and sm_89 share one row on purpose: every quantity the choice depends on is the same
 # (99 KiB per block and 100 KiB per SM of shared memory, 64K registers and 1536 threads per
 # SM). What differs, Ada's much larger L2 cache (up to 96 MB against 6 MB), changes how often

@@ -29,18 +29,20 @@
 // kernel takes a fixed factor 2^14 instead of fit_rows' per-row scale. P = 2^(s - lse2) is at
 // most 1 (up to rounding) when lse is the forward's, so P * 2^14 stays below float16's 65504,
 // and values down to 2^-28 stay normal (below that they lose bits as float16 subnormals,
-// which the per-row scale avoids for keys whose every P is that small). The 14 is folded into the lse term of the exponent
-// (its roundings then happen at magnitudes up to 14 larger: a relative change in P of order
-// 2^-24 (|lse2| + 14), far below float16's 2^-11), which drops a max-abs reduction, two
-// shuffles and 16 multiplies per tile (bench/NOTES.md, twenty-first session). An lse below
-// the row's true log-sum-exp (not the forward's) would overflow P to inf where the per-row
-// scale copes; the default build keeps that scale.
+// which the per-row scale avoids for keys whose every P is that small). The 14 is folded into
+// the lse term of the exponent (its roundings then happen at magnitudes up to 14 larger: a
+// relative change in P of order 2^-24 (|lse2| + 14), far below float16's 2^-11), which drops
+// a max-abs reduction, two shuffles and 16 multiplies per tile (bench/NOTES.md,
+// twenty-first session). An lse below the row's true log-sum-exp (not the forward's) would
+// overflow P to inf where the per-row scale copes; the default build keeps that scale.
 #ifndef PW_BWD_P_FIXED
 #define PW_BWD_P_FIXED 0
 #endif
 template <typename T> struct FixedP {
   static constexpr bool on = PW_BWD_P_FIXED != 0 && RowScale<T>::active;
   static constexpr int ex = 14;  // P carries 2^ex
+  // subtracted from lse2 in P's exponent; 0 otherwise (x - 0.f is x, and compiles away)
+  static constexpr float shift = on ? (float)ex : 0.f;
 };
 
 // delta[b, h, i] = sum_d dO[i, d] * O[i, d], one warp per row, 16-byte loads.
@@ -401,13 +403,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
       for (int nb = 0; nb < BM / 8; ++nb)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          if constexpr (FixedP<T>::on)
-            s[mi][nb][e] = fast_exp2(s[mi][nb][e] -
-                                     (lse_to_log2(ss[L::lse_in_stage + frag_col(nb, e, lane)]) -
-                                      (float)FixedP<T>::ex));
-          else
-            s[mi][nb][e] = fast_exp2(
-                s[mi][nb][e] - lse_to_log2(ss[L::lse_in_stage + frag_col(nb, e, lane)]));
+          s[mi][nb][e] = fast_exp2(
+              s[mi][nb][e] -
+              (lse_to_log2(ss[L::lse_in_stage + frag_col(nb, e, lane)]) - FixedP<T>::shift));
   };
 
   // Above head dim 128 a dV and a dK accumulator (2 x D/2 registers per row block) do not

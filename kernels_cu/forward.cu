@@ -34,10 +34,11 @@ template <typename T, bool CAUSAL, bool ONE_K> struct VisitPairs {
 // four lanes that hold it.
 // PW_FWD_LAZY_RESCALE=1 (an A/B build, off by default): the accumulator is rescaled only when
 // some row of the warp has a rescale factor other than exactly 1 (its running max grew, by
-// more than ex2 resolves; ex2 of +-0 is exactly 1, so a skipped multiply by 1 changes no bit). With independent random
-// scores some row of a 32-row warp raises its max on at most about 32 + 32 ln(T / 32) of T
-// tiles (union bound; 98 of 256 at L = 8192, BN = 32); the rescale it skips is MW * D / 2
-// multiplies per thread per tile (128 at D = 128, 32 rows per warp), beside 32 exponentials.
+// more than ex2 resolves; ex2 of +-0 is exactly 1, so a skipped multiply by 1 changes no
+// bit). With independent random scores some row of a 32-row warp raises its max on at most
+// about 32 + 32 ln(T / 32) of T tiles (union bound; 98 of 256 at L = 8192, BN = 32); the
+// rescale it skips is MW * D / 2 multiplies per thread per tile (128 at D = 128, 32 rows per
+// warp), beside 32 exponentials.
 #ifndef PW_FWD_LAZY_RESCALE
 #define PW_FWD_LAZY_RESCALE 0
 #endif

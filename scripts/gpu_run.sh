@@ -19,10 +19,9 @@
 # TEST_PATHS / PYTEST_ARGS narrow the tests, BENCH_ARGS replaces the default --quick;
 # on one H200 the whole suite outlasts one 10-minute device call (2026-12-04: about 570 s
 # without tests/test_torch_gpu.py and test_huge_gpu.py; test_torch_gpu.py took 191 s beside
-# three other processes),
-# so run it in two calls with TEST_PATHS / PYTEST_ARGS (--ignore=...), one pytest process
-# each: several pytest processes on one GPU time-slice it and finish fewer tests in the same time
-# (bench/results/2026-12-04-h200-gpu-suite).
+# three other processes), so run it in two calls with TEST_PATHS / PYTEST_ARGS (--ignore=...),
+# one pytest process each: several pytest processes on one GPU time-slice it and finish
+# fewer tests in the same time (bench/results/2026-12-04-h200-gpu-suite).
 # SANITIZE_DIMS (e.g. 80,96,256) / SANITIZE_SKIP (dense,kvcache,varlen,torch) / SANITIZE_PATHS
 # (hopper or mma: the dense cases of one path) narrow sanitize.
 # FUZZ_EXAMPLES (default 600, about 5 min on an H200) sets the fuzz step's example count; the examples it finds

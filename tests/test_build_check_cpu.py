@@ -188,7 +188,6 @@ def test_score_mask_split_override_compiles(nvrtc, monkeypatch, split):
         assert r.ok and r.registers, (r.variant, r.log)
 
 
-
 def test_lazy_rescale_build_compiles(nvrtc, monkeypatch):
     """-DPW_FWD_LAZY_RESCALE=1 (kernels_cu/forward.cu: the output accumulator rescaled only
     when some row of the warp raised its max; an A/B build, off by default, not yet timed)

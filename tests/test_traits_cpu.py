@@ -36,12 +36,12 @@ def _checks(cc) -> dict[str, dict[tuple[str, int], list[str]]]:
     """{source file: {(traits expression, Python figure): [variants it stands for]}}."""
     out: dict[str, dict[tuple[str, int], list[str]]] = {}
     for phase, head_dim, dtype, causal, t in sorted(capability.selectable_configs(cc), key=str):
-        # the KV-cache kernel: its ring depth and key slots (two, or one when decoding); the
-        # fused backward: the dk/dv layout with its dS tile (FUSED)
         # the kernels instantiate the traits with the row width in 16-bit units (float32: 2D)
         width = capability.elem_bytes(dtype) // 2
-        # the forward's key slots by the kernel's own rule (traits.cuh fwd_one_key_slot),
-        # so a disagreement with capability.fwd_one_key_slot fails the size check
+        # the KV-cache kernel: its ring depth and key slots (two, or one when decoding); the
+        # fused backward: the dk/dv layout with its dS tile (FUSED); the forward: its key
+        # slots by the kernel's own rule (traits.cuh fwd_one_key_slot), so a disagreement
+        # with capability.fwd_one_key_slot fails the size check
         one_k = f", fwd_one_key_slot({width}, {head_dim}, {t.block_m}, {t.num_warps})"
         stages = {"kvcache": f", {t.stages}, 2", "kvdecode": f", {t.stages}, 1",
                   "bwd_fused": ", true", "fwd": one_k, "fwd_decode": one_k}.get(phase, "")
