@@ -458,7 +458,10 @@ template <bool Trans> PW_DEVICE int elem_dist(const Geom& g, int r, int c) {
 
 // Scale to the log2 domain and apply the mask: MASK 1 always tests, 0 never, -1 tests per
 // element when `masked` (a run-time flag the compiler if-converts into every element).
-template <int BN, int MW, bool CAUSAL, bool Trans, int MASK>
+// BIAS (an integer, usually 0) is added to every unmasked score in the same instruction
+// (fma instead of mul), so exp2 of the result carries a factor 2^BIAS at no cost (the
+// float16 dk/dv kernel's fixed P scale, backward.cu's FixedP).
+template <int BN, int MW, bool CAUSAL, bool Trans, int MASK, int BIAS = 0>
 PW_DEVICE void scale_mask(float s[MW][BN / 8][4], bool masked, const Geom& g, float scale_log2,
                           int lane) {
 #pragma unroll
@@ -467,7 +470,8 @@ PW_DEVICE void scale_mask(float s[MW][BN / 8][4], bool masked, const Geom& g, fl
     for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float x = s[mi][nb][e] * scale_log2;
+        float x = BIAS ? fmaf(s[mi][nb][e], scale_log2, (float)BIAS)  // one fma, as the mul
+                       : s[mi][nb][e] * scale_log2;
         if (MASK == 1 || (MASK < 0 && masked)) {
           const int r = frag_row(mi, e, lane), c = frag_col(nb, e, lane);
           if (c >= g.cols_left || (CAUSAL && elem_dist<Trans>(g, r, c) < 0)) x = PW_NEG_INF;
@@ -482,7 +486,7 @@ PW_DEVICE void scale_mask(float s[MW][BN / 8][4], bool masked, const Geom& g, fl
 // if-converts that test, so every tile pays for it); 0 / 1 build a body without / with the
 // mask; -2 runs the products once and then picks the scale loop with or without the mask by
 // a branch on `masked` (score_tile chooses among these, see SPLIT there).
-template <typename T, int D, int BN, int MW, bool CAUSAL, bool Trans, int MASK>
+template <typename T, int D, int BN, int MW, bool CAUSAL, bool Trans, int MASK, int BIAS = 0>
 PW_DEVICE void score_tile_as(float s[MW][BN / 8][4], u32 sA1, u32 sA2, u32 sB1, u32 sB2,
                              int mode, bool masked, const Geom& g, float scale_log2, int lane) {
   zero_n<MW * BN / 2>(&s[0][0][0]);
@@ -511,10 +515,10 @@ PW_DEVICE void score_tile_as(float s[MW][BN / 8][4], u32 sA1, u32 sA2, u32 sB1, 
   }
   if constexpr (MASK == -2) {
     // The branch is warp-uniform (one tile, one flag), so only the taken loop issues.
-    if (masked) scale_mask<BN, MW, CAUSAL, Trans, 1>(s, masked, g, scale_log2, lane);
-    else scale_mask<BN, MW, CAUSAL, Trans, 0>(s, masked, g, scale_log2, lane);
+    if (masked) scale_mask<BN, MW, CAUSAL, Trans, 1, BIAS>(s, masked, g, scale_log2, lane);
+    else scale_mask<BN, MW, CAUSAL, Trans, 0, BIAS>(s, masked, g, scale_log2, lane);
   } else {
-    scale_mask<BN, MW, CAUSAL, Trans, MASK>(s, masked, g, scale_log2, lane);
+    scale_mask<BN, MW, CAUSAL, Trans, MASK, BIAS>(s, masked, g, scale_log2, lane);
   }
 }
 
@@ -532,22 +536,22 @@ PW_DEVICE void score_tile_as(float s[MW][BN / 8][4], u32 sA1, u32 sA2, u32 sB1, 
 #else
 #define PW_MASK_SPLIT_OR(site_default) (site_default)
 #endif
-template <int SPLIT, typename T, int D, int BN, int MW, bool CAUSAL, bool Trans>
+template <int SPLIT, typename T, int D, int BN, int MW, bool CAUSAL, bool Trans, int BIAS = 0>
 PW_DEVICE void score_tile(float s[MW][BN / 8][4], u32 sA1, u32 sA2, u32 sB1, u32 sB2, int mode,
                           bool masked, const Geom& g, float scale_log2, int lane) {
   static_assert(SPLIT >= 0 && SPLIT <= 2, "score_tile: SPLIT is 0, 1 or 2");
   if constexpr (SPLIT == 2) {
-    score_tile_as<T, D, BN, MW, CAUSAL, Trans, -2>(s, sA1, sA2, sB1, sB2, mode, masked, g,
+    score_tile_as<T, D, BN, MW, CAUSAL, Trans, -2, BIAS>(s, sA1, sA2, sB1, sB2, mode, masked, g,
                                                    scale_log2, lane);
   } else if constexpr (SPLIT == 1) {
     if (masked)
-      score_tile_as<T, D, BN, MW, CAUSAL, Trans, 1>(s, sA1, sA2, sB1, sB2, mode, masked, g,
+      score_tile_as<T, D, BN, MW, CAUSAL, Trans, 1, BIAS>(s, sA1, sA2, sB1, sB2, mode, masked, g,
                                                     scale_log2, lane);
     else
-      score_tile_as<T, D, BN, MW, CAUSAL, Trans, 0>(s, sA1, sA2, sB1, sB2, mode, masked, g,
+      score_tile_as<T, D, BN, MW, CAUSAL, Trans, 0, BIAS>(s, sA1, sA2, sB1, sB2, mode, masked, g,
                                                     scale_log2, lane);
   } else {
-    score_tile_as<T, D, BN, MW, CAUSAL, Trans, -1>(s, sA1, sA2, sB1, sB2, mode, masked, g,
+    score_tile_as<T, D, BN, MW, CAUSAL, Trans, -1, BIAS>(s, sA1, sA2, sB1, sB2, mode, masked, g,
                                                    scale_log2, lane);
   }
 }

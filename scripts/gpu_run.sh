@@ -9,10 +9,11 @@
 # scripts/hopper_bwd_probe.py), about 4 minutes each, logs in logs/hopper_*.txt.
 # kvprobe (not in all): scripts/kvdecode_probe.py, the Hopper decode's A/B probe, configs from
 # KVPROBE_CONFIGS (default "base;pdl=0 pdld=0"), about 1-2 minutes per macro set.
-# mma_probes (not in all): the mma.sync forward and backward A/B probes of the open A/B builds
-# (bench/NOTES.md, twenty-first session): scripts/mma_fwd_probe.py with -DPW_FWD_LAZY_RESCALE=1
-# beside the default build; scripts/mma_bwd_probe.py in float16, default and with
-# -DPW_BWD_P_FIXED=1. A few minutes each, logs in logs/mma_*.txt.
+# mma_probes (not in all): the mma.sync forward and backward A/B probes of the builds made
+# default on 2026-12-04 (bench/NOTES.md, twenty-second session): scripts/mma_fwd_probe.py with
+# -DPW_FWD_LAZY_RESCALE=0 (eager rescale) beside the default build; scripts/mma_bwd_probe.py
+# in bfloat16 and float16 with the default build, then float16 with -DPW_BWD_P_FIXED=0 (the
+# per-row P scale). A few minutes each, logs in logs/mma_*.txt.
 # ncu (not in all): Nsight Compute on the Hopper backward kernel (scripts/profile_case.py),
 # non-causal and causal, on the Hopper forward at L = 2048 (D 64 and 128) and on the KV-cache
 # decode kernel, logs in logs/ncu_*.txt.
@@ -127,8 +128,8 @@ if asked probes; then
   done
 fi
 if asked mma_probes; then
-  for args in "mma_fwd_probe --variants PW_FWD_LAZY_RESCALE=1 --tiles 128:128x32x4;64:128x64x4 --dtypes bf16,fp16" \
-              "mma_bwd_probe --dtypes fp16" "mma_bwd_probe --dtypes fp16 --macros PW_BWD_P_FIXED=1"; do
+  for args in "mma_fwd_probe --variants PW_FWD_LAZY_RESCALE=0 --tiles 128:128x32x4 --lengths 2048,4096,16384 --rounds 5" \
+              "mma_bwd_probe --dtypes bf16,fp16" "mma_bwd_probe --dtypes fp16 --macros PW_BWD_P_FIXED=0"; do
     name=$(echo "$args" | tr ' =,;:' '_____' | tr -d '-' | tr -s '_' | cut -c1-60)
     read -r -a argv <<< "$args"  # the script, then its options
     timeout 300 python3 "scripts/${argv[0]}.py" "${argv[@]:1}" --out "$logs/$name.txt" > "$logs/$name.log" 2>&1

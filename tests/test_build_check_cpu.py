@@ -188,19 +188,20 @@ def test_score_mask_split_override_compiles(nvrtc, monkeypatch, split):
         assert r.ok and r.registers, (r.variant, r.log)
 
 
-def test_lazy_rescale_build_compiles(nvrtc, monkeypatch):
-    """-DPW_FWD_LAZY_RESCALE=1 (kernels_cu/forward.cu: the output accumulator rescaled only
-    when some row of the warp raised its max; an A/B build, off by default, not yet timed)
-    builds the sm_90 row's dense 16-bit forward at D = 64 and 128, and at D = 128 without
-    spills (there it needs fewer registers than the default: 240-241 against 247-248 with
-    NVRTC 13.5, 2026-12-04). D = 64's non-causal 128x64x4 entry, already at 255 registers,
-    spills 12/16 bytes with it; an A/B there times a spilling build, which the note of the
-    run must say."""
+@pytest.mark.parametrize("lazy", [0, 1])
+def test_lazy_rescale_ab_builds_compile(nvrtc, monkeypatch, lazy):
+    """kernels_cu/forward.cu rescales the output accumulator lazily (only when some row of the
+    warp raised its max) at head dims >= 128 by default; the build check covers that default.
+    The A/B builds -DPW_FWD_LAZY_RESCALE=0 (never) and =1 (at every head dim) build the sm_90
+    row's dense 16-bit forward at D = 64 and 128: =0 without spills (it was the default until
+    2026-12-04), =1 without spills at D = 128 (there both builds are the default's code). With
+    =1 D = 64's non-causal 128x64x4 entry, at 255 registers, spills 12/16 bytes (NVRTC 13.5,
+    2026-12-04): one reason the default leaves D = 64 eager."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
-        "-DPW_FWD_LAZY_RESCALE=1",))
+        f"-DPW_FWD_LAZY_RESCALE={lazy}",))
     vs = sorted({Variant(phase, dt, d, t, c)
                  for phase, d, dt, c, t in capability.selectable_configs(SM90)
                  if phase == "fwd" and d in (64, 128) and dt in capability.HALF_DTYPES},
@@ -208,22 +209,21 @@ def test_lazy_rescale_build_compiles(nvrtc, monkeypatch):
     assert len(vs) == 8
     for r in compile_offline(SM90, vs):
         assert r.ok and r.registers, (r.variant, r.log)
-        if r.variant.head_dim == 128:
+        if lazy == 0 or r.variant.head_dim == 128:
             assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-def test_fixed_p_scale_build_compiles(nvrtc, monkeypatch):
-    """-DPW_BWD_P_FIXED=1 (kernels_cu/backward.cu: float16's P in the dk/dv kernel takes a
-    fixed 2^14 folded into its exponent instead of fit_rows' per-row scale; an A/B build, off
-    by default, not yet timed) builds the sm_90 row's float16 dk/dv and one-kernel backward
-    variants at D = 64 and 128, the dk/dv ones without spills. The one-kernel D = 128 causal
-    entry spills 16/16 bytes with it (NVRTC 13.5, 2026-12-04); an A/B there times a spilling
-    build, which the note of the run must say."""
+def test_per_row_p_scale_ab_build_compiles(nvrtc, monkeypatch):
+    """kernels_cu/backward.cu gives float16's P in the dk/dv kernel a fixed 2^14 by default
+    (FixedP), except in the one entry where that spills; the build check covers the default.
+    The A/B build -DPW_BWD_P_FIXED=0 (fit_rows' per-row scale everywhere, the default until
+    2026-12-04) builds the sm_90 row's float16 dk/dv and one-kernel backward variants at
+    D = 64 and 128 without spills."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
-        "-DPW_BWD_P_FIXED=1",))
+        "-DPW_BWD_P_FIXED=0",))
     vs = sorted({Variant(phase, dt, d, t, c)
                  for phase, d, dt, c, t in capability.selectable_configs(SM90)
                  if phase in ("bwd_dkv", "bwd_fused") and d in (64, 128) and dt == "float16"},
@@ -231,5 +231,4 @@ def test_fixed_p_scale_build_compiles(nvrtc, monkeypatch):
     assert any(v.phase == "bwd_dkv" for v in vs) and any(v.phase == "bwd_fused" for v in vs)
     for r in compile_offline(SM90, vs):
         assert r.ok and r.registers, (r.variant, r.log)
-        if r.variant.phase == "bwd_dkv":
-            assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+        assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
