@@ -160,7 +160,11 @@ def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=
             :func:`attention`.
         o: the output of :func:`attention`, shape ``(B, H, M, D)``, input dtype.
         lse: the ``lse`` of :func:`attention` (``return_lse=True``), shape
-            ``(B, H, M)``, float32 (float64 accepted for CPU arrays).
+            ``(B, H, M)``, float32 (float64 accepted for CPU arrays). It must be
+            the forward's: the float16 mma.sync backward relies on ``p <= 1``
+            (it scales ``p`` by a fixed 2^14), so an lse more than ln 4 below a
+            row's largest scaled score gives inf/NaN gradients there, not just
+            wrong ones.
         deterministic: bitwise-identical gradients from run to run (default
             False). Two backward kernels are otherwise not: the Hopper backward
             (sm_90, head dims 64 to 128) and the mma.sync one-kernel backward
