@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes ncu | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes ncu ncu_mma kvprobe | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -14,6 +14,8 @@
 # -DPW_FWD_LAZY_RESCALE=0 (eager rescale) beside the default build; scripts/mma_bwd_probe.py
 # in bfloat16 and float16 with the default build, then float16 with -DPW_BWD_P_FIXED=0 (the
 # per-row P scale). A few minutes each, logs in logs/mma_*.txt.
+# ncu_mma (not in all): Nsight Compute on the mma.sync deterministic backward's dq and dk/dv
+# kernels, bfloat16 against float16 (L 8192, D 64), logs in logs/ncu_mma_bwd_*.txt.
 # ncu (not in all): Nsight Compute on the Hopper backward kernel (scripts/profile_case.py),
 # non-causal and causal, on the Hopper forward at L = 2048 (D 64 and 128) and on the KV-cache
 # decode kernel, logs in logs/ncu_*.txt.
@@ -134,6 +136,23 @@ if asked mma_probes; then
     read -r -a argv <<< "$args"  # the script, then its options
     timeout 300 python3 "scripts/${argv[0]}.py" "${argv[@]:1}" --out "$logs/$name.txt" > "$logs/$name.log" 2>&1
     rc=$?; echo "$args: exit $rc"; tail -12 "$logs/$name.log"
+    status=$((status | rc))
+  done
+fi
+if asked ncu_mma; then
+  # the mma.sync deterministic backward's two kernels (pw_backward_dq, pw_backward_dkv) in
+  # bfloat16 and float16 at L = 8192, D = 64, non-causal: float16's backward runs 1.20x
+  # bfloat16's there while the loops' static counts differ by about 10% (bench/NOTES.md,
+  # twenty-second session); the second iteration's launches, with stall and issue sections
+  for dt in bfloat16 float16; do
+    CUPY_PIECEWISE_PATH=mma timeout 240 ncu --clock-control none \
+      -k "regex:^pw_backward_d(q|kv)$" --launch-skip 2 --launch-count 2 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats \
+      --section WarpStateStats --section SchedulerStats --section Occupancy \
+      python3 scripts/profile_case.py --L 8192 --D 64 --dtype $dt --deterministic \
+      > "$logs/ncu_mma_bwd_$dt.txt" 2>&1
+    rc=$?; echo "ncu mma bwd $dt: exit $rc"
+    grep -E "pw_backward|Duration|Executed Ipc|Issue Slots|Stall" "$logs/ncu_mma_bwd_$dt.txt" | head -24
     status=$((status | rc))
   done
 fi
