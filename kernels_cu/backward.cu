@@ -51,6 +51,18 @@ template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
   static constexpr int bias = on ? ex : 0;
 };
 
+// PW_BWD_DS_PRESCALE=1 (an A/B build, off by default, not yet timed): with the fixed P scale
+// the deterministic dk/dv kernel multiplies dS by 2^(ex_k - 14) instead of 2^-14, so dS
+// leaves its product already at dK's current row scale. fit_scaled_rows (common.cuh) then
+// only checks it against float16's range, and the per-element multiply of fit_rows goes
+// (16-32 FMUL per tile and thread, 1-2.5% of the loop's static instructions). The result is
+// bitwise fit_rows' result: every changed product is by a power of two, exact in float32's
+// normal range, and with float16 inputs |dS| <= 2^40 keeps dS * 2^46 (the first tile's
+// scale, PW_SCALE_INIT - 14) finite.
+#ifndef PW_BWD_DS_PRESCALE
+#define PW_BWD_DS_PRESCALE 0
+#endif
+
 // delta[b, h, i] = sum_d dO[i, d] * O[i, d], one warp per row, 16-byte loads.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) pw_backward_delta(const Params p) {
@@ -343,6 +355,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
   constexpr int MW = L::MW;                  // 16-row (key) blocks per warp (1 or 2)
   constexpr int THREADS = L::threads;
   using FP = FixedP<T, FUSED && CAUSAL && D == 128 && BM == 32>;  // P's scale (see FixedP)
+  // dS leaves its product already at dK's row scale (PW_BWD_DS_PRESCALE); not in the fused
+  // kernel, which stashes dS unscaled for dQ
+  constexpr bool DS_PRESCALE = PW_BWD_DS_PRESCALE != 0 && FP::on && !FUSED;
   extern __shared__ __align__(16) unsigned char smem[];
   u16* sK1 = reinterpret_cast<u16*>(smem + L::k1_offset);
   u16* sK2 = reinterpret_cast<u16*>(smem + L::k2_offset);
@@ -487,7 +502,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
       float unscale[MW][2];
 #pragma unroll
       for (int mi = 0; mi < MW; ++mi)
-        if constexpr (FP::on)  // every tile's P carries the fixed factor
+        if constexpr (DS_PRESCALE)  // P's 2^-ex and dK's current row scale in one factor
+          unscale[mi][0] = pow2f(ex_k[mi][0] - FP::ex),
+          unscale[mi][1] = pow2f(ex_k[mi][1] - FP::ex);
+        else if constexpr (FP::on)  // every tile's P carries the fixed factor
           unscale[mi][0] = unscale[mi][1] = pow2f(-FP::ex);
         else
           unscale[mi][0] = count_dv ? pow2f(-ex_v[mi][0]) : 1.f,
@@ -505,7 +523,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
         stash_ds<T, BM, MW, L::ds_pitch_bytes>(
             smem_addr(smem + L::ds_offset + warp * L::warp_rows * L::ds_pitch_bytes), s,
             (int)clamp64(N - row0, 0, L::warp_rows), lane);
-      fit_rows<T, BM / 8, D / 8, MW>(s, dk, ex_k);
+      if constexpr (DS_PRESCALE) fit_scaled_rows<T, BM / 8, D / 8, MW>(s, dk, ex_k);
+      else fit_rows<T, BM / 8, D / 8, MW>(s, dk, ex_k);
       // dk_pair = dS_pair^T q_pair: q2 follows q1 in a stage (traits.cuh).
       mma_xb<T, D, BM, MW>(dk, s, smem_addr(st + L::q1_in_stage + (pair - 1) * L::q_tile_elems),
                            lane);

@@ -712,6 +712,44 @@ PW_DEVICE void fit_rows(float x[MW][NB][4], float acc[MW][NA][4], int ex[MW][2])
     }
 }
 
+// fit_rows for x that already carries its rows' current 2^e: e is lowered (acc and x rescaled
+// by the same power of two) only where this tile's largest |x| reaches 2^15, so a tile that
+// keeps its scale costs the max-abs reduction and no multiply. The result is bitwise
+// fit_rows' on the unscaled x: the exponent of the scaled maximum is the unscaled one plus e
+// (powers of two are exact in float32's normal range), and an infinite maximum lowers e to
+// -100 as fit_rows does.
+template <typename T, int NB, int NA, int MW>
+PW_DEVICE void fit_scaled_rows(float x[MW][NB][4], float acc[MW][NA][4], int ex[MW][2]) {
+  if (!RowScale<T>::active) return;
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float mx = 0.f;
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+        mx = fmaxf(mx, fmaxf(fabsf(x[mi][nb][2 * hh]), fabsf(x[mi][nb][2 * hh + 1])));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const int m = ((__float_as_int(mx) >> 23) & 0xff) - 127;  // mx in [2^m, 2^(m+1))
+      if (m > 14 && ex[mi][hh] > -100) {  // as fit_rows: want = max(-100, 14 - unscaled m)
+        const int want = m == 128 ? -100 : max(-100, ex[mi][hh] - (m - 14));
+        const float f = pow2f(max(-126, want - ex[mi][hh]));
+#pragma unroll
+        for (int nb = 0; nb < NA; ++nb) {
+          acc[mi][nb][2 * hh] *= f;
+          acc[mi][nb][2 * hh + 1] *= f;
+        }
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          x[mi][nb][2 * hh] *= f;
+          x[mi][nb][2 * hh + 1] *= f;
+        }
+        ex[mi][hh] = want;
+      }
+    }
+}
+
 template <typename T, int MW> PW_DEVICE void init_rows(int ex[MW][2]) {
 #pragma unroll
   for (int mi = 0; mi < MW; ++mi) ex[mi][0] = ex[mi][1] = RowScale<T>::active ? PW_SCALE_INIT : 0;

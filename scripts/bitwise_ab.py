@@ -1,0 +1,114 @@
+"""Bitwise A/B of a build macro: the same inputs through the default build and the build with
+``--macros``, in one process, on the mma.sync path; o, lse and the five gradients (the
+deterministic backward) must agree bit for bit.
+
+For the builds whose results are argued to be identical (bench/NOTES.md, twenty-second
+session): ``PW_FWD_LAZY_RESCALE=0`` against the default lazy rescale (head dims >= 128),
+``PW_BWD_DS_PRESCALE=1`` against the default dS scaling, and ``PW_BWD_P_FIXED=0`` as a
+control that must differ in float16. Run on a GPU from the repo root::
+
+    PYTHONPATH=$PWD python3 scripts/bitwise_ab.py --macros PW_BWD_DS_PRESCALE=1
+    PYTHONPATH=$PWD python3 scripts/bitwise_ab.py --macros PW_FWD_LAZY_RESCALE=0
+
+Exit status 1 when a compared output differs (unless ``--expect-differ``), 0 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def run(case, seed):
+    import cupy
+    import numpy as np
+
+    import cupy_piecewise
+    from cupy_piecewise.gpu_arrays import round_to, to_device
+
+    D, dtype, causal, L = case
+    rng = np.random.default_rng(seed)
+    B, H = 2, 4
+    host = [round_to(rng.standard_normal((B, H, L, D)).astype(np.float32) * 1.5, dtype)
+            for _ in range(5)]
+    q1, k1, q2, k2, v = (to_device(x, dtype, False) for x in host)
+    do = to_device(round_to(rng.standard_normal((B, H, L, D)).astype(np.float32), dtype), dtype,
+                   False)
+    o, lse = cupy_piecewise.attention(q1, k1, q2, k2, v, L // 4, causal=causal, return_lse=True)
+    grads = cupy_piecewise.attention_backward(do, q1, k1, q2, k2, v, o, lse, L // 4,
+                                              causal=causal, deterministic=True)
+    cupy.cuda.runtime.deviceSynchronize()
+    return {"o": o, "lse": lse, **dict(zip(("dq1", "dk1", "dq2", "dk2", "dv"), grads))}
+
+
+def worker(a) -> int:
+    """One build in this process: every case's outputs saved under --dump as .npy bytes."""
+    import cupy
+    import numpy as np
+
+    from cupy_piecewise import capability
+    from cupy_piecewise import compile as comp
+
+    comp.BASE_OPTIONS = comp.BASE_OPTIONS + tuple(f"-D{m}" for m in a.macros.split() if m)
+    os.environ[capability.PATH_VAR] = "mma"
+    capability.refresh_env_override()
+    for i, case in enumerate(cases_of(a)):
+        for name, arr in run(case, a.seed + i).items():
+            np.save(os.path.join(a.dump, f"{i}_{name}.npy"), cupy.asnumpy(arr.view("uint8")))
+    return 0
+
+
+def cases_of(a):
+    return list(itertools.product([int(d) for d in a.dims.split(",")], a.dtypes.split(","),
+                                  (False, True), [int(n) for n in a.lengths.split(",")]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--macros", required=True, help="space-separated, e.g. 'PW_BWD_DS_PRESCALE=1'")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--dtypes", default="float16,bfloat16")
+    ap.add_argument("--lengths", default="1024,4096")
+    ap.add_argument("--seed", type=int, default=20261204)
+    ap.add_argument("--expect-differ", action="store_true",
+                    help="a control: exit 1 when every output agrees instead")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--dump", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        return worker(a)
+
+    import numpy as np
+
+    # each build in a process of its own: no compiled kernel or launch plan is shared
+    common = ["--dims", a.dims, "--dtypes", a.dtypes, "--lengths", a.lengths,
+              "--seed", str(a.seed), "--worker"]
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = []
+        for k, macros in enumerate(("", a.macros)):
+            d = os.path.join(tmp, str(k))
+            os.mkdir(d)
+            subprocess.run([sys.executable, __file__, "--macros", macros, "--dump", d, *common],
+                           check=True)
+            dirs.append(d)
+        cases = cases_of(a)
+        differ = 0
+        names = ("o", "lse", "dq1", "dk1", "dq2", "dk2", "dv")
+        for i, case in enumerate(cases):
+            bad = [n for n in names
+                   if not np.array_equal(*(np.load(os.path.join(d, f"{i}_{n}.npy"))
+                                           for d in dirs))]
+            differ += bool(bad)
+            print(f"D{case[0]} {case[1]} causal={case[2]} L={case[3]}: "
+                  + (f"DIFFER in {', '.join(bad)}" if bad else "bitwise identical"))
+    print(f"{a.macros}: {differ} of {len(cases)} cases differ")
+    if a.expect_differ:
+        return 0 if differ else 1
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
