@@ -38,18 +38,19 @@ template <typename T, bool CAUSAL, bool ONE_K> struct VisitPairs {
 // row of a 32-row warp raises its max on at most about 32 + 32 ln(T / 32) of T tiles (union
 // bound; 98 of 256 at L = 8192, BN = 32); the rescale it skips is MW * D / 2 multiplies per
 // thread per tile (128 at D = 128, 32 rows per warp), beside 32 exponentials.
-// PW_FWD_LAZY_RESCALE: -1 (default) lazy at head dims >= 128, 0 never, 1 always. On the H200
+// PW_FWD_LAZY_RESCALE: -1 (default) lazy at head dim 128, 0 never, 1 always. On the H200
 // with the mma.sync path forced it gained 2-6% at D = 128 (bf16, L 2048-16384, 5 rounds;
 // 0.7-2.8% at L = 8192 in a 2-round run whose L = 2048 rows lost 4%), and lost 4-10% at
 // D = 64, where the 128x64x4 non-causal entry spills with it
-// (bench/results/2026-12-04-h200-fixed-p-lazy-rescale).
+// (bench/results/2026-12-04-h200-fixed-p-lazy-rescale). D = 256 was not timed, and its
+// sm_80 causal 16x32x1 entry spills 16 bytes with it (NVRTC 13.5), so it stays eager too.
 #ifndef PW_FWD_LAZY_RESCALE
 #define PW_FWD_LAZY_RESCALE -1
 #endif
 template <int D, int BN, int MW>
 PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
                               float row_max[MW][2], float row_sum[MW][2]) {
-  constexpr bool LAZY = PW_FWD_LAZY_RESCALE > 0 || (PW_FWD_LAZY_RESCALE < 0 && D >= 128);
+  constexpr bool LAZY = PW_FWD_LAZY_RESCALE > 0 || (PW_FWD_LAZY_RESCALE < 0 && D == 128);
   float alpha[MW][2];
 #pragma unroll
   for (int mi = 0; mi < MW; ++mi)

@@ -3,7 +3,7 @@
 deterministic backward) must agree bit for bit.
 
 For the builds whose results are argued to be identical (bench/NOTES.md, twenty-second
-session): ``PW_FWD_LAZY_RESCALE=0`` against the default lazy rescale (head dims >= 128),
+session): ``PW_FWD_LAZY_RESCALE=0`` against the default lazy rescale (head dim 128),
 ``PW_BWD_DS_PRESCALE=1`` against the default dS scaling, and ``PW_BWD_P_FIXED=0`` as a
 control that must differ in float16. Run on a GPU from the repo root::
 

@@ -191,7 +191,7 @@ def test_score_mask_split_override_compiles(nvrtc, monkeypatch, split):
 @pytest.mark.parametrize("lazy", [0, 1])
 def test_lazy_rescale_ab_builds_compile(nvrtc, monkeypatch, lazy):
     """kernels_cu/forward.cu rescales the output accumulator lazily (only when some row of the
-    warp raised its max) at head dims >= 128 by default; the build check covers that default.
+    warp raised its max) at head dim 128 by default; the build check covers that default.
     The A/B builds -DPW_FWD_LAZY_RESCALE=0 (never) and =1 (at every head dim) build the sm_90
     row's dense 16-bit forward at D = 64 and 128: =0 without spills (it was the default until
     2026-12-04), =1 without spills at D = 128 (there both builds are the default's code). With
