@@ -675,6 +675,28 @@ template <> struct RowScale<half_t> {
 
 PW_DEVICE float pow2f(int e) { return __int_as_float((127 + e) << 23); }  // e in [-126, 127]
 
+// The largest |x| of one row of the warp (16-row block mi, half hh), over the four lanes
+// that hold it.
+template <int NB, int MW>
+PW_DEVICE float row_absmax(const float x[MW][NB][4], int mi, int hh) {
+  float mx = 0.f;
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+    mx = fmaxf(mx, fmaxf(fabsf(x[mi][nb][2 * hh]), fabsf(x[mi][nb][2 * hh + 1])));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  return fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+}
+
+// Multiplies one row of the warp (block mi, half hh) of an N-column fragment array by f.
+template <int N, int MW>
+PW_DEVICE void scale_row(float a[MW][N][4], int mi, int hh, float f) {
+#pragma unroll
+  for (int nb = 0; nb < N; ++nb) {
+    a[mi][nb][2 * hh] *= f;
+    a[mi][nb][2 * hh + 1] *= f;
+  }
+}
+
 // Scales x (rows of the warp) by each row's 2^e, first lowering e (and rescaling acc by the
 // same power of two) where this tile's largest |x| needs it.
 template <typename T, int NB, int NA, int MW>
@@ -684,31 +706,16 @@ PW_DEVICE void fit_rows(float x[MW][NB][4], float acc[MW][NA][4], int ex[MW][2])
   for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      float mx = 0.f;
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
-        mx = fmaxf(mx, fmaxf(fabsf(x[mi][nb][2 * hh]), fabsf(x[mi][nb][2 * hh + 1])));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mx = row_absmax<NB, MW>(x, mi, hh);
       if (mx > 0.f) {  // mx in [2^m, 2^(m+1)): after scaling by 2^(14-m) it is below 2^15
         const int m = ((__float_as_int(mx) >> 23) & 0xff) - 127;
         const int want = max(-100, 14 - m);
         if (want < ex[mi][hh]) {
-          const float f = pow2f(max(-126, want - ex[mi][hh]));
-#pragma unroll
-          for (int nb = 0; nb < NA; ++nb) {
-            acc[mi][nb][2 * hh] *= f;
-            acc[mi][nb][2 * hh + 1] *= f;
-          }
+          scale_row<NA, MW>(acc, mi, hh, pow2f(max(-126, want - ex[mi][hh])));
           ex[mi][hh] = want;
         }
       }
-      const float s = pow2f(ex[mi][hh]);
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        x[mi][nb][2 * hh] *= s;
-        x[mi][nb][2 * hh + 1] *= s;
-      }
+      scale_row<NB, MW>(x, mi, hh, pow2f(ex[mi][hh]));
     }
 }
 
@@ -725,26 +732,13 @@ PW_DEVICE void fit_scaled_rows(float x[MW][NB][4], float acc[MW][NA][4], int ex[
   for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      float mx = 0.f;
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
-        mx = fmaxf(mx, fmaxf(fabsf(x[mi][nb][2 * hh]), fabsf(x[mi][nb][2 * hh + 1])));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mx = row_absmax<NB, MW>(x, mi, hh);
       const int m = ((__float_as_int(mx) >> 23) & 0xff) - 127;  // mx in [2^m, 2^(m+1))
       if (m > 14 && ex[mi][hh] > -100) {  // as fit_rows: want = max(-100, 14 - unscaled m)
         const int want = m == 128 ? -100 : max(-100, ex[mi][hh] - (m - 14));
         const float f = pow2f(max(-126, want - ex[mi][hh]));
-#pragma unroll
-        for (int nb = 0; nb < NA; ++nb) {
-          acc[mi][nb][2 * hh] *= f;
-          acc[mi][nb][2 * hh + 1] *= f;
-        }
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-          x[mi][nb][2 * hh] *= f;
-          x[mi][nb][2 * hh + 1] *= f;
-        }
+        scale_row<NA, MW>(acc, mi, hh, f);
+        scale_row<NB, MW>(x, mi, hh, f);
         ex[mi][hh] = want;
       }
     }
