@@ -33,10 +33,11 @@
 // SPEC's max-error term). The 14 enters as the bias of score_tile's scaling fma (common.cuh,
 // scale_mask), so it costs no instruction; its rounding happens at magnitudes up to 14 larger,
 // a relative change in P of order 2^-24 (|s| + 14), far below float16's 2^-11. It drops a
-// max-abs reduction, two shuffles, 16 multiplies and dV's rescale branch per tile: +3-9% on
-// the float16 forward+backward of the H200 with the mma.sync path forced
-// (bench/results/2026-12-04-h200-fixed-p-lazy-rescale). An lse below the row's true
-// log-sum-exp (not the forward's) would overflow P to inf where the per-row scale copes.
+// max-abs reduction, two shuffles, 16 multiplies and dV's rescale branch per tile. On the
+// H200 with the mma.sync path forced, float16 forward+backward gained 3-8% (deterministic)
+// and 2-12% (one-kernel entries): bench/results/2026-12-04-h200-fixed-p-lazy-rescale.
+// An lse below the row's true log-sum-exp (not the forward's) would overflow P to inf where
+// the per-row scale copes.
 // PW_BWD_P_FIXED=0 builds the per-row scale everywhere, for A/B runs.
 // KEEP_ROW_SCALE exempts one entry: the sm_90 row's one-kernel D = 128 causal backward (BM = 32)
 // spills 16 bytes with the fixed factor (NVRTC 13.5, 2026-12-04; 245 registers without), and
@@ -57,8 +58,9 @@ template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
 // only checks it against float16's range, and the per-element multiply of fit_rows goes
 // (16-32 FMUL per tile and thread, 1-2.5% of the loop's static instructions). The result is
 // bitwise fit_rows' result: every changed product is by a power of two, exact in float32's
-// normal range, and with float16 inputs |dS| <= 2^40 keeps dS * 2^46 (the first tile's
-// scale, PW_SCALE_INIT - 14) finite.
+// normal range. With float16 inputs |dp - delta| < 2^41 (D = 256), so dS * 2^46 (the first
+// tile's scale, PW_SCALE_INIT - 14) stays finite unless a dlse beyond about 2^80 enters delta;
+// then the fp16 gradients overflow in both builds, but the bits differ.
 #ifndef PW_BWD_DS_PRESCALE
 #define PW_BWD_DS_PRESCALE 0
 #endif

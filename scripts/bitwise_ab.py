@@ -1,5 +1,5 @@
 """Bitwise A/B of a build macro: the same inputs through the default build and the build with
-``--macros``, in one process, on the mma.sync path; o, lse and the five gradients (the
+``--macros``, one process per build, on the mma.sync path; o, lse and the five gradients (the
 deterministic backward) must agree bit for bit.
 
 For the builds whose results are argued to be identical (bench/NOTES.md, twenty-second

@@ -156,8 +156,9 @@ fi
 if asked ncu_mma; then
   # the mma.sync deterministic backward's two kernels (pw_backward_dq, pw_backward_dkv) in
   # bfloat16 and float16 at L = 8192, D = 64, non-causal: float16's backward runs 1.20x
-  # bfloat16's there while the loops' static counts differ by about 10% (bench/NOTES.md,
-  # twenty-second session); the second iteration's launches, with stall and issue sections
+  # bfloat16's there, while the loops' static counts differ by 12-13% (64x64x4 tiles; about
+  # 7% runs on every tile) (bench/NOTES.md, twenty-second session); the second iteration's
+  # launches, with stall and issue sections
   for dt in bfloat16 float16; do
     CUPY_PIECEWISE_PATH=mma timeout 240 ncu --clock-control none \
       -k "regex:^pw_backward_d(q|kv)$" --launch-skip 2 --launch-count 2 \
