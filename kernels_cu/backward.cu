@@ -495,7 +495,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
       zero_n<MW * BM / 2>(&dp[0][0][0]);
       mma_abt<T, D, BM, MW>(dp, aV, smem_addr(st + L::do_in_stage), lane);
       // dV takes every tile once: pass 2 skips the straddling tiles pass 1 already counted.
-      // P is scaled per row for float16 (fit_rows) and unscaled exactly for dS below.
+      // float16's P carries 2^14 (FixedP) or, in the exempt entry, a per-row scale that
+      // fit_rows sets here; either is unscaled exactly for dS below.
       const bool count_dv = !SPLIT_DV && (pair == 1 || t >= end1);
       if (count_dv) {
         if constexpr (!FP::on) fit_rows<T, BM / 8, D / 8, MW>(s, dv, ex_v);
