@@ -194,9 +194,9 @@ def test_lazy_rescale_ab_builds_compile(nvrtc, monkeypatch, lazy):
     warp raised its max) at head dim 128 by default; the build check covers that default.
     The A/B builds -DPW_FWD_LAZY_RESCALE=0 (never) and =1 (at every head dim) build the sm_90
     row's dense 16-bit forward: =0 at D = 64 and 128 without spills (it was the default until
-    2026-12-04), =1 at D = 64. With =1 D = 64's non-causal 128x64x4 entry, at 255 registers, spills 12/16 bytes (NVRTC 13.5,
-    2026-12-04): one reason the default leaves D = 64 eager. At D = 128 =1 is the default's
-    code, which the build check already compiles, so =1 builds D = 64 only."""
+    2026-12-04), =1 at D = 64 only (at D = 128 it is the default's code, which the build check
+    compiles). With =1 D = 64's non-causal 128x64x4 entry, at 255 registers, spills 12/16
+    bytes (NVRTC 13.5, 2026-12-04): one reason the default leaves D = 64 eager."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
