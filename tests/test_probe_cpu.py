@@ -2,8 +2,9 @@
 bookkeeping (the comparison table from the workers' output lines: medians over interleaved
 rounds, the spread, ratios to cuDNN; the tile figures it derives from the -D options of a
 variant), scripts/mma_fwd_probe.py's tile argument and A/B table, scripts/mma_bwd_probe.py's
-table, scripts/hopper_bwd_ab.py's parsing and summary, scripts/kvdecode_probe.py's configs,
-table and knob settings, and scripts/causal_schedule_model.py's makespans."""
+table, scripts/mma_bwd_ab.py's table and kernel-cache swap, scripts/hopper_bwd_ab.py's
+parsing and summary, scripts/kvdecode_probe.py's configs, table and knob settings, and
+scripts/causal_schedule_model.py's makespans."""
 from __future__ import annotations
 
 import os
@@ -171,6 +172,36 @@ def test_mma_bwd_probe_table_medians_and_ratios():
         assert float(xdet) == pytest.approx(1.05 * base["det"] / med, abs=1e-3)
         assert float(xflash) == pytest.approx(1.05 * base["sdpa_flash"] / med, abs=1e-3)
         assert float(bwd) == pytest.approx(med - fwd.get(run, fwd["det"]), abs=1e-3)
+
+
+def test_mma_bwd_ab_table_and_cache_swap(monkeypatch):
+    """scripts/mma_bwd_ab.py: the table gives each build's median backward ms over rounds, its
+    spread and the default's median over its own; Build.activate puts the build's macros
+    after the base NVRTC options and its own kernel caches in place of the package's, so
+    each build's kernels are compiled and looked up apart in one process."""
+    mma_bwd_ab = pytest.importorskip("mma_bwd_ab")
+    from cupy_piecewise import compile as comp, launch
+
+    recs = [dict(L=8192, D=64, dtype="fp16", causal=False, build="default", ms=[10.0, 12.0, 11.0]),
+            dict(L=8192, D=64, dtype="fp16", causal=False, build="X=0", ms=[11.0, 13.2, 12.1])]
+    rows = {line.split("|")[5].strip(): [c.strip() for c in line.split("|")[6:8]]
+            for line in mma_bwd_ab.summary_table(recs) if line.startswith("| 8192")}
+    assert rows["default"] == ["11.000 (18.2%)", "1.000"]
+    assert rows["X=0"] == ["12.100 (18.2%)", f"{11.0 / 12.1:.3f}"]
+
+    for name in ("BASE_OPTIONS", "_functions", "_modules"):
+        monkeypatch.setattr(comp, name, getattr(comp, name))
+    for name in ("_kernels", "_launches"):
+        monkeypatch.setattr(launch, name, getattr(launch, name))
+    a, b = mma_bwd_ab.Build(""), mma_bwd_ab.Build("PW_X=0 PW_Y=1")
+    base = ("-std=c++17",)
+    b.activate(base)
+    assert comp.BASE_OPTIONS == base + ("-DPW_X=0", "-DPW_Y=1")
+    comp._functions["k"] = "fn of b"
+    a.activate(base)
+    assert comp.BASE_OPTIONS == base and "k" not in comp._functions
+    b.activate(base)
+    assert comp._functions["k"] == "fn of b" and launch._launches is b.caches[3]
 
 
 def test_hopper_bwd_ab_summary_takes_medians_and_speed_ratios():
