@@ -52,17 +52,20 @@ template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
   static constexpr int bias = on ? ex : 0;
 };
 
-// PW_BWD_DS_PRESCALE=1 (an A/B build, off by default, not yet timed): with the fixed P scale
-// the deterministic dk/dv kernel multiplies dS by 2^(ex_k - 14) instead of 2^-14, so dS
-// leaves its product already at dK's current row scale. fit_scaled_rows (common.cuh) then
-// only checks it against float16's range, and the per-element multiply of fit_rows goes
-// (16-32 FMUL per tile and thread, 1-2.5% of the loop's static instructions). The result is
-// bitwise fit_rows' result: every changed product is by a power of two, exact in float32's
-// normal range. With float16 inputs |dp - delta| < 2^41 (D = 256), so dS * 2^46 (the first
-// tile's scale, PW_SCALE_INIT - 14) stays finite unless a dlse beyond about 2^80 enters delta;
-// then the fp16 gradients overflow in both builds, but the bits differ.
+// PW_BWD_DS_PRESCALE=1 (the default): float16's dS leaves its product already at the row's
+// current scale 2^e, in both deterministic kernels, so fit_scaled_rows (common.cuh) only
+// checks it against float16's range (one warp vote per tile) instead of fit_rows' per-row
+// max-abs reduction, shuffles and per-element multiply. In the dq kernel the scale rides on
+// the subtraction, fma(dp, 2^e, -delta 2^e); in the dk/dv kernel it joins P's 2^-14 in one
+// factor 2^(e - 14). The result is bitwise fit_rows' result: every changed product is by a
+// power of two, exact in float32's normal range. With float16 inputs |dp - delta| < 2^41
+// (D = 256), so dS times the first tile's scale (2^60 in dq, PW_SCALE_INIT; 2^46 in dk/dv)
+// stays finite unless a dlse beyond about 2^67 (dq) or 2^80 enters delta; then the float16
+// gradients overflow in both builds, but the bits differ. The one-kernel backward keeps
+// fit_rows: it stashes dS for dQ before dK's scale is applied. PW_BWD_DS_PRESCALE=0 builds
+// the per-row fit in both kernels, for A/B runs.
 #ifndef PW_BWD_DS_PRESCALE
-#define PW_BWD_DS_PRESCALE 0
+#define PW_BWD_DS_PRESCALE 1
 #endif
 
 // delta[b, h, i] = sum_d dO[i, d] * O[i, d], one warp per row, 16-byte loads.
@@ -258,6 +261,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
   u16* sDO = reinterpret_cast<u16*>(smem + L::do_offset);
   u16* sKV = reinterpret_cast<u16*>(smem + L::kv_offset);  // per stage: K1, K2, V
 
+  // dS at the row's current float16 scale (PW_BWD_DS_PRESCALE)
+  constexpr bool PRESCALE = PW_BWD_DS_PRESCALE != 0 && RowScale<T>::active;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const i64 mt = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
   const i64 h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
@@ -324,6 +329,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
       float dp[MW][BN / 8][4];
       zero_n<MW * BN / 2>(&dp[0][0][0]);
       mma_abt<T, D, BN, MW>(dp, aDO, smem_addr(st + L::v_in_stage), lane);
+      // dS, at the row's current 2^e when PRESCALE: (dp - delta) 2^e as one fma, exact
+      float c[MW][2], dc[MW][2];
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          c[mi][hh] = PRESCALE ? pow2f(ex[mi][hh]) : 1.f;
+          dc[mi][hh] = delta[mi][hh] * c[mi][hh];
+        }
 #pragma unroll
       for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
@@ -331,10 +345,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dq(const Params p) 
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float pr = fast_exp2(s[mi][nb][e] - lse2[mi][e / 2]);
-            s[mi][nb][e] = pr * (dp[mi][nb][e] - delta[mi][e / 2]);  // dS
+            s[mi][nb][e] = pr * (PRESCALE ? fmaf(dp[mi][nb][e], c[mi][e / 2], -dc[mi][e / 2])
+                                          : dp[mi][nb][e] - delta[mi][e / 2]);
           }
       if (mode == 3) keep_pair<BN, MW, false>(s, pair, g, lane);
-      fit_rows<T, BN / 8, D / 8, MW>(s, acc, ex);
+      if constexpr (PRESCALE) fit_scaled_rows<T, BN / 8, D / 8, MW>(s, acc, ex);
+      else fit_rows<T, BN / 8, D / 8, MW>(s, acc, ex);
       // dq_pair = dS_pair k_pair: k2 follows k1 in a stage (traits.cuh).
       mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + L::k1_in_stage + (pair - 1) * L::k_tile_elems),
                            lane);

@@ -2,12 +2,13 @@
 ``--macros``, one process per build, on the mma.sync path; o, lse and the five gradients (the
 deterministic backward) must agree bit for bit.
 
-For the builds whose results are argued to be identical (bench/NOTES.md, twenty-second
-session): ``PW_FWD_LAZY_RESCALE=0`` against the default lazy rescale (head dim 128),
-``PW_BWD_DS_PRESCALE=1`` against the default dS scaling, and ``PW_BWD_P_FIXED=0`` as a
-control that must differ in float16. Run on a GPU from the repo root::
+For the builds whose results are argued to be identical (bench/NOTES.md, twenty-second and
+twenty-third sessions): ``PW_FWD_LAZY_RESCALE=0`` against the default lazy rescale (head dim
+128), ``PW_BWD_DS_PRESCALE=0`` (fit_rows' per-row dS fit) against the default prescaled dS,
+and ``PW_BWD_P_FIXED=0`` as a control that must differ in float16. Run on a GPU from the
+repo root::
 
-    PYTHONPATH=$PWD python3 scripts/bitwise_ab.py --macros PW_BWD_DS_PRESCALE=1
+    PYTHONPATH=$PWD python3 scripts/bitwise_ab.py --macros PW_BWD_DS_PRESCALE=0
     PYTHONPATH=$PWD python3 scripts/bitwise_ab.py --macros PW_FWD_LAZY_RESCALE=0
 
 Exit status 1 when a compared output differs (unless ``--expect-differ``), 0 otherwise.
@@ -68,7 +69,7 @@ def cases_of(a):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--macros", required=True, help="space-separated, e.g. 'PW_BWD_DS_PRESCALE=1'")
+    ap.add_argument("--macros", required=True, help="space-separated, e.g. 'PW_BWD_DS_PRESCALE=0'")
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--dtypes", default="float16,bfloat16")
     ap.add_argument("--lengths", default="1024,4096")

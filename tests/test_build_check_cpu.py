@@ -235,19 +235,21 @@ def test_per_row_p_scale_ab_build_compiles(nvrtc, monkeypatch):
 
 
 def test_ds_prescale_ab_build_compiles(nvrtc, monkeypatch):
-    """-DPW_BWD_DS_PRESCALE=1 (kernels_cu/backward.cu: the deterministic float16 dk/dv kernel
-    produces dS already at dK's row scale and checks it with fit_scaled_rows; an A/B build,
-    off by default, not yet timed) builds the sm_90 row's float16 dk/dv entries at every head
-    dim without spills (NVRTC 13.5, 2026-12-04: the same registers as the default or fewer)."""
+    """kernels_cu/backward.cu scales float16's dS to the row's current 2^e before the range
+    check by default (PW_BWD_DS_PRESCALE=1: fit_scaled_rows in the dq and dk/dv kernels);
+    the build check covers the default. The A/B build -DPW_BWD_DS_PRESCALE=0 (fit_rows' per-row
+    fit, the default until 2026-12-04) builds the sm_90 row's float16 dq and dk/dv entries
+    at every head dim without spills."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
-        "-DPW_BWD_DS_PRESCALE=1",))
+        "-DPW_BWD_DS_PRESCALE=0",))
     vs = sorted({Variant(phase, dt, d, t, c)
                  for phase, d, dt, c, t in capability.selectable_configs(SM90)
-                 if phase == "bwd_dkv" and dt == "float16"}, key=str)
+                 if phase in ("bwd_dq", "bwd_dkv") and dt == "float16"}, key=str)
     assert {v.head_dim for v in vs} >= {64, 128}
+    assert {v.phase for v in vs} == {"bwd_dq", "bwd_dkv"}
     for r in compile_offline(SM90, vs):
         assert r.ok and r.registers, (r.variant, r.log)
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
