@@ -672,6 +672,18 @@ template <> struct RowScale<half_t> {
   static constexpr bool active = true;
 };
 #define PW_SCALE_INIT 60  // exponent before any entry is seen (finite in float32)
+// fit_scaled_rows' target when it rescales: a row's largest |x| lands in [2^(14-H), 2^(15-H))
+// for headroom H, while it still rescales only at 2^15, so the row's largest may grow 2^H-fold
+// before the next rescale. An A/B build, 0 (fit_rows' target) by default, not yet timed: a
+// CPU model of the deterministic backward on the probes' N(0, 1) inputs (D 64/128, w = L/4,
+// scripts/fit_vote_model.py) sends 30-42% (dq) and 38-46% (dk/dv) of the 16-row blocks of a
+// tile down the per-row path at L = 2048, H = 0, and 2-8% at H = 4 (a row's first tile
+// always goes: 1.6% and 3.1% of the non-causal tiles). Scaling by powers of two leaves float16's rounding unchanged except for
+// entries between 2^(28-H) and 2^28 below the row's largest, which H moves into float16's
+// subnormals (bits change there; accuracy does not measurably).
+#ifndef PW_FIT_HEADROOM
+#define PW_FIT_HEADROOM 0
+#endif
 
 PW_DEVICE float pow2f(int e) { return __int_as_float((127 + e) << 23); }  // e in [-126, 127]
 
@@ -721,15 +733,14 @@ PW_DEVICE void fit_rows(float x[MW][NB][4], float acc[MW][NA][4], int ex[MW][2])
 
 // fit_rows for x that already carries its rows' current 2^e: e is lowered (acc and x rescaled
 // by the same power of two) only where this tile's largest |x| reaches 2^15. A warp vote per
-// 16-row block on each thread's largest |x| comes first, so a tile that keeps every row's
-// scale (nearly all: a row's scale only falls when its largest |dS| so far grows past a
-// binade) costs the thread's max-abs chain, a compare and a vote: no shuffles, no per-row
-// branches, no multiply. The vote is warp-uniform, so the per-row path's quad shuffles see
+// 16-row block on each thread's largest |x| comes first, so a tile where no row of the block
+// reached 2^15 costs the thread's max-abs chain, a compare and a vote: no shuffles, no
+// per-row branches, no multiply. (How often a block votes: PW_FIT_HEADROOM's note above.) The vote is warp-uniform, so the per-row path's quad shuffles see
 // every lane. (One vote over all blocks spilled 8-44 bytes in the sm_90 causal D = 64
 // dk/dv entry, 32x128x4; one per block spills nowhere, NVRTC 13.5.)
-// The result is bitwise fit_rows' on the unscaled x: the exponent of the scaled maximum is
-// the unscaled one plus e (powers of two are exact in float32's normal range), and an
-// infinite maximum lowers e to -100 as fit_rows does; fmaxf drops NaN in both.
+// At PW_FIT_HEADROOM = 0 the result is bitwise fit_rows' on the unscaled x: the exponent of
+// the scaled maximum is the unscaled one plus e (powers of two are exact in float32's normal
+// range), and an infinite maximum lowers e to -100 as fit_rows does; fmaxf drops NaN in both.
 template <typename T, int NB, int NA, int MW>
 PW_DEVICE void fit_scaled_rows(float x[MW][NB][4], float acc[MW][NA][4], int ex[MW][2]) {
   if (!RowScale<T>::active) return;
@@ -746,7 +757,8 @@ PW_DEVICE void fit_scaled_rows(float x[MW][NB][4], float acc[MW][NA][4], int ex[
       const float mx = row_absmax<NB, MW>(x, mi, hh);
       const int m = ((__float_as_int(mx) >> 23) & 0xff) - 127;  // mx in [2^m, 2^(m+1))
       if (m > 14 && ex[mi][hh] > -100) {  // as fit_rows: want = max(-100, 14 - unscaled m)
-        const int want = m == 128 ? -100 : max(-100, ex[mi][hh] - (m - 14));
+        const int want =
+            m == 128 ? -100 : max(-100, ex[mi][hh] - (m - 14) - PW_FIT_HEADROOM);
         const float f = pow2f(max(-126, want - ex[mi][hh]));
         scale_row<NA, MW>(acc, mi, hh, f);
         scale_row<NB, MW>(x, mi, hh, f);

@@ -2,11 +2,20 @@
 
 Tests marked ``gpu`` need a CUDA GPU visible to CuPy; where there is none they
 are skipped with the reason "no CUDA GPU visible to CuPy", never passed silently.
+
+``PW_TEST_MACROS`` (space-separated ``NAME=VALUE``) compiles every kernel of the run with
+those -D options, so an A/B build of kernels_cu/ (bench/NOTES.md) can go through the whole
+suite before it becomes the default, e.g.::
+
+    PW_TEST_MACROS="PW_FIT_HEADROOM=4" python3 -m pytest -m gpu tests/test_kernels_gpu.py
+
+The macros are named in the run's header line.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -19,6 +28,24 @@ def nvrtc():
     return require_nvrtc()
 
 NO_GPU_REASON = "no CUDA GPU visible to CuPy"
+MACROS_ENV = "PW_TEST_MACROS"
+
+
+def _test_macros() -> tuple[str, ...]:
+    return tuple(f"-D{m}" for m in os.environ.get(MACROS_ENV, "").split() if m)
+
+
+def pytest_configure(config):
+    # NVRTC options are read at each compile (compile.Variant.options, arch_options), so
+    # extending the base set here reaches every kernel the run builds.
+    if _test_macros():
+        from cupy_piecewise import compile as comp
+
+        comp.BASE_OPTIONS = comp.BASE_OPTIONS + _test_macros()
+
+
+def pytest_report_header(config):
+    return f"{MACROS_ENV}: {' '.join(_test_macros()) or '(none: the default kernels)'}"
 
 
 @functools.lru_cache(maxsize=None)

@@ -234,17 +234,19 @@ def test_per_row_p_scale_ab_build_compiles(nvrtc, monkeypatch):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-def test_ds_prescale_ab_build_compiles(nvrtc, monkeypatch):
-    """kernels_cu/backward.cu scales float16's dS to the row's current 2^e before the range
-    check by default (PW_BWD_DS_PRESCALE=1: fit_scaled_rows in the dq and dk/dv kernels);
-    the build check covers the default. The A/B build -DPW_BWD_DS_PRESCALE=0 (fit_rows' per-row
-    fit, the default until 2026-12-04) builds the sm_90 row's float16 dq and dk/dv entries
-    at every head dim without spills."""
+@pytest.mark.parametrize("macro", ["PW_BWD_DS_PRESCALE=0", "PW_FIT_HEADROOM=4"])
+def test_float16_ds_fit_ab_builds_compile(nvrtc, monkeypatch, macro):
+    """The A/B builds of the float16 dS range fit (the build check covers the defaults)
+    build the sm_90 row's float16 dq and dk/dv entries at every head dim without spills:
+    -DPW_BWD_DS_PRESCALE=0 (kernels_cu/backward.cu: fit_rows' per-row fit, the default until
+    2026-12-04) and -DPW_FIT_HEADROOM=4 (kernels_cu/common.cuh: fit_scaled_rows rescales a
+    row's largest |dS| to 2^10 rather than 2^14, so fewer tiles take the per-row path; 0 by
+    default, not yet timed)."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
-        "-DPW_BWD_DS_PRESCALE=0",))
+        f"-D{macro}",))
     vs = sorted({Variant(phase, dt, d, t, c)
                  for phase, d, dt, c, t in capability.selectable_configs(SM90)
                  if phase in ("bwd_dq", "bwd_dkv") and dt == "float16"}, key=str)

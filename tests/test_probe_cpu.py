@@ -2,8 +2,9 @@
 bookkeeping (the comparison table from the workers' output lines: medians over interleaved
 rounds, the spread, ratios to cuDNN; the tile figures it derives from the -D options of a
 variant), scripts/mma_fwd_probe.py's tile argument and A/B table, scripts/mma_bwd_probe.py's
-table, scripts/mma_bwd_ab.py's table and kernel-cache swap, scripts/hopper_bwd_ab.py's
-parsing and summary, scripts/kvdecode_probe.py's configs, table and knob settings, and
+table, scripts/mma_bwd_ab.py's table and kernel-cache swap, scripts/fit_vote_model.py's
+replay of the float16 dS fit, scripts/hopper_bwd_ab.py's parsing and summary,
+scripts/kvdecode_probe.py's configs, table and knob settings, and
 scripts/causal_schedule_model.py's makespans."""
 from __future__ import annotations
 
@@ -202,6 +203,21 @@ def test_mma_bwd_ab_table_and_cache_swap(monkeypatch):
     assert comp.BASE_OPTIONS == base and "k" not in comp._functions
     b.activate(base)
     assert comp._functions["k"] == "fn of b" and launch._launches is b.caches[3]
+
+
+def test_fit_vote_model_replays_the_kernel_exponents():
+    """scripts/fit_vote_model.py: a row whose largest |dS| doubles every tile votes on every
+    tile at headroom 0 (its largest lands in [2^14, 2^15) and the next tile reaches 2^15),
+    and on every third at headroom 2; a constant row votes only on its first tile."""
+    import numpy as np
+
+    model = pytest.importorskip("fit_vote_model")
+    growing = np.tile(np.exp2(np.arange(12.0)), (16, 1))
+    assert model.vote_fraction(growing, 1, 0) == 1.0
+    assert model.vote_fraction(growing, 1, 2) == pytest.approx(4 / 12)  # tiles 0, 3, 6, 9
+    assert model.vote_fraction(np.full((32, 64), 0.25), 8, 0) == pytest.approx(1 / 8)
+    mag = model.ds_magnitudes(256, 16, causal=True)
+    assert mag.shape == (256, 256) and np.all(np.triu(mag, 1) == 0)
 
 
 def test_hopper_bwd_ab_summary_takes_medians_and_speed_ratios():
