@@ -54,7 +54,7 @@ template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
 
 // PW_BWD_DS_PRESCALE=1 (the default): float16's dS leaves its product already at the row's
 // current scale 2^e, in both deterministic kernels, so fit_scaled_rows (common.cuh) only
-// checks it against float16's range (one warp vote per tile) instead of fit_rows' per-row
+// checks it against float16's range (a warp vote per 16-row block) instead of fit_rows' per-row
 // max-abs reduction, shuffles and per-element multiply. In the dq kernel the scale rides on
 // the subtraction, fma(dp, 2^e, -delta 2^e); in the dk/dv kernel it joins P's 2^-14 in one
 // factor 2^(e - 14). The result is bitwise fit_rows' result: every changed product is by a

@@ -678,9 +678,10 @@ template <> struct RowScale<half_t> {
 // CPU model of the deterministic backward on the probes' N(0, 1) inputs (D 64/128, w = L/4,
 // scripts/fit_vote_model.py) sends 30-42% (dq) and 38-46% (dk/dv) of the 16-row blocks of a
 // tile down the per-row path at L = 2048, H = 0, and 2-8% at H = 4 (a row's first tile
-// always goes: 1.6% and 3.1% of the non-causal tiles). Scaling by powers of two leaves float16's rounding unchanged except for
-// entries between 2^(28-H) and 2^28 below the row's largest, which H moves into float16's
-// subnormals (bits change there; accuracy does not measurably).
+// always goes: 1.6% and 3.1% of the non-causal tiles). Scaling by powers of two leaves
+// float16's rounding unchanged except for entries between 2^(28-H) and 2^28 below the row's
+// largest, which H moves into float16's subnormals (bits change there, by far less than the
+// rounding of the row's large entries).
 #ifndef PW_FIT_HEADROOM
 #define PW_FIT_HEADROOM 0
 #endif
@@ -735,9 +736,10 @@ PW_DEVICE void fit_rows(float x[MW][NB][4], float acc[MW][NA][4], int ex[MW][2])
 // by the same power of two) only where this tile's largest |x| reaches 2^15. A warp vote per
 // 16-row block on each thread's largest |x| comes first, so a tile where no row of the block
 // reached 2^15 costs the thread's max-abs chain, a compare and a vote: no shuffles, no
-// per-row branches, no multiply. (How often a block votes: PW_FIT_HEADROOM's note above.) The vote is warp-uniform, so the per-row path's quad shuffles see
-// every lane. (One vote over all blocks spilled 8-44 bytes in the sm_90 causal D = 64
-// dk/dv entry, 32x128x4; one per block spills nowhere, NVRTC 13.5.)
+// per-row branches, no multiply (how often a block votes: PW_FIT_HEADROOM's note above).
+// The vote is warp-uniform, so the per-row path's quad shuffles see every lane. (One vote
+// over all blocks spilled 8-44 bytes in the sm_90 causal D = 64 dk/dv entry, 32x128x4; one
+// per block spills nowhere, NVRTC 13.5.)
 // At PW_FIT_HEADROOM = 0 the result is bitwise fit_rows' on the unscaled x: the exponent of
 // the scaled maximum is the unscaled one plus e (powers of two are exact in float32's normal
 // range), and an infinite maximum lowers e to -100 as fit_rows does; fmaxf drops NaN in both.
