@@ -67,6 +67,13 @@ template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
 #ifndef PW_BWD_DS_PRESCALE
 #define PW_BWD_DS_PRESCALE 1
 #endif
+// PW_BWD_FUSED_VOTE=1 (an A/B build, 0 by default, not yet timed): the one-kernel backward,
+// which stashes dS unscaled for dQ and so keeps fit_rows for dK, fits dK's rows by the warp
+// vote instead (common.cuh, fit_rows_by_vote; same bits, argued there). Not in FixedP's
+// exempt entry, which already spills with the fixed P and spills 12 bytes with the vote.
+#ifndef PW_BWD_FUSED_VOTE
+#define PW_BWD_FUSED_VOTE 0
+#endif
 
 // delta[b, h, i] = sum_d dO[i, d] * O[i, d], one warp per row, 16-byte loads.
 template <typename T, int D>
@@ -543,6 +550,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
             smem_addr(smem + L::ds_offset + warp * L::warp_rows * L::ds_pitch_bytes), s,
             (int)clamp64(N - row0, 0, L::warp_rows), lane);
       if constexpr (DS_PRESCALE) fit_scaled_rows<T, BM / 8, D / 8, MW>(s, dk, ex_k);
+      else if constexpr (FUSED && FP::on && PW_BWD_FUSED_VOTE != 0)
+        fit_rows_by_vote<T, BM / 8, D / 8, MW>(s, dk, ex_k);
       else fit_rows<T, BM / 8, D / 8, MW>(s, dk, ex_k);
       // dk_pair = dS_pair^T q_pair: q2 follows q1 in a stage (traits.cuh).
       mma_xb<T, D, BM, MW>(dk, s, smem_addr(st + L::q1_in_stage + (pair - 1) * L::q_tile_elems),

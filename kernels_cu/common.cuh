@@ -770,6 +770,21 @@ PW_DEVICE void fit_scaled_rows(float x[MW][NB][4], float acc[MW][NA][4], int ex[
   }
 }
 
+// fit_rows by fit_scaled_rows' vote: x is scaled by the rows' current 2^e first, and only a
+// 16-row block where some row then reaches 2^15 runs the per-row work, where fit_rows reduces
+// every row's max-abs (two shuffles) and compares on every tile. Same bits at
+// PW_FIT_HEADROOM = 0 (fit_scaled_rows' note) unless x * 2^e overflows float32 before the
+// rescale (|x| >= 2^68 on a row's first tile, where e starts at PW_SCALE_INIT).
+template <typename T, int NB, int NA, int MW>
+PW_DEVICE void fit_rows_by_vote(float x[MW][NB][4], float acc[MW][NA][4], int ex[MW][2]) {
+  if (!RowScale<T>::active) return;
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) scale_row<NB, MW>(x, mi, hh, pow2f(ex[mi][hh]));
+  fit_scaled_rows<T, NB, NA, MW>(x, acc, ex);
+}
+
 template <typename T, int MW> PW_DEVICE void init_rows(int ex[MW][2]) {
 #pragma unroll
   for (int mi = 0; mi < MW; ++mi) ex[mi][0] = ex[mi][1] = RowScale<T>::active ? PW_SCALE_INIT : 0;

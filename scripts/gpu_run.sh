@@ -15,13 +15,15 @@
 # in bfloat16 and float16 with the default build, then float16 with -DPW_BWD_P_FIXED=0 (the
 # per-row P scale); then scripts/mma_bwd_ab.py, the deterministic backward's default against
 # -DPW_BWD_DS_PRESCALE=0 (fit_rows' per-row dS fit) and -DPW_FIT_HEADROOM=2 and =4 (the float16
-# rescale with headroom, an A/B build) in one process. A few minutes each, logs in
-# logs/mma_*.txt.
+# rescale with headroom, an A/B build) in one process, and the default (one-kernel) float16
+# backward against -DPW_BWD_FUSED_VOTE=1 (its dK fit by the warp vote), alone and with
+# headroom 4. A few minutes each, logs in logs/mma_*.txt.
 # PW_TEST_MACROS (tests/conftest.py) compiles every kernel of the tests step with those -D
 # options: an A/B build through the suite before it becomes the default.
 # bitwise (not in all): scripts/bitwise_ab.py, the builds argued to give identical bits
-# (PW_FWD_LAZY_RESCALE=0, PW_BWD_DS_PRESCALE=0) against the default, and PW_BWD_P_FIXED=0 as
-# a control that must differ; logs in logs/bitwise_*.txt.
+# (PW_FWD_LAZY_RESCALE=0, PW_BWD_DS_PRESCALE=0, and PW_BWD_FUSED_VOTE=1 on the default
+# backward's dk/dv) against the default, and PW_BWD_P_FIXED=0 as a control that must differ;
+# logs in logs/bitwise_*.txt.
 # ncu_mma (not in all): Nsight Compute on the mma.sync deterministic backward's dq and dk/dv
 # kernels, bfloat16 against float16 (L 8192, D 64), logs in logs/ncu_mma_bwd_*.txt.
 # ncu (not in all): Nsight Compute on the Hopper backward kernel (scripts/profile_case.py),
@@ -140,7 +142,8 @@ fi
 if asked mma_probes; then
   for args in "mma_fwd_probe --variants PW_FWD_LAZY_RESCALE=0 --tiles 128:128x32x4 --lengths 2048,4096,16384 --rounds 5" \
               "mma_bwd_probe --dtypes bf16,fp16" "mma_bwd_probe --dtypes fp16 --macros PW_BWD_P_FIXED=0" \
-              "mma_bwd_ab --variants PW_BWD_DS_PRESCALE=0;PW_FIT_HEADROOM=2;PW_FIT_HEADROOM=4"; do
+              "mma_bwd_ab --variants PW_BWD_DS_PRESCALE=0;PW_FIT_HEADROOM=2;PW_FIT_HEADROOM=4" \
+              "mma_bwd_ab --modes default --dtypes fp16,bf16 --variants PW_BWD_FUSED_VOTE=1;PW_BWD_FUSED_VOTE=1,PW_FIT_HEADROOM=4"; do
     name=$(echo "$args" | tr ' =,;:' '_____' | tr -d '-' | tr -s '_' | cut -c1-60)
     read -r -a argv <<< "$args"  # the script, then its options
     timeout 300 python3 "scripts/${argv[0]}.py" "${argv[@]:1}" --out "$logs/$name.txt" > "$logs/$name.log" 2>&1
@@ -149,7 +152,8 @@ if asked mma_probes; then
   done
 fi
 if asked bitwise; then
-  for m in PW_FWD_LAZY_RESCALE=0 PW_BWD_DS_PRESCALE=0 "PW_BWD_P_FIXED=0 --expect-differ"; do
+  for m in PW_FWD_LAZY_RESCALE=0 PW_BWD_DS_PRESCALE=0 "PW_BWD_FUSED_VOTE=1 --default-backward" \
+           "PW_BWD_P_FIXED=0 --expect-differ"; do
     read -r -a argv <<< "$m"
     timeout 240 python3 scripts/bitwise_ab.py --macros "${argv[0]}" "${argv[@]:1}" \
       > "$logs/bitwise_${argv[0]}.txt" 2>&1

@@ -1,30 +1,33 @@
 #!/usr/bin/env python3
-"""Same-process A/B of compile-time builds of the mma.sync deterministic backward (the dq and
-dk/dv kernels, kernels_cu/backward.cu) on one GPU: backward time only, builds interleaved.
+"""Same-process A/B of compile-time builds of the mma.sync backward (kernels_cu/backward.cu:
+the deterministic dq and dk/dv kernels, or the one-kernel scheme) on one GPU: backward time
+only, builds interleaved.
 
     PYTHONPATH=$PWD python3 scripts/mma_bwd_ab.py --variants "PW_BWD_DS_PRESCALE=0" \\
         --dtypes fp16,bf16 --out $OUT/bwd_ab.txt
 
-Every build (the default, then each ';'-separated --variants entry, its macros passed to NVRTC
-as -D options) gets its own set of the package's kernel caches (compile._functions and
+Every build (the default, then each ';'-separated --variants entry, its ','-separated macros
+passed to NVRTC as -D options) gets its own set of the package's kernel caches (compile._functions and
 _modules, launch._kernels and _launches), swapped in before each timing, so one process
 times every build on the same inputs and the same GPU state. Cross-process comparisons of
 the mma.sync backward moved by up to 1.5% between rows that launch identical kernels
 (bench/NOTES.md, twenty-third session); this probe exists to resolve smaller differences.
 
-For each length L, head dim D, dtype and causal flag: B = 16384 / L, H = 2048 / D,
-w = L / 4, random inputs, the forward once (o, lse), then ``attention_backward(...,
-deterministic=True)`` timed by CUDA events (median of --reps calls after warm-up), builds
-in the order A B ... then reversed, --rounds times. The table gives each build's median
-over rounds (ms; spread = max - min in % of the median) and its time ratio to the default
-(> 1: faster than the default). bfloat16 kernels do not change with the float16 scaling
-macros, so their rows measure the probe's own noise. --out writes the text headed by the
-date, GPU and command, and a JSON file of every timing beside it.
+For each length L, head dim D, dtype, causal flag and --modes entry: B = 16384 / L,
+H = 2048 / D, w = L / 4, random inputs, the forward once (o, lse), then
+``attention_backward(..., deterministic=mode == "det")`` timed by CUDA events (median of
+--reps calls after warm-up), builds in the order A B ... then reversed, --rounds times.
+The table gives each build's median over rounds (ms; spread = max - min in % of the
+median) and its time ratio to the default build in the same mode (> 1: faster). bfloat16
+kernels do not change with the float16 scaling macros, so their rows measure the probe's own
+noise. --out writes the text headed by the date, GPU and command, and a JSON file of every
+timing beside it.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -53,7 +56,7 @@ class Build:
 
 
 def precompile(macro_sets, dims, jobs):
-    """The sm_90 row's 16-bit dense forward and deterministic backward kernels of ``dims``,
+    """The sm_90 row's 16-bit dense forward and backward kernels (both schemes) of ``dims``,
     for every build, compiled in parallel into CuPy's disk cache (NVRTC holds the
     interpreter: processes), so the timing process only loads them."""
     import multiprocessing
@@ -64,7 +67,7 @@ def precompile(macro_sets, dims, jobs):
 
     vs = [v for v in build_check.variants_for((9, 0)) if v.head_dim in dims and not v.varlen
           and v.dtype in DTYPES.values()
-          and v.phase in ("fwd", "bwd_dq", "bwd_dkv", "bwd_delta", "fwd_combine")]
+          and v.phase in ("fwd", "bwd_dq", "bwd_dkv", "bwd_fused", "bwd_delta", "fwd_combine")]
     tasks = [(m, vs[i:i + 2]) for m in macro_sets for i in range(0, len(vs), 2)]
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         failed = [f for r in pool.map(_precompile, *zip(*tasks)) for f in r]
@@ -90,24 +93,32 @@ def summary_table(recs):
     each build's median over rounds, its spread (max - min, % of the median) and the
     default's median over its own (> 1: faster than the default)."""
     table = ["", "backward ms, median over rounds (spread %); x default: time ratio (> 1 faster)",
-             "| L | D | dtype | causal | build | bwd ms | x default |", "|---|---|---|---|---|---|---|"]
-    ref = {(r["L"], r["D"], r["dtype"], r["causal"]): statistics.median(r["ms"])
-           for r in recs if r["build"] == "default"}
+             "| L | D | dtype | causal | mode | build | bwd ms | x default |",
+             "|---|---|---|---|---|---|---|---|"]
+    def key(r):
+        return r["L"], r["D"], r["dtype"], r["causal"], r.get("mode", "det")
+
+    ref = {key(r): statistics.median(r["ms"]) for r in recs if r["build"] == "default"}
     for r in recs:
         med = statistics.median(r["ms"])
-        k = (r["L"], r["D"], r["dtype"], r["causal"])
+        k = key(r)
         spread = 100 * (max(r["ms"]) - min(r["ms"])) / med
-        table.append(f"| {k[0]} | {k[1]} | {k[2]} | {int(k[3])} | {r['build']} | {med:.3f} "
-                     f"({spread:.1f}%) | {ref[k] / med:.3f} |")
+        table.append(f"| {k[0]} | {k[1]} | {k[2]} | {int(k[3])} | {k[4]} | {r['build']} | "
+                     f"{med:.3f} ({spread:.1f}%) | {ref[k] / med:.3f} |")
     return table
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", required=True, help="';'-separated macro sets, e.g. 'A=0;B=1'")
+    ap.add_argument("--variants", required=True,
+                    help="';'-separated builds, each macros separated by ',' or spaces, "
+                         "e.g. 'A=0;B=1,C=2'")
     ap.add_argument("--lengths", default="2048,8192")
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--dtypes", default="fp16,bf16")
+    ap.add_argument("--modes", default="det",
+                    help="det (deterministic=True), default (the one-kernel scheme where the "
+                         "table picks it), or both: 'det,default'")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None)
@@ -116,7 +127,8 @@ def main():
 
     os.environ["CUPY_PIECEWISE_PATH"] = "mma"
     dims = [int(x) for x in args.dims.split(",")]
-    macro_sets = [""] + [v.strip() for v in args.variants.split(";") if v.strip()]
+    macro_sets = [""] + [" ".join(v.replace(",", " ").split())
+                         for v in args.variants.split(";") if v.strip()]
     t0 = time.time()
     count, failed = precompile(macro_sets, dims, args.jobs)
     print(f"precompiled {count} kernels in {time.time() - t0:.0f} s; {len(failed)} failed",
@@ -150,7 +162,7 @@ def main():
             for dname in args.dtypes.split(","):
                 dt = DTYPES[dname]
                 q1, k1, q2, k2, v, do = (to_device(x, dt) for x in host)
-                for causal in (False, True):
+                for causal, mode in itertools.product((False, True), args.modes.split(",")):
                     builds[0].activate(base)
                     o, lse = cupy_piecewise.attention(q1, k1, q2, k2, v, L // 4, causal=causal,
                                                       return_lse=True)
@@ -158,7 +170,7 @@ def main():
                     def bwd():
                         return cupy_piecewise.attention_backward(
                             do, q1, k1, q2, k2, v, o, lse, L // 4, causal=causal,
-                            deterministic=True)
+                            deterministic=mode == "det")
 
                     ms = {n: [] for n in names}
                     for rnd in range(args.rounds):
@@ -167,15 +179,17 @@ def main():
                             b.activate(base)
                             ms[n].append(time_backward(cupy, bwd, 3, args.reps))
                     for n in names:
-                        recs.append(dict(L=L, D=D, dtype=dname, causal=causal, build=n, ms=ms[n]))
-                    say(" | ".join([f"L {L} D {D} {dname} causal {int(causal)}"] +
+                        recs.append(dict(L=L, D=D, dtype=dname, causal=causal, mode=mode,
+                                         build=n, ms=ms[n]))
+                    say(" | ".join([f"L {L} D {D} {dname} causal {int(causal)} {mode}"] +
                                    [f"{n}: {statistics.median(ms[n]):.3f} ms" for n in names]))
     builds[0].activate(base)
     table = summary_table(recs)
     for line in table:
         say(line)
     if args.out:
-        head = [f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+        now = datetime.datetime.now(datetime.timezone.utc)
+        head = [f"- date: {now.isoformat(timespec='seconds')}",
                 f"- gpu: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}",
                 f"- cupy: {cupy.__version__}",
                 "- command: python3 " + " ".join(sys.argv)]

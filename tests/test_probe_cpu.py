@@ -183,12 +183,17 @@ def test_mma_bwd_ab_table_and_cache_swap(monkeypatch):
     mma_bwd_ab = pytest.importorskip("mma_bwd_ab")
     from cupy_piecewise import compile as comp, launch
 
-    recs = [dict(L=8192, D=64, dtype="fp16", causal=False, build="default", ms=[10.0, 12.0, 11.0]),
-            dict(L=8192, D=64, dtype="fp16", causal=False, build="X=0", ms=[11.0, 13.2, 12.1])]
-    rows = {line.split("|")[5].strip(): [c.strip() for c in line.split("|")[6:8]]
-            for line in mma_bwd_ab.summary_table(recs) if line.startswith("| 8192")}
-    assert rows["default"] == ["11.000 (18.2%)", "1.000"]
-    assert rows["X=0"] == ["12.100 (18.2%)", f"{11.0 / 12.1:.3f}"]
+    recs = [dict(L=8192, D=64, dtype="fp16", causal=False, mode="det", build="default",
+                 ms=[10.0, 12.0, 11.0]),
+            dict(L=8192, D=64, dtype="fp16", causal=False, mode="det", build="X=0",
+                 ms=[11.0, 13.2, 12.1]),
+            dict(L=8192, D=64, dtype="fp16", causal=False, mode="default", build="default",
+                 ms=[5.0, 5.0, 5.0])]
+    table = [line for line in mma_bwd_ab.summary_table(recs) if line.startswith("| 8192")]
+    assert [line.split("|")[5].strip() for line in table] == ["det", "det", "default"]
+    assert table[0].split("|")[7:9] == [" 11.000 (18.2%) ", " 1.000 "]
+    assert table[1].split("|")[7:9] == [" 12.100 (18.2%) ", f" {11.0 / 12.1:.3f} "]
+    assert table[2].split("|")[7:9] == [" 5.000 (0.0%) ", " 1.000 "]  # its own mode's default
 
     for name in ("BASE_OPTIONS", "_functions", "_modules"):
         monkeypatch.setattr(comp, name, getattr(comp, name))
