@@ -25,7 +25,8 @@
 # backward's dk/dv) against the default, and PW_BWD_P_FIXED=0 as a control that must differ;
 # logs in logs/bitwise_*.txt.
 # ncu_mma (not in all): Nsight Compute on the mma.sync deterministic backward's dq and dk/dv
-# kernels, bfloat16 against float16 (L 8192, D 64), logs in logs/ncu_mma_bwd_*.txt.
+# kernels, bfloat16 against float16 (L 8192, D 64), logs in logs/ncu_mma_bwd_*.txt, and on the
+# mma.sync D = 128 forward with source counters, logs/ncu_mma_fwd_d128.txt.
 # ncu (not in all): Nsight Compute on the Hopper backward kernel (scripts/profile_case.py),
 # non-causal and causal, on the Hopper forward at L = 2048 (D 64 and 128) and on the KV-cache
 # decode kernel, logs in logs/ncu_*.txt.
@@ -178,6 +179,16 @@ if asked ncu_mma; then
     grep -E "pw_backward|Duration|Executed Ipc|Issue Slots|Stall" "$logs/ncu_mma_bwd_$dt.txt" | head -24
     status=$((status | rc))
   done
+  # the mma.sync forward at D = 128 (128x32x4, one key slot), bfloat16, L 8192, non-causal,
+  # where it is furthest from FlashAttention-2 (0.81-0.87x): executed instructions and the
+  # source counters' hot spots (which SASS lines issue most), to set against the static loop
+  CUPY_PIECEWISE_PATH=mma timeout 240 ncu --clock-control none -k "regex:^pw_forward$" \
+    --launch-skip 2 --launch-count 1 --section SpeedOfLight --section InstructionStats \
+    --section WarpStateStats --section SchedulerStats --section SourceCounters \
+    python3 scripts/profile_case.py --L 8192 --D 128 > "$logs/ncu_mma_fwd_d128.txt" 2>&1
+  rc=$?; echo "ncu mma fwd d128: exit $rc"
+  grep -E "pw_forward|Duration|Executed Instructions|Issue Slots|Stall" "$logs/ncu_mma_fwd_d128.txt" | head -12
+  status=$((status | rc))
 fi
 if asked kvprobe; then
   # the Hopper decode's A/B probe: KVPROBE_CONFIGS (';'-separated, scripts/kvdecode_probe.py)
