@@ -9,15 +9,16 @@
 # scripts/hopper_bwd_probe.py), about 4 minutes each, logs in logs/hopper_*.txt.
 # kvprobe (not in all): scripts/kvdecode_probe.py, the Hopper decode's A/B probe, configs from
 # KVPROBE_CONFIGS (default "base;pdl=0 pdld=0"), about 1-2 minutes per macro set.
-# mma_probes (not in all): the mma.sync forward and backward A/B probes of the builds made
-# default on 2026-12-04 (bench/NOTES.md, twenty-second session): scripts/mma_fwd_probe.py with
-# -DPW_FWD_LAZY_RESCALE=0 (eager rescale) beside the default build; scripts/mma_bwd_probe.py
-# in bfloat16 and float16 with the default build, then float16 with -DPW_BWD_P_FIXED=0 (the
-# per-row P scale); then scripts/mma_bwd_ab.py, the deterministic backward's default against
-# -DPW_BWD_DS_PRESCALE=0 (fit_rows' per-row dS fit) and -DPW_FIT_HEADROOM=2 and =4 (the float16
-# rescale with headroom, an A/B build) in one process, and the default (one-kernel) float16
-# backward against -DPW_BWD_FUSED_VOTE=1 (its dK fit by the warp vote), alone and with
-# headroom 4. A few minutes each, logs in logs/mma_*.txt.
+# mma_probes (not in all): the mma.sync backward's open A/B builds (bench/NOTES.md,
+# twenty-third session): scripts/mma_bwd_probe.py in bfloat16 and float16 (the default
+# build against SDPA flash), then scripts/mma_bwd_ab.py in one process each: the
+# deterministic backward's default against -DPW_BWD_DS_PRESCALE=0 (fit_rows' per-row dS fit)
+# and -DPW_FIT_HEADROOM=2 and =4 (the float16 rescale with headroom), and the default
+# (one-kernel) backward against -DPW_BWD_FUSED_VOTE=1 (its dK fit by the warp vote), alone
+# and with headroom 4. About 1-3 minutes each, logs in logs/mma_*.txt. (The forward's lazy
+# rescale and the fixed P scale, made default on 2026-12-04, were timed by
+# scripts/mma_fwd_probe.py --variants PW_FWD_LAZY_RESCALE=0 and mma_bwd_probe.py --macros
+# PW_BWD_P_FIXED=0: bench/results/2026-12-04-h200-ds-prescale-vote.)
 # PW_TEST_MACROS (tests/conftest.py) compiles every kernel of the tests step with those -D
 # options: an A/B build through the suite before it becomes the default.
 # bitwise (not in all): scripts/bitwise_ab.py, the builds argued to give identical bits
@@ -141,8 +142,7 @@ if asked probes; then
   done
 fi
 if asked mma_probes; then
-  for args in "mma_fwd_probe --variants PW_FWD_LAZY_RESCALE=0 --tiles 128:128x32x4 --lengths 2048,4096,16384 --rounds 5" \
-              "mma_bwd_probe --dtypes bf16,fp16" "mma_bwd_probe --dtypes fp16 --macros PW_BWD_P_FIXED=0" \
+  for args in "mma_bwd_probe --dtypes bf16,fp16" \
               "mma_bwd_ab --variants PW_BWD_DS_PRESCALE=0;PW_FIT_HEADROOM=2;PW_FIT_HEADROOM=4" \
               "mma_bwd_ab --modes default --dtypes fp16,bf16 --variants PW_BWD_FUSED_VOTE=1;PW_BWD_FUSED_VOTE=1,PW_FIT_HEADROOM=4"; do
     name=$(echo "$args" | tr ' =,;:' '_____' | tr -d '-' | tr -s '_' | cut -c1-60)
