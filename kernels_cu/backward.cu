@@ -57,22 +57,18 @@ template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
 // checks it against float16's range (a warp vote per 16-row block) instead of fit_rows' per-row
 // max-abs reduction, shuffles and per-element multiply. In the dq kernel the scale rides on
 // the subtraction, fma(dp, 2^e, -delta 2^e); in the dk/dv kernel it joins P's 2^-14 in one
-// factor 2^(e - 14). The result is bitwise fit_rows' result: every changed product is by a
-// power of two, exact in float32's normal range. With float16 inputs |dp - delta| < 2^41
+// factor 2^(e - 14). At PW_FIT_HEADROOM=0 (common.cuh; the default is 4, which rescales to a
+// lower target and changes subnormal bits) the result is bitwise fit_rows' result: every
+// changed product is by a power of two, exact in float32's normal range. With float16 inputs |dp - delta| < 2^41
 // (D = 256), so dS times the first tile's scale (2^60 in dq, PW_SCALE_INIT; 2^46 in dk/dv)
 // stays finite unless a dlse beyond about 2^67 (dq) or 2^80 enters delta; then the float16
 // gradients overflow in both builds, but the bits differ. The one-kernel backward keeps
-// fit_rows: it stashes dS for dQ before dK's scale is applied. PW_BWD_DS_PRESCALE=0 builds
-// the per-row fit in both kernels, for A/B runs.
+// fit_rows: it stashes dS for dQ before dK's scale is applied (fitting its dK rows by the vote
+// instead, PW_BWD_FUSED_VOTE, timed 0.98-1.02x on the H200 and removed: bench/NOTES.md,
+// twenty-fourth session). PW_BWD_DS_PRESCALE=0 builds the per-row fit in both kernels, for
+// A/B runs.
 #ifndef PW_BWD_DS_PRESCALE
 #define PW_BWD_DS_PRESCALE 1
-#endif
-// PW_BWD_FUSED_VOTE=1 (an A/B build, 0 by default, not yet timed): the one-kernel backward,
-// which stashes dS unscaled for dQ and so keeps fit_rows for dK, fits dK's rows by the warp
-// vote instead (common.cuh, fit_rows_by_vote; same bits, argued there). Not in FixedP's
-// exempt entry, which already spills with the fixed P and spills 12 bytes with the vote.
-#ifndef PW_BWD_FUSED_VOTE
-#define PW_BWD_FUSED_VOTE 0
 #endif
 
 // delta[b, h, i] = sum_d dO[i, d] * O[i, d], one warp per row, 16-byte loads.
@@ -550,8 +546,6 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
             smem_addr(smem + L::ds_offset + warp * L::warp_rows * L::ds_pitch_bytes), s,
             (int)clamp64(N - row0, 0, L::warp_rows), lane);
       if constexpr (DS_PRESCALE) fit_scaled_rows<T, BM / 8, D / 8, MW>(s, dk, ex_k);
-      else if constexpr (FUSED && FP::on && PW_BWD_FUSED_VOTE != 0)
-        fit_rows_by_vote<T, BM / 8, D / 8, MW>(s, dk, ex_k);
       else fit_rows<T, BM / 8, D / 8, MW>(s, dk, ex_k);
       // dk_pair = dS_pair^T q_pair: q2 follows q1 in a stage (traits.cuh).
       mma_xb<T, D, BM, MW>(dk, s, smem_addr(st + L::q1_in_stage + (pair - 1) * L::q_tile_elems),

@@ -674,16 +674,17 @@ template <> struct RowScale<half_t> {
 #define PW_SCALE_INIT 60  // exponent before any entry is seen (finite in float32)
 // fit_scaled_rows' target when it rescales: a row's largest |x| lands in [2^(14-H), 2^(15-H))
 // for headroom H, while it still rescales only at 2^15, so the row's largest may grow 2^H-fold
-// before the next rescale. An A/B build, 0 (fit_rows' target) by default, not yet timed: a
-// CPU model of the deterministic backward on the probes' N(0, 1) inputs (D 64/128, w = L/4,
-// scripts/fit_vote_model.py) sends 30-42% (dq) and 38-46% (dk/dv) of the 16-row blocks of a
-// tile down the per-row path at L = 2048, H = 0, and 2-8% at H = 4 (a row's first tile
-// always goes: 1.6% and 3.1% of the non-causal tiles). Scaling by powers of two leaves
-// float16's rounding unchanged except for entries between 2^(28-H) and 2^28 below the row's
-// largest, which H moves into float16's subnormals (bits change there, by far less than the
-// rounding of the row's large entries).
+// before the next rescale. Default 4, measured on the H200 (2026-12-04, scripts/mma_bwd_ab.py,
+// deterministic backward, one process): float16 1.02-1.09x faster than H = 0 at L 2048 and
+// 8192, D 64 and 128 (H = 2: 1.00-1.05x). A CPU model of the same inputs
+// (scripts/fit_vote_model.py) says why: at L = 2048, H = 0 sends 30-42% (dq) and 38-46%
+// (dk/dv) of the 16-row blocks of a tile down the per-row path, H = 4 2-8% (a row's first tile
+// always goes). Scaling by powers of two leaves float16's rounding unchanged except for
+// entries between 2^(28-H) and 2^28 below the row's largest, which H moves into float16's
+// subnormals (bits change there, by far less than the rounding of the row's large entries).
+// -DPW_FIT_HEADROOM=0 builds the previous default (fit_rows' target, its bits) for A/B runs.
 #ifndef PW_FIT_HEADROOM
-#define PW_FIT_HEADROOM 0
+#define PW_FIT_HEADROOM 4
 #endif
 
 PW_DEVICE float pow2f(int e) { return __int_as_float((127 + e) << 23); }  // e in [-126, 127]
@@ -768,21 +769,6 @@ PW_DEVICE void fit_scaled_rows(float x[MW][NB][4], float acc[MW][NA][4], int ex[
       }
     }
   }
-}
-
-// fit_rows by fit_scaled_rows' vote: x is scaled by the rows' current 2^e first, and only a
-// 16-row block where some row then reaches 2^15 runs the per-row work, where fit_rows reduces
-// every row's max-abs (two shuffles) and compares on every tile. Same bits at
-// PW_FIT_HEADROOM = 0 (fit_scaled_rows' note) unless x * 2^e overflows float32 before the
-// rescale (|x| >= 2^68 on a row's first tile, where e starts at PW_SCALE_INIT).
-template <typename T, int NB, int NA, int MW>
-PW_DEVICE void fit_rows_by_vote(float x[MW][NB][4], float acc[MW][NA][4], int ex[MW][2]) {
-  if (!RowScale<T>::active) return;
-#pragma unroll
-  for (int mi = 0; mi < MW; ++mi)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) scale_row<NB, MW>(x, mi, hh, pow2f(ex[mi][hh]));
-  fit_scaled_rows<T, NB, NA, MW>(x, acc, ex);
 }
 
 template <typename T, int MW> PW_DEVICE void init_rows(int ex[MW][2]) {

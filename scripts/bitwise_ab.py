@@ -5,9 +5,12 @@ deterministic backward) must agree bit for bit.
 For the builds whose results are argued to be identical (bench/NOTES.md, twenty-second and
 twenty-third sessions): ``PW_FWD_LAZY_RESCALE=0`` against the default lazy rescale (head dim
 128), ``PW_BWD_DS_PRESCALE=0`` (fit_rows' per-row dS fit) against the default prescaled dS,
-and ``PW_BWD_P_FIXED=0`` as a control that must differ in float16. ``--default-backward``
-compares the default backward instead (the one-kernel scheme where the tile table picks it,
-e.g. ``PW_BWD_FUSED_VOTE=1``), without dq1 and dq2, whose float32 atomics add in any order.
+and ``PW_BWD_P_FIXED=0`` as a control that must differ in float16. ``--base`` sets the
+baseline build's macros (default: none), e.g. ``--macros PW_BWD_DS_PRESCALE=0 --base
+PW_FIT_HEADROOM=0``: the prescaled dS is fit_rows' bits at headroom 0 (the default headroom 4
+changes float16 subnormal bits by design). ``--default-backward`` compares the default
+backward instead (the one-kernel scheme where the tile table picks it), without dq1 and dq2,
+whose float32 atomics add in any order.
 Run on a GPU from the repo root::
 
     PYTHONPATH=$PWD python3 scripts/bitwise_ab.py --macros PW_BWD_DS_PRESCALE=0
@@ -75,6 +78,7 @@ def cases_of(a):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--macros", required=True, help="space-separated, e.g. 'PW_BWD_DS_PRESCALE=0'")
+    ap.add_argument("--base", default="", help="the baseline build's macros (default: none)")
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--dtypes", default="float16,bfloat16")
     ap.add_argument("--lengths", default="1024,4096")
@@ -97,7 +101,7 @@ def main(argv=None) -> int:
               "--seed", str(a.seed), "--worker"] + (["--default-backward"] * a.default_backward)
     with tempfile.TemporaryDirectory() as tmp:
         dirs = []
-        for k, macros in enumerate(("", a.macros)):
+        for k, macros in enumerate((a.base, a.macros)):
             d = os.path.join(tmp, str(k))
             os.mkdir(d)
             subprocess.run([sys.executable, __file__, "--macros", macros, "--dump", d, *common],
@@ -113,7 +117,8 @@ def main(argv=None) -> int:
             differ += bool(bad)
             print(f"D{case[0]} {case[1]} causal={case[2]} L={case[3]}: "
                   + (f"DIFFER in {', '.join(bad)}" if bad else "bitwise identical"))
-    print(f"{a.macros}: {differ} of {len(cases)} cases differ")
+    print(f"{a.macros}" + (f" against {a.base}" if a.base else "")
+          + f": {differ} of {len(cases)} cases differ")
     if a.expect_differ:
         return 0 if differ else 1
     return 1 if differ else 0

@@ -9,22 +9,18 @@
 # scripts/hopper_bwd_probe.py), about 4 minutes each, logs in logs/hopper_*.txt.
 # kvprobe (not in all): scripts/kvdecode_probe.py, the Hopper decode's A/B probe, configs from
 # KVPROBE_CONFIGS (default "base;pdl=0 pdld=0"), about 1-2 minutes per macro set.
-# mma_probes (not in all): the mma.sync backward's open A/B builds (bench/NOTES.md,
-# twenty-third session): scripts/mma_bwd_probe.py in bfloat16 and float16 (the default
-# build against SDPA flash), then scripts/mma_bwd_ab.py in one process each: the
-# deterministic backward's default against -DPW_BWD_DS_PRESCALE=0 (fit_rows' per-row dS fit)
-# and -DPW_FIT_HEADROOM=2 and =4 (the float16 rescale with headroom), and the default
-# (one-kernel) backward against -DPW_BWD_FUSED_VOTE=1 (its dK fit by the warp vote), alone
-# and with headroom 4. About 1-3 minutes each, logs in logs/mma_*.txt. (The forward's lazy
-# rescale and the fixed P scale, made default on 2026-12-04, were timed by
-# scripts/mma_fwd_probe.py --variants PW_FWD_LAZY_RESCALE=0 and mma_bwd_probe.py --macros
-# PW_BWD_P_FIXED=0: bench/results/2026-12-04-h200-ds-prescale-vote.)
+# mma_probes (not in all): the mma.sync backward against SDPA flash (scripts/mma_bwd_probe.py,
+# bfloat16 and float16), then scripts/mma_bwd_ab.py in one process: the deterministic
+# backward's default against -DPW_FIT_HEADROOM=0 (the float16 rescale without headroom, the
+# default until 2026-12-04) and -DPW_BWD_DS_PRESCALE=0 (fit_rows' per-row dS fit). About 1-3
+# minutes each, logs in logs/mma_*.txt. (Earlier A/Bs and their figures: bench/NOTES.md and
+# bench/results/2026-12-04-h200-ds-prescale-vote, 2026-12-04-h200-fit-headroom.)
 # PW_TEST_MACROS (tests/conftest.py) compiles every kernel of the tests step with those -D
 # options: an A/B build through the suite before it becomes the default.
 # bitwise (not in all): scripts/bitwise_ab.py, the builds argued to give identical bits
-# (PW_FWD_LAZY_RESCALE=0, PW_BWD_DS_PRESCALE=0, and PW_BWD_FUSED_VOTE=1 on the default
-# backward's dk/dv) against the default, and PW_BWD_P_FIXED=0 as a control that must differ;
-# logs in logs/bitwise_*.txt.
+# (PW_FWD_LAZY_RESCALE=0 against the default; PW_BWD_DS_PRESCALE=0 against PW_FIT_HEADROOM=0,
+# since the default headroom changes float16 subnormal bits by design), and PW_BWD_P_FIXED=0
+# as a control that must differ; logs in logs/bitwise_*.txt.
 # ncu_mma (not in all): Nsight Compute on the mma.sync deterministic backward's dq and dk/dv
 # kernels, bfloat16 against float16 (L 8192, D 64), logs in logs/ncu_mma_bwd_*.txt, and on the
 # mma.sync D = 128 forward with source counters, logs/ncu_mma_fwd_d128.txt.
@@ -143,8 +139,7 @@ if asked probes; then
 fi
 if asked mma_probes; then
   for args in "mma_bwd_probe --dtypes bf16,fp16" \
-              "mma_bwd_ab --variants PW_BWD_DS_PRESCALE=0;PW_FIT_HEADROOM=2;PW_FIT_HEADROOM=4" \
-              "mma_bwd_ab --modes default --dtypes fp16,bf16 --variants PW_BWD_FUSED_VOTE=1;PW_BWD_FUSED_VOTE=1,PW_FIT_HEADROOM=4"; do
+              "mma_bwd_ab --variants PW_FIT_HEADROOM=0;PW_BWD_DS_PRESCALE=0"; do
     name=$(echo "$args" | tr ' =,;:' '_____' | tr -d '-' | tr -s '_' | cut -c1-60)
     read -r -a argv <<< "$args"  # the script, then its options
     timeout 300 python3 "scripts/${argv[0]}.py" "${argv[@]:1}" --out "$logs/$name.txt" > "$logs/$name.log" 2>&1
@@ -153,7 +148,7 @@ if asked mma_probes; then
   done
 fi
 if asked bitwise; then
-  for m in PW_FWD_LAZY_RESCALE=0 PW_BWD_DS_PRESCALE=0 "PW_BWD_FUSED_VOTE=1 --default-backward" \
+  for m in PW_FWD_LAZY_RESCALE=0 "PW_BWD_DS_PRESCALE=0 --base PW_FIT_HEADROOM=0" \
            "PW_BWD_P_FIXED=0 --expect-differ"; do
     read -r -a argv <<< "$m"
     timeout 240 python3 scripts/bitwise_ab.py --macros "${argv[0]}" "${argv[@]:1}" \

@@ -7,7 +7,7 @@ are skipped with the reason "no CUDA GPU visible to CuPy", never passed silently
 those -D options, so an A/B build of kernels_cu/ (bench/NOTES.md) can go through the whole
 suite before it becomes the default, e.g.::
 
-    PW_TEST_MACROS="PW_FIT_HEADROOM=4" python3 -m pytest -m gpu tests/test_kernels_gpu.py
+    PW_TEST_MACROS="PW_FIT_HEADROOM=0" python3 -m pytest -m gpu tests/test_kernels_gpu.py
 
 The macros are named in the run's header line.
 """

@@ -234,16 +234,14 @@ def test_per_row_p_scale_ab_build_compiles(nvrtc, monkeypatch):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-@pytest.mark.parametrize("macro", ["PW_BWD_DS_PRESCALE=0", "PW_FIT_HEADROOM=4",
-                                   "PW_BWD_FUSED_VOTE=1"])
+@pytest.mark.parametrize("macro", ["PW_BWD_DS_PRESCALE=0", "PW_FIT_HEADROOM=0"])
 def test_float16_ds_fit_ab_builds_compile(nvrtc, monkeypatch, macro):
     """The A/B builds of the float16 dS range fit (the build check covers the defaults)
     build the sm_90 row's float16 dq, dk/dv and one-kernel entries at every head dim without
     spills: -DPW_BWD_DS_PRESCALE=0 (kernels_cu/backward.cu: fit_rows' per-row fit, the
-    default until 2026-12-04), -DPW_FIT_HEADROOM=4 (kernels_cu/common.cuh: fit_scaled_rows
-    rescales a row's largest |dS| to 2^10 rather than 2^14, so fewer tiles take the per-row
-    path) and -DPW_BWD_FUSED_VOTE=1 (the one-kernel backward's dK fit by the warp vote); the
-    last two are 0 by default and not yet timed."""
+    default until 2026-12-04) and -DPW_FIT_HEADROOM=0 (kernels_cu/common.cuh: fit_scaled_rows
+    rescales a row's largest |dS| to 2^14 rather than the default's 2^10, the default until
+    2026-12-04)."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
