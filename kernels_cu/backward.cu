@@ -41,9 +41,16 @@
 // PW_BWD_P_FIXED=0 builds the per-row scale everywhere, for A/B runs.
 // KEEP_ROW_SCALE exempts one entry: the sm_90 row's one-kernel D = 128 causal backward (BM = 32)
 // spills 16 bytes with the fixed factor (NVRTC 13.5, 2026-12-04; 245 registers without), and
-// the build check refuses spills (cupy_piecewise/build_check.py).
+// the build check refuses spills (cupy_piecewise/build_check.py). The spill is four
+// loop-invariant address terms, stored before the tile loop and reloaded once each per tile
+// (4 LDL in a loop of about 1600 instructions, SASS); forming dS by one fma did not remove it.
+// -DPW_BWD_P_FIXED_EXEMPT=0 builds that entry with the fixed factor anyway, for an A/B timing
+// of whether the spill costs what the per-row scale does (not timed yet).
 #ifndef PW_BWD_P_FIXED
 #define PW_BWD_P_FIXED 1
+#endif
+#ifndef PW_BWD_P_FIXED_EXEMPT
+#define PW_BWD_P_FIXED_EXEMPT 1
 #endif
 template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
   static constexpr bool on = PW_BWD_P_FIXED != 0 && RowScale<T>::active && !KEEP_ROW_SCALE;
@@ -375,7 +382,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
   using L = BwdDkvTraits<DS, BM, BN, WARPS, FUSED>;
   constexpr int MW = L::MW;                  // 16-row (key) blocks per warp (1 or 2)
   constexpr int THREADS = L::threads;
-  using FP = FixedP<T, FUSED && CAUSAL && D == 128 && BM == 32>;  // P's scale (see FixedP)
+  using FP = FixedP<T, PW_BWD_P_FIXED_EXEMPT != 0 && FUSED && CAUSAL && D == 128 && BM == 32>;
   // dS leaves its product already at dK's row scale (PW_BWD_DS_PRESCALE); not in the fused
   // kernel, which stashes dS unscaled for dQ
   constexpr bool DS_PRESCALE = PW_BWD_DS_PRESCALE != 0 && FP::on && !FUSED;

@@ -13,7 +13,9 @@
 # bfloat16 and float16), then scripts/mma_bwd_ab.py in one process: the deterministic
 # backward's default against -DPW_FIT_HEADROOM=0 (the float16 rescale without headroom, the
 # default until 2026-12-04) and -DPW_BWD_DS_PRESCALE=0 (fit_rows' per-row dS fit). About 1-3
-# minutes each, logs in logs/mma_*.txt. (Earlier A/Bs and their figures: bench/NOTES.md and
+# minutes each, logs in logs/mma_*.txt. Then the default (one-kernel) backward in float16 at
+# D = 128 against -DPW_BWD_P_FIXED_EXEMPT=0 (the causal 32x64x4 entry with the fixed P scale
+# and its 16-byte spill; kernels_cu/backward.cu, FixedP). (Earlier A/Bs and their figures: bench/NOTES.md and
 # bench/results/2026-12-04-h200-ds-prescale-vote, 2026-12-04-h200-fit-headroom.)
 # PW_TEST_MACROS (tests/conftest.py) compiles every kernel of the tests step with those -D
 # options: an A/B build through the suite before it becomes the default.
@@ -139,7 +141,8 @@ if asked probes; then
 fi
 if asked mma_probes; then
   for args in "mma_bwd_probe --dtypes bf16,fp16" \
-              "mma_bwd_ab --variants PW_FIT_HEADROOM=0;PW_BWD_DS_PRESCALE=0"; do
+              "mma_bwd_ab --variants PW_FIT_HEADROOM=0;PW_BWD_DS_PRESCALE=0" \
+              "mma_bwd_ab --modes default --dtypes fp16,bf16 --dims 128 --variants PW_BWD_P_FIXED_EXEMPT=0"; do
     name=$(echo "$args" | tr ' =,;:' '_____' | tr -d '-' | tr -s '_' | cut -c1-60)
     read -r -a argv <<< "$args"  # the script, then its options
     timeout 300 python3 "scripts/${argv[0]}.py" "${argv[@]:1}" --out "$logs/$name.txt" > "$logs/$name.log" 2>&1
