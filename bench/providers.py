@@ -16,7 +16,10 @@ Names (docs/semantics.md / SPEC "Benchmark results format"):
                   F.scaled_dot_product_attention on q1, k1, v (standard attention), one backend
                   each; the memory-efficient one also takes float32
   torch_plain     two score matrices, torch.where, float32 softmax, @ v
-  flag_attn       flag_attn.piecewise_attention (the original Triton design) when it imports
+  flag_attn       the original Triton design: flag_attn.piecewise_attention when the package
+                  imports, else FlagAttention's piecewise.py found by bench/flag_attn_seed.py
+                  (PW_FLAG_ATTN_SOURCE, .baselines/flag_attn/piecewise.py, the design seed),
+                  with its A100 tile table on any GPU (PW_FLAG_ATTN_TABLE=native: its own)
 """
 from __future__ import annotations
 
@@ -122,25 +125,40 @@ class PiecewiseDeterministic(Piecewise):
 
 
 class FlagAttn(Provider):
+    """The original Triton design: the installed ``flag_attn`` package's piecewise_attention,
+    else FlagAttention's piecewise.py found by bench/flag_attn_seed.py, run with its A100
+    tile table (``PW_FLAG_ATTN_TABLE``: a100, rtx3090 or native)."""
     name = "flag_attn"
 
     def __init__(self, env, plain_mem_bytes):
         super().__init__(env, plain_mem_bytes)
-        self._mod = None
+        self._fn = None
         self._err = None
+        self.origin = None
         try:
             import flag_attn
-            self._mod = flag_attn
+            self._fn, self.origin = flag_attn.piecewise_attention, "flag_attn package"
         except Exception as e:
             self._err = f"not installed ({type(e).__name__}: {str(e)[:120]})"
-        if self._mod is not None and not env.cuda:
+            import flag_attn_seed
+            path = flag_attn_seed.find_source()
+            if path is not None:
+                table = os.environ.get("PW_FLAG_ATTN_TABLE", "a100")
+                try:
+                    mod = flag_attn_seed.load(path, table)
+                    self._fn, self._err = mod.attention, None
+                    self.origin = f"{os.path.basename(path)} ({table} table)"
+                except Exception as e2:
+                    self._err += (f"; {path} did not load ({type(e2).__name__}: "
+                                  f"{str(e2)[:120]})")
+        if self._fn is not None and not env.cuda:
             self._err = "skipped: flag_attn needs a CUDA device (dry run)"
 
     def unavailable(self):
         return self._err
 
     def forward(self, s, w, causal, sm_scale):
-        return self._mod.piecewise_attention(s.q1, s.k1, s.q2, s.k2, s.v, w, causal=causal, sm_scale=sm_scale)
+        return self._fn(s.q1, s.k1, s.q2, s.k2, s.v, w, causal=causal, sm_scale=sm_scale)
 
 
 class Sdpa(Provider):

@@ -269,6 +269,7 @@ def render_header(res):
         f"- torch {h['torch']}, cupy {h['cupy']}, triton {h['triton']}, numpy {h['numpy']}, CUDA {h['cuda_runtime']}",
         f"- command: `{h['command']}`",
         f"- git commit: {h.get('git_commit')}",
+        *[f"- {n}: {o}" for n, o in (h.get("provider_origins") or {}).items()],
         f"- timer: {h['timer']}",
         f"- phases: {h['phases_note']}",
         f"- FLOPs: {h['flop_convention']}",

@@ -85,6 +85,10 @@ class Runner:
             "flop_convention": "fwd 4*B*H*M*N*D (x0.5 when causal and M == N); bwd 2.5x fwd; fwd_bwd 3.5x fwd",
             "git_commit": _git_commit(),
             "env": {k: os.environ.get(k) for k in ("CUPY_PIECEWISE_PATH", "CUPY_PIECEWISE_TILES")},
+            # where a provider's code came from, when that can differ (flag_attn: the package or
+            # FlagAttention's piecewise.py and the tile table it ran with)
+            "provider_origins": {n: p.origin for n, p in self.providers.items()
+                                 if getattr(p, "origin", None)},
         }
         if env.cuda:
             p = torch.cuda.get_device_properties(env.device)
