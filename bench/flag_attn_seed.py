@@ -16,7 +16,11 @@ The lent GPU machines see only the working tree, so copy the file to
 The file picks its tile sizes from ``torch.cuda.get_device_capability()``: (8, 0) gets its A100
 table, (8, 6) its RTX 3090 one, anything else (the H100/H200 included) a 32x32 fallback of one
 stage. :func:`load` with ``table="a100"`` (the default) makes the module see (8, 0) so that the
-A100 table is what runs, on any GPU; ``table="native"`` leaves the capability alone.
+A100 table is what runs, on any GPU; ``table="native"`` leaves the capability alone. The table
+sets tile sizes only: on an H100/H200 Triton may still compile the file's ``tl.dot`` to Hopper's
+wgmma, so there it is not an mma.sync-for-mma.sync comparison with the forced mma.sync path.
+Its distance threshold is a ``tl.constexpr``: each new ``w`` compiles new kernels (the bench's
+warm-up absorbs that; w = L/4 is one per length).
 """
 from __future__ import annotations
 
