@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes bitwise ncu ncu_mma kvprobe | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma kvprobe | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -26,6 +26,9 @@
 # ncu_mma (not in all): Nsight Compute on the mma.sync deterministic backward's dq and dk/dv
 # kernels, bfloat16 against float16 (L 8192, D 64), logs in logs/ncu_mma_bwd_*.txt, and on the
 # mma.sync D = 128 forward with source counters, logs/ncu_mma_fwd_d128.txt.
+# mma_bench (not in all): issue 15's SPEC-format table, piecewise_mma beside sdpa_flash,
+# sdpa_cudnn, flex_composite and flag_attn (carry .baselines for it: bench/README.md), about
+# 8-9 minutes, results in OUTDIR/mma_bench.
 # ncu (not in all): Nsight Compute on the Hopper backward kernel (scripts/profile_case.py),
 # non-causal and causal, on the Hopper forward at L = 2048 (D 64 and 128) and on the KV-cache
 # decode kernel, logs in logs/ncu_*.txt.
@@ -99,6 +102,15 @@ if has bench; then
   timeout 900 python3 bench/bench.py ${BENCH_ARGS:---quick} --out "$out/bench" 2>&1 | tee "$logs/bench.log" | tail -45
   status=$((status | ${PIPESTATUS[0]}))
   tar czf "$out/bench.tgz" -C "$out" bench && rm -rf "$out/bench"
+fi
+if asked mma_bench; then
+  # issue 15's table: the mma.sync path forced beside SDPA flash and cuDNN, flex_composite and
+  # the original Triton design (flag_attn: needs .baselines carried, bench/README.md), SPEC
+  # format; the Triton compiles come out of the budget, hence 480 s
+  timeout 560 python3 bench/bench.py --lengths 2048,8192,16384 --dims 64,128 --dtypes bf16,fp16 \
+    --providers piecewise_mma,sdpa_flash,sdpa_cudnn,flex_composite,flag_attn --phases fwd,fwd_bwd \
+    --sections main --budget-s 480 --no-plots --out "$out/mma_bench" 2>&1 | tee "$logs/mma_bench.log" | tail -40
+  status=$((status | ${PIPESTATUS[0]}))
 fi
 if asked ncu; then
   # the Hopper backward's main kernel at L = 8192, D = 128 (non-causal, bf16): one launch
