@@ -4,16 +4,16 @@ deterministic backward) must agree bit for bit.
 
 For the builds whose results are argued to be identical (bench/NOTES.md, twenty-second and
 twenty-third sessions): ``PW_FWD_LAZY_RESCALE=0`` against the default lazy rescale (head dim
-128), ``PW_BWD_DS_PRESCALE=0`` (fit_rows' per-row dS fit) against the default prescaled dS,
-and ``PW_BWD_P_FIXED=0`` as a control that must differ in float16. ``--base`` sets the
-baseline build's macros (default: none), e.g. ``--macros PW_BWD_DS_PRESCALE=0 --base
-PW_FIT_HEADROOM=0``: the prescaled dS is fit_rows' bits at headroom 0 (the default headroom 4
-changes float16 subnormal bits by design). ``--default-backward`` compares the default
+128), ``PW_BWD_DS_PRESCALE=0`` (fit_rows' per-row dS fit) against the prescaled dS at
+``PW_FIT_HEADROOM=0`` (``--base``: the baseline build's macros, default none; the default
+headroom 4 changes float16 subnormal bits by design), and ``PW_BWD_P_FIXED=0`` as a control
+that must differ in float16. ``--default-backward`` compares the default
 backward instead (the one-kernel scheme where the tile table picks it), without dq1 and dq2,
 whose float32 atomics add in any order.
 Run on a GPU from the repo root::
 
-    PYTHONPATH=$PWD python3 scripts/bitwise_ab.py --macros PW_BWD_DS_PRESCALE=0
+    PYTHONPATH=$PWD python3 scripts/bitwise_ab.py --macros PW_BWD_DS_PRESCALE=0 \
+        --base PW_FIT_HEADROOM=0
     PYTHONPATH=$PWD python3 scripts/bitwise_ab.py --macros PW_FWD_LAZY_RESCALE=0
 
 Exit status 1 when a compared output differs (unless ``--expect-differ``), 0 otherwise.
