@@ -97,8 +97,10 @@ def load(path: str, table: str = "a100"):
     import, since Triton's ``@triton.jit`` reads each kernel's source from its file. With
     ``table`` other than "native" the module's ``torch`` global is a view whose
     ``cuda.get_device_capability()`` answers :data:`TABLES`\\[table], so its tile table is that
-    GPU's. Raises KeyError for an unknown table, OSError when the file cannot be read, and
-    whatever the import raises (ImportError without triton)."""
+    GPU's. Raises ValueError naming ``table`` for an unknown table, OSError when the file
+    cannot be read, and whatever the import raises (ImportError without triton)."""
+    if table not in TABLES:
+        raise ValueError(f"table={table!r} (PW_FLAG_ATTN_TABLE): choose from {', '.join(TABLES)}")
     cap = TABLES[table]
     with open(path, encoding="utf-8") as f:
         text = python_source(f.read())

@@ -69,11 +69,11 @@ template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
 // changed product is by a power of two, exact in float32's normal range. With float16 inputs
 // |dp - delta| < 2^41 (D = 256), so dS times the first tile's scale (2^60 in dq,
 // PW_SCALE_INIT; 2^46 in dk/dv) stays finite unless a dlse beyond about 2^67 (dq) or 2^80
-// enters delta; then the float16 gradients overflow in both builds, but the bits differ. The one-kernel backward keeps
-// fit_rows: it stashes dS for dQ before dK's scale is applied (fitting its dK rows by the vote
-// instead, PW_BWD_FUSED_VOTE, timed 0.98-1.02x on the H200 and removed: bench/NOTES.md,
-// twenty-fourth session). PW_BWD_DS_PRESCALE=0 builds the per-row fit in both kernels, for
-// A/B runs.
+// enters delta; then the float16 gradients overflow in both builds, but the bits differ.
+// The one-kernel backward keeps fit_rows: it stashes dS for dQ before dK's scale is applied
+// (fitting its dK rows by the vote instead, PW_BWD_FUSED_VOTE, timed 0.98-1.02x on the H200
+// and removed: bench/NOTES.md, twenty-fourth session). PW_BWD_DS_PRESCALE=0 builds the
+// per-row fit in both kernels, for A/B runs.
 #ifndef PW_BWD_DS_PRESCALE
 #define PW_BWD_DS_PRESCALE 1
 #endif

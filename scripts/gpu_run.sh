@@ -15,8 +15,8 @@
 # default until 2026-12-04) and -DPW_BWD_DS_PRESCALE=0 (fit_rows' per-row dS fit). About 1-3
 # minutes each, logs in logs/mma_*.txt. Then the default (one-kernel) backward in float16 at
 # D = 128 against -DPW_BWD_P_FIXED_EXEMPT=0 (the causal 32x64x4 entry with the fixed P scale
-# and its 16-byte spill; kernels_cu/backward.cu, FixedP). (Earlier A/Bs and their figures: bench/NOTES.md and
-# bench/results/2026-12-04-h200-ds-prescale-vote, 2026-12-04-h200-fit-headroom.)
+# and its 16-byte spill; kernels_cu/backward.cu, FixedP). Earlier A/Bs and their figures:
+# bench/NOTES.md, bench/results/2026-12-04-h200-ds-prescale-vote and 2026-12-04-h200-fit-headroom.
 # PW_TEST_MACROS (tests/conftest.py) compiles every kernel of the tests step with those -D
 # options: an A/B build through the suite before it becomes the default.
 # bitwise (not in all): scripts/bitwise_ab.py, the builds argued to give identical bits

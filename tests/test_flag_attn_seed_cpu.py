@@ -80,7 +80,7 @@ def test_load_native_keeps_torch_and_unknown_table_raises(tmp_path):
     path = tmp_path / "seed.txt"
     path.write_text(FAKE)
     assert fas.load(str(path), "native").torch is torch
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match=r"table='h100'.*a100, rtx3090, native"):
         fas.load(str(path), "h100")
 
 
