@@ -42,7 +42,7 @@ DTYPES = {
 DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 REF_PROVIDERS = ("sdpa_flash", "sdpa_cudnn")
 #: Every main row also gets ratio_vs_<p> for these (time of p / time of the row; > 1: the row is faster).
-RATIO_PROVIDERS = REF_PROVIDERS + ("flex_composite", "piecewise_mma", "sdpa_efficient")
+RATIO_PROVIDERS = REF_PROVIDERS + ("flex_composite", "piecewise_mma", "sdpa_efficient", "flag_attn")
 
 
 # ----------------------------------------------------------------------------- FLOPs / bytes

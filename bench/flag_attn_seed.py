@@ -65,6 +65,16 @@ def python_source(text: str) -> str:
     return text
 
 
+def mma_flavour(env=None) -> str:
+    """What Triton compiles ``tl.dot`` to on a Hopper GPU under ``env`` (default
+    ``os.environ``): "mma.sync (DISABLE_MMA_V3=1)" when that switch is on, else "Triton's
+    default (wgmma on sm_90)". Triton reads the switch as a boolean: "1", "true" or "on"
+    (any case) turn it on."""
+    env = os.environ if env is None else env
+    on = env.get("DISABLE_MMA_V3", "").lower() in ("1", "true", "on")
+    return "mma.sync (DISABLE_MMA_V3=1)" if on else "Triton's default (wgmma on sm_90)"
+
+
 class _CudaView:
     """``torch.cuda`` with ``get_device_capability`` answering a fixed value."""
 

@@ -147,7 +147,8 @@ class FlagAttn(Provider):
                 try:
                     mod = flag_attn_seed.load(path, table)
                     self._fn, self._err = mod.attention, None
-                    self.origin = f"{os.path.basename(path)} ({table} table)"
+                    self.origin = (f"{os.path.basename(path)} ({table} table, "
+                                   f"{flag_attn_seed.mma_flavour()})")
                 except Exception as e2:
                     self._err += (f"; {path} did not load ({type(e2).__name__}: "
                                   f"{str(e2)[:120]})")

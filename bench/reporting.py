@@ -8,12 +8,13 @@ import os
 from common import PROVIDERS, RATIO_PROVIDERS, _err_text, _f
 
 #: Optional summary columns: (provider, short label), shown when the run has rows of it.
-SUMMARY_EXTRA = (("piecewise_mma", "mma"), ("flex_composite", "flex"), ("sdpa_efficient", "eff"))
+SUMMARY_EXTRA = (("piecewise_mma", "mma"), ("flex_composite", "flex"), ("sdpa_efficient", "eff"),
+                 ("flag_attn", "flag"))
 
 
 def annotate_ratios(rows):
     """ratio_vs_<ref> = tflops / tflops(ref) on the same shape and phase (> 1: faster than ref), for
-    every ref in RATIO_PROVIDERS (SDPA flash and cuDNN, flex_composite, piecewise_mma)."""
+    every ref in RATIO_PROVIDERS (SDPA flash and cuDNN, flex_composite, piecewise_mma, flag_attn)."""
     def key(r):
         return (r["dtype"], r["B"], r["H"], r["M"], r["N"], r["D"], r["causal"], r["phase"])
     ref = {}
@@ -63,14 +64,22 @@ def _configs(rows):
     return seen
 
 
-def _extras(rows):
+def _ours(rows):
+    """The provider the tables call "ours": piecewise (the default path) when the run has it,
+    else piecewise_mma (a run of the forced mma.sync path alone, issue 15's table)."""
     present = {r["provider"] for r in rows}
-    return [(p, lbl) for p, lbl in SUMMARY_EXTRA if p in present]
+    return "piecewise" if "piecewise" in present or "piecewise_mma" not in present else "piecewise_mma"
+
+
+def _extras(rows):
+    present, ours = {r["provider"] for r in rows}, _ours(rows)
+    return [(p, lbl) for p, lbl in SUMMARY_EXTRA if p in present and p != ours]
 
 
 def render_summary(res):
     """Compact table: one line per shape (what the lead reads at the end of stdout). Columns for
-    piecewise_mma and flex_composite (and ours/their ratios) appear when the run has them."""
+    piecewise_mma, flex_composite, sdpa_efficient and flag_attn (and ours/their ratios) appear when
+    the run has them; "ours" is piecewise_mma when the run has no piecewise rows (:func:`_ours`)."""
     rows = res["main"]
     idx = {(r["dtype"], r["D"], r["causal"], r["L"], r["provider"], r["phase"]): r for r in rows}
     shapes = []
@@ -80,7 +89,7 @@ def render_summary(res):
             shapes.append(k)
     if not shapes:
         return "(no main-sweep measurements)"
-    extras = _extras(rows)
+    extras, me = _extras(rows), _ours(rows)
     hdr = ["dtype", "D", "causal", "L", "ours fwd", "ours bwd", "ours f+b"]
     for _, lbl in extras:
         hdr += [f"{lbl} fwd", f"{lbl} f+b"]
@@ -91,9 +100,9 @@ def render_summary(res):
     out = []
     for (dt, D, c, L) in shapes:
         g = lambda p, ph: idx.get((dt, D, c, L, p, ph))  # noqa: E731
-        ours_f, ours_fb = g("piecewise", "fwd"), g("piecewise", "fwd_bwd")
+        ours_f, ours_fb = g(me, "fwd"), g(me, "fwd_bwd")
         line = [dt, D, "yes" if c else "no", L,
-                _cell(ours_f), _cell(g("piecewise", "bwd")), _cell(ours_fb)]
+                _cell(ours_f), _cell(g(me, "bwd")), _cell(ours_fb)]
         for p, _ in extras:
             line += [_cell(g(p, "fwd")), _cell(g(p, "fwd_bwd"))]
         line += [_cell(g("sdpa_flash", "fwd")), _cell(g("sdpa_flash", "fwd_bwd")),
@@ -105,7 +114,8 @@ def render_summary(res):
         for p, _ in extras:
             line += [_f((ours_f or {}).get(f"ratio_vs_{p}"), 2), _f((ours_fb or {}).get(f"ratio_vs_{p}"), 2)]
         out.append(line)
-    return _table(hdr, out)
+    note = "" if me == "piecewise" else f"(ours = {me}: the run has no piecewise rows)\n\n"
+    return note + _table(hdr, out)
 
 
 def render_wsweep(res):
@@ -219,7 +229,7 @@ def render_main_detail(res):
         for L in Ls:
             for ph in phases:
                 cells = [_cell(idx.get((dt, D, c, L, p, ph))) for p in provs]
-                ours = idx.get((dt, D, c, L, "piecewise", ph)) or {}
+                ours = idx.get((dt, D, c, L, _ours(rows), ph)) or {}
                 any_r = next(r for r in rows if (r["dtype"], r["D"], r["causal"], r["L"]) == (dt, D, c, L))
                 out.append([L, f"{any_r['B']} x {any_r['H']}", ph] + cells +
                            [_f(ours.get("ratio_vs_sdpa_flash"), 2), _f(ours.get("ratio_vs_sdpa_cudnn"), 2)] +
@@ -280,7 +290,9 @@ def render_header(res):
 LEGEND = ("Cells: TFLOP/s (effective, FlashAttention's FLOP count). `n/i` not installed, `skip:mem` plain PyTorch would "
           "need too much memory, `skip:time` time budget spent, `err` the provider failed (see Errors). "
           "ours/flash, ours/cudnn = time of SDPA / time of ours on the same shape and phase (> 1: ours faster); "
-          "ours/flex, ours/mma likewise against flex_composite and piecewise_mma, where those ran.")
+          "ours/flex, ours/mma, ours/eff, ours/flag likewise against flex_composite, piecewise_mma, "
+          "sdpa_efficient and flag_attn, where those ran. \"ours\" is piecewise, or piecewise_mma in a "
+          "run without piecewise.")
 
 
 def render_markdown(res):

@@ -89,6 +89,29 @@ def test_ratios(bench):
     assert rows[3]["ratio_vs_sdpa_flash"] is None
 
 
+def test_mma_only_run_reports_piecewise_mma_as_ours(bench):
+    # issue 15's table runs piecewise_mma beside sdpa_flash and flag_attn without the default
+    # path: the summary must put the mma rows in "ours" and give ours/flag, not blank cells
+    base = dict(dtype="bfloat16", B=1, H=2, M=64, N=64, L=64, Hkv=2, D=16, causal=False, status="ok")
+    rows = [dict(base, provider=p, phase=ph, ms=ms, tflops=10.0 / ms)
+            for p, ms in (("piecewise_mma", 2.0), ("sdpa_flash", 1.0), ("flag_attn", 4.0))
+            for ph in ("fwd", "fwd_bwd")]
+    bench.annotate_ratios(rows)
+    out = bench.render_summary({"main": rows})
+    assert out.startswith("(ours = piecewise_mma")
+    hdr, _, line = [x for x in out.splitlines() if x.startswith("|")][:3]
+    cells = dict(zip([h.strip() for h in hdr.strip("|").split("|")],
+                     [c.strip() for c in line.strip("|").split("|")]))
+    assert cells["ours fwd"] == "5.0" and cells["ours f+b"] == "5.0"
+    assert cells["ours/flash fwd"] == "0.50" and cells["ours/flag f+b"] == "2.00"
+    assert "mma fwd" not in cells and cells["flag fwd"] == "2.5"
+    # with the default path present, piecewise stays "ours" and piecewise_mma is a peer column
+    rows += [dict(base, provider="piecewise", phase=ph, ms=1.0, tflops=10.0) for ph in ("fwd", "fwd_bwd")]
+    bench.annotate_ratios(rows)
+    out = bench.render_summary({"main": rows})
+    assert not out.startswith("(ours") and "| ours/mma fwd |" in out
+
+
 def test_plain_piecewise_matches_sdpa_when_w_beyond_distances(bench):
     g = torch.Generator().manual_seed(0)
     q1, k1, q2, k2, v = (torch.randn(1, 2, 24, 16, generator=g, dtype=torch.float64) for _ in range(5))

@@ -98,3 +98,13 @@ def test_the_found_source_parses_when_present():
     names = set(code.co_names)
     assert {"attention", "get_fwd_config", "get_bwd_config"} <= names
     assert "get_device_capability() == (8, 0)" in text
+
+
+@pytest.mark.parametrize("value,mma_sync", [("1", True), ("ON", True), ("true", True),
+                                            ("0", False), ("", False), ("no", False)])
+def test_mma_flavour_follows_tritons_switch(value, mma_sync):
+    # the results header says which MMA the Triton design ran: wgmma on Hopper by default,
+    # mma.sync with DISABLE_MMA_V3 on (Triton's own boolean parse: 1/true/on, any case)
+    got = fas.mma_flavour({"DISABLE_MMA_V3": value})
+    assert got.startswith("mma.sync") is mma_sync
+    assert fas.mma_flavour({}).startswith("Triton's default")
