@@ -47,21 +47,40 @@ template <typename T, bool CAUSAL, bool ONE_K> struct VisitPairs {
 #ifndef PW_FWD_LAZY_RESCALE
 #define PW_FWD_LAZY_RESCALE -1
 #endif
-template <int D, int BN, int MW>
+// PW_FWD_RAW_MAX (A/B build; 0, the default: off): the score tile stays unscaled (score_tile
+// and score_pair get a scale of exactly 1, which folds their multiply away), the row max is
+// taken over raw scores and scaled once per row, and each probability is
+// exp2(fma(s, scale_log2, -max)): one fma per score where the default pays a multiply in the
+// score tile and a subtraction here (FlashAttention-2's form). It needs scale_log2 > 0, which
+// validation guarantees (sm_scale is finite and positive), so that the max commutes with the
+// scaling; masked scores stay -inf through the fma. 1: in both bodies; 2: in the visits body
+// only. Measured on the H200 with the mma.sync path forced (mma_fwd_probe, three runs, bf16
+// and fp16, L 2048-16384; bench/results/2026-12-04-h200-mma-vs-flag-attn): the visits body
+// gains at D = 64 causal (+2.3-3.8% at L >= 8192) and is within -1/+2.5% at D = 128 (one key
+// slot: visits too), while the merged body (D = 64 non-causal) loses 1.3-3.2%, hence 2.
+// Not the default yet: the GPU suite has not run on it (273 mma.sync and float32 kernel tests
+// passed with 1).
+#ifndef PW_FWD_RAW_MAX
+#define PW_FWD_RAW_MAX 0
+#endif
+// RAW: s holds raw scores and scale is scale_log2 (PW_FWD_RAW_MAX); otherwise s is in the
+// log2 domain already and scale is unused.
+template <int D, int BN, int MW, bool RAW = false>
 PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
-                              float row_max[MW][2], float row_sum[MW][2]) {
+                              float row_max[MW][2], float row_sum[MW][2], float scale = 1.f) {
   constexpr bool LAZY = PW_FWD_LAZY_RESCALE > 0 || (PW_FWD_LAZY_RESCALE < 0 && D == 128);
   float alpha[MW][2];
 #pragma unroll
   for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      float mx = row_max[mi][hh];
+      float mx = RAW ? PW_NEG_INF : row_max[mi][hh];
 #pragma unroll
       for (int nb = 0; nb < BN / 8; ++nb)
         mx = fmaxf(mx, fmaxf(s[mi][nb][2 * hh], s[mi][nb][2 * hh + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      if constexpr (RAW) mx = fmaxf(row_max[mi][hh], mx * scale);  // scale > 0: max commutes
       // A row that has seen only masked keys keeps max -inf; subtracting 0 keeps exp2 at 0.
       const float base = mx == PW_NEG_INF ? 0.f : mx;
       const float a = fast_exp2(row_max[mi][hh] - base);
@@ -70,8 +89,13 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
       float sum = 0.f;
 #pragma unroll
       for (int nb = 0; nb < BN / 8; ++nb) {
-        s[mi][nb][2 * hh] = fast_exp2(s[mi][nb][2 * hh] - base);
-        s[mi][nb][2 * hh + 1] = fast_exp2(s[mi][nb][2 * hh + 1] - base);
+        if constexpr (RAW) {
+          s[mi][nb][2 * hh] = fast_exp2(fmaf(s[mi][nb][2 * hh], scale, -base));
+          s[mi][nb][2 * hh + 1] = fast_exp2(fmaf(s[mi][nb][2 * hh + 1], scale, -base));
+        } else {
+          s[mi][nb][2 * hh] = fast_exp2(s[mi][nb][2 * hh] - base);
+          s[mi][nb][2 * hh + 1] = fast_exp2(s[mi][nb][2 * hh + 1] - base);
+        }
         sum += s[mi][nb][2 * hh] + s[mi][nb][2 * hh + 1];
       }
       row_sum[mi][hh] = row_sum[mi][hh] * a + sum;
@@ -158,6 +182,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
 
   if constexpr (!VisitPairs<T, CAUSAL, ONE_K>::value) {
     // One visit per tile; a straddling tile's two products go into one score tile.
+    constexpr bool RAW = PW_FWD_RAW_MAX == 1;
     pipelined_tiles(t_begin, ntiles, issue, [&](int t, int stage) {
       const i64 n0 = (i64)t * BN;
       const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
@@ -169,14 +194,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       // table entry, and the build check allows no spill.
       score_tile<PW_MASK_SPLIT_OR(D >= 128 ? 2 : 0), T, D, BN, MW, CAUSAL, false>(
           s, aQ1, aQ2, smem_addr(st + L::k1_in_stage), smem_addr(st + L::k2_in_stage), mode,
-          masked, g, p.scale_log2, lane);
-      online_softmax<D, BN, MW>(s, acc, row_max, row_sum);
+          masked, g, RAW ? 1.f : p.scale_log2, lane);  // a 1 folds the multiply away
+      online_softmax<D, BN, MW, RAW>(s, acc, row_max, row_sum, p.scale_log2);
       mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + L::v_in_stage), lane);
     });
   } else {
     // One visit per projection pair a tile needs (two on a straddling tile), each one
     // product (score_pair). Tiles that need no mask take a copy of the product without
     // any mask code.
+    constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
     pipelined_tiles(t_begin, ntiles, issue, [&](int t, int stage) {
       const i64 n0 = (i64)t * BN;
       const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
@@ -199,12 +225,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
         // offset times (pair - 1): a select here changed the PTX of every causal variant.
         constexpr int k2_off = L::k2_in_stage - L::k1_in_stage;
         const u32 sB = smem_addr(st + L::k1_in_stage + (pair - 1) * k2_off);
+        const float sc = RAW ? 1.f : p.scale_log2;  // a 1 folds the multiply away
         if (masked)
-          score_pair<T, D, BN, MW, true>(s, sA, sB, pair_window<MW, CAUSAL>(g, pair, lane),
-                                         p.scale_log2, lane);
+          score_pair<T, D, BN, MW, true>(s, sA, sB, pair_window<MW, CAUSAL>(g, pair, lane), sc,
+                                         lane);
         else
-          score_pair<T, D, BN, MW, false>(s, sA, sB, PairWindow<MW>{}, p.scale_log2, lane);
-        online_softmax<D, BN, MW>(s, acc, row_max, row_sum);
+          score_pair<T, D, BN, MW, false>(s, sA, sB, PairWindow<MW>{}, sc, lane);
+        online_softmax<D, BN, MW, RAW>(s, acc, row_max, row_sum, p.scale_log2);
         mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + L::v_in_stage), lane);
       }
     });

@@ -10,13 +10,12 @@
 # kvprobe (not in all): scripts/kvdecode_probe.py, the Hopper decode's A/B probe, configs from
 # KVPROBE_CONFIGS (default "base;pdl=0 pdld=0"), about 1-2 minutes per macro set.
 # mma_probes (not in all): the mma.sync backward against SDPA flash (scripts/mma_bwd_probe.py,
-# bfloat16 and float16), then scripts/mma_bwd_ab.py in one process: the deterministic
-# backward's default against -DPW_FIT_HEADROOM=0 (the float16 rescale without headroom, the
-# default until 2026-12-04) and -DPW_BWD_DS_PRESCALE=0 (fit_rows' per-row dS fit). About 1-3
-# minutes each, logs in logs/mma_*.txt. Then the default (one-kernel) backward in float16 at
-# D = 128 against -DPW_BWD_P_FIXED_EXEMPT=0 (the causal 32x64x4 entry with the fixed P scale
-# and its 16-byte spill; kernels_cu/backward.cu, FixedP). Earlier A/Bs and their figures:
-# bench/NOTES.md, bench/results/2026-12-04-h200-ds-prescale-vote and 2026-12-04-h200-fit-headroom.
+# bfloat16 and float16), then the staged forward -DPW_FWD_RAW_MAX=2 and =1 (kernels_cu/
+# forward.cu: scores scaled inside the exponential's fma; 2 in the visits body only) against
+# the default (scripts/mma_fwd_probe.py, D 64 and 128, L 8192 and 16384, 40 reps, with its
+# reference checks). About 2-4 minutes each, logs in logs/mma_*.txt. Earlier A/Bs and their
+# figures: bench/NOTES.md, bench/results/2026-12-04-h200-fit-headroom and
+# 2026-12-04-h200-mma-vs-flag-attn (the exempt entry's fixed P scale, -DPW_BWD_P_FIXED_EXEMPT=0).
 # PW_TEST_MACROS (tests/conftest.py) compiles every kernel of the tests step with those -D
 # options: an A/B build through the suite before it becomes the default.
 # bitwise (not in all): scripts/bitwise_ab.py, the builds argued to give identical bits
@@ -153,8 +152,7 @@ if asked probes; then
 fi
 if asked mma_probes; then
   for args in "mma_bwd_probe --dtypes bf16,fp16" \
-              "mma_bwd_ab --variants PW_FIT_HEADROOM=0;PW_BWD_DS_PRESCALE=0" \
-              "mma_bwd_ab --modes default --dtypes fp16,bf16 --dims 128 --variants PW_BWD_P_FIXED_EXEMPT=0"; do
+              "mma_fwd_probe --variants PW_FWD_RAW_MAX=2;PW_FWD_RAW_MAX=1 --tiles 128:128x32x4;64:128x64x4 --lengths 8192,16384 --dtypes bf16,fp16 --rounds 3 --reps 40"; do
     name=$(echo "$args" | tr ' =,;:' '_____' | tr -d '-' | tr -s '_' | cut -c1-60)
     read -r -a argv <<< "$args"  # the script, then its options
     timeout 300 python3 "scripts/${argv[0]}.py" "${argv[@]:1}" --out "$logs/$name.txt" > "$logs/$name.log" 2>&1

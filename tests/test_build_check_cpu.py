@@ -213,6 +213,26 @@ def test_lazy_rescale_ab_builds_compile(nvrtc, monkeypatch, lazy):
             assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
+@pytest.mark.parametrize("raw", [1, 2])
+def test_raw_max_forward_ab_builds_compile(nvrtc, monkeypatch, raw):
+    """The staged -DPW_FWD_RAW_MAX forward (scores scaled inside the exponential's fma;
+    1: both loop bodies, 2: the visits body only) builds the sm_90 row's dense forward in
+    every dtype at D = 64 and 128, causal and not (both bodies, float32 included), without
+    spills; the default build (0) is the build check's."""
+    from cupy_piecewise import compile as comp
+
+    base = comp.arch_options
+    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
+        f"-DPW_FWD_RAW_MAX={raw}",))
+    vs = sorted({Variant(phase, dt, d, t, c)
+                 for phase, d, dt, c, t in capability.selectable_configs(SM90)
+                 if phase == "fwd" and d in (64, 128)}, key=str)
+    assert {v.causal for v in vs} == {False, True} and len({v.dtype for v in vs}) == 3
+    for r in compile_offline(SM90, vs):
+        assert r.ok and r.registers, (r.variant, r.log)
+        assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+
+
 def test_per_row_p_scale_ab_build_compiles(nvrtc, monkeypatch):
     """kernels_cu/backward.cu gives float16's P in the dk/dv kernel a fixed 2^14 by default
     (FixedP), except in the one entry where that spills; the build check covers the default.
