@@ -44,10 +44,25 @@
 // the build check refuses spills (cupy_piecewise/build_check.py). The spill is four
 // loop-invariant address terms, stored before the tile loop and reloaded once each per tile
 // (4 LDL in a loop of about 1600 instructions, SASS); forming dS by one fma did not remove it.
-// -DPW_BWD_P_FIXED_EXEMPT=0 builds that entry with the fixed factor anyway, for an A/B timing
-// of whether the spill costs what the per-row scale does (not timed yet).
+// -DPW_BWD_P_FIXED_EXEMPT=0 builds that entry with the fixed factor anyway: 1.036-1.053x
+// faster on the H200 with the spill (float16 causal D = 128, L 2048/8192), and spill-free
+// with -DPW_BWD_TID_RELOAD=2 (below).
 #ifndef PW_BWD_P_FIXED
 #define PW_BWD_P_FIXED 1
+#endif
+// PW_BWD_TID_RELOAD (A/B build; 0, the default: off): the dk/dv tile loop re-reads
+// threadIdx.x each tile (tid_reload, common.cuh) and derives lane and warp from it there, so
+// ptxas recomputes the lane- and warp-derived shared-memory offsets inside the loop instead
+// of holding them across it. 1: every dk/dv entry; 2: only the exempt entry below, which then
+// builds with the fixed P scale in 254 registers and no spill (sm_90 32x64x4 float16 causal
+// D = 128; NVRTC 13.5, 2026-12-04). Measured on the H200 (scripts/mma_bwd_ab.py, L 8192,
+// bench/results/2026-12-04-h200-mma-vs-flag-attn): 1 is 0.6-2.3% slower on every entry
+// although its loops are 1-8% shorter (static), while 1 with PW_BWD_P_FIXED_EXEMPT=0 runs the
+// exempt entry 1.041x faster, as the fixed scale with its spill did (1.036-1.053x). So 2
+// with PW_BWD_P_FIXED_EXEMPT=0 is the spill-free form of that gain; not the default until the
+// GPU suite has run on it.
+#ifndef PW_BWD_TID_RELOAD
+#define PW_BWD_TID_RELOAD 0
 #endif
 #ifndef PW_BWD_P_FIXED_EXEMPT
 #define PW_BWD_P_FIXED_EXEMPT 1
@@ -382,7 +397,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
   using L = BwdDkvTraits<DS, BM, BN, WARPS, FUSED>;
   constexpr int MW = L::MW;                  // 16-row (key) blocks per warp (1 or 2)
   constexpr int THREADS = L::threads;
-  using FP = FixedP<T, PW_BWD_P_FIXED_EXEMPT != 0 && FUSED && CAUSAL && D == 128 && BM == 32>;
+  // the one entry that spills with the fixed P scale unless it reloads threadIdx (above)
+  constexpr bool EXEMPT_SHAPE = FUSED && CAUSAL && D == 128 && BM == 32;
+  using FP = FixedP<T, PW_BWD_P_FIXED_EXEMPT != 0 && EXEMPT_SHAPE>;
   // dS leaves its product already at dK's row scale (PW_BWD_DS_PRESCALE); not in the fused
   // kernel, which stashes dS unscaled for dQ
   constexpr bool DS_PRESCALE = PW_BWD_DS_PRESCALE != 0 && FP::on && !FUSED;
@@ -394,6 +411,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
   float* sStat = reinterpret_cast<float*>(smem + L::stats_offset);  // per stage: lse, delta
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#if PW_BWD_TID_RELOAD  // (the default build keeps this text out: its PTX stays as tested)
+  constexpr bool RELOAD = PW_BWD_TID_RELOAD == 1 || (PW_BWD_TID_RELOAD == 2 && EXEMPT_SHAPE);
+  const int lane0 = lane, warp0 = warp;
+#endif
   const i64 nt = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const Seq<VARLEN> sq = seq_of<VARLEN>(p, b);
   const i64 M = sq.M, N = sq.N, P = sq.P, n0 = nt * BN;
@@ -442,6 +463,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
   // (tile mode, mask flag and geometry computed by the caller).
   auto probabilities = [&](float s[MW][BM / 8][4], int mode, bool masked, int stage,
                            const Geom& g) {
+#if PW_BWD_TID_RELOAD
+    const int lane = RELOAD ? tid_reload() % 32 : lane0;
+#endif
     const u16* st = sQ + stage * L::stage_elems;
     const float* ss = sStat + stage * L::stats_stage_floats;
     score_tile<PW_MASK_SPLIT_OR(2), T, D, BM, MW, CAUSAL, true, FP::bias>(
@@ -506,6 +530,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
       issue_tile(h, m0, stage);
     };
     pipelined_tiles(0, per_head > 0 ? per_head * group : 0, issue, [&](int it, int stage) {
+#if PW_BWD_TID_RELOAD  // lane- and warp-derived offsets recomputed per tile
+      const int lane = RELOAD ? tid_reload() % 32 : lane0;
+      const int warp = RELOAD ? tid_reload() / 32 : warp0;
+#endif
       i64 h, m0;
       tile_of(lo, per_head, it, h, m0);
       const int t = (int)(m0 / BM);

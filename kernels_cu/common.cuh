@@ -171,6 +171,15 @@ PW_DEVICE i64 floor_div(i64 a, i64 b) { return a >= 0 ? a / b : -((-a + b - 1) /
 PW_DEVICE i64 ceil_div(i64 a, i64 b) { return -floor_div(-a, b); }
 PW_DEVICE i64 clamp64(i64 x, i64 lo, i64 hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
+// threadIdx.x read by a volatile move, which the compiler may not hoist out of a loop: values
+// derived from it inside a loop body are recomputed there each iteration rather than held in
+// registers across the loop (backward.cu, PW_BWD_TID_RELOAD).
+PW_DEVICE int tid_reload() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+
 // ---------------------------------------------------------------- shared memory access
 PW_DEVICE u32 smem_addr(const void* p) {
   u32 a;
