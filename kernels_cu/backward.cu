@@ -46,21 +46,23 @@
 // (4 LDL in a loop of about 1600 instructions, SASS); forming dS by one fma did not remove it.
 // -DPW_BWD_P_FIXED_EXEMPT=0 builds that entry with the fixed factor anyway: 1.036-1.053x
 // faster on the H200 with the spill (float16 causal D = 128, L 2048/8192), and spill-free
-// with -DPW_BWD_TID_RELOAD=2 (below).
+// with -DPW_BWD_TID_RELOAD=2 (below) in its dense form; its packed-batch (varlen) form still
+// spills 8 bytes with both, so =2 exempts that form alone (1, the default: both forms).
 #ifndef PW_BWD_P_FIXED
 #define PW_BWD_P_FIXED 1
 #endif
 // PW_BWD_TID_RELOAD (A/B build; 0, the default: off): the dk/dv tile loop re-reads
 // threadIdx.x each tile (tid_reload, common.cuh) and derives lane and warp from it there, so
 // ptxas recomputes the lane- and warp-derived shared-memory offsets inside the loop instead
-// of holding them across it. 1: every dk/dv entry; 2: only the exempt entry below, which then
-// builds with the fixed P scale in 254 registers and no spill (sm_90 32x64x4 float16 causal
-// D = 128; NVRTC 13.5, 2026-12-04). Measured on the H200 (scripts/mma_bwd_ab.py, L 8192,
-// bench/results/2026-12-04-h200-mma-vs-flag-attn): 1 is 0.6-2.3% slower on every entry
-// although its loops are 1-8% shorter (static), while 1 with PW_BWD_P_FIXED_EXEMPT=0 runs the
-// exempt entry 1.041x faster, as the fixed scale with its spill did (1.036-1.053x). So 2
-// with PW_BWD_P_FIXED_EXEMPT=0 is the spill-free form of that gain; not the default until the
-// GPU suite has run on it.
+// of holding them across it. 1: every dk/dv entry; 2: only the exempt entry below where it
+// takes the fixed P scale, which then builds in 254 registers and no spill (sm_90 32x64x4
+// float16 causal D = 128; NVRTC 13.5, 2026-12-04). Measured on the H200
+// (scripts/mma_bwd_ab.py, L 8192, bench/results/2026-12-04-h200-mma-vs-flag-attn): 1 is
+// 0.6-2.3% slower on every entry although its loops are 1-8% shorter (static), while 1 with
+// PW_BWD_P_FIXED_EXEMPT=0 runs the exempt entry 1.041x faster, as the fixed scale with its
+// spill did (1.036-1.053x). So 2 with PW_BWD_P_FIXED_EXEMPT=2 is the spill-free form of that
+// gain (the packed-batch form keeps the per-row scale: it spills either way); not the default
+// until the GPU suite has run on it.
 #ifndef PW_BWD_TID_RELOAD
 #define PW_BWD_TID_RELOAD 0
 #endif
@@ -399,7 +401,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
   constexpr int THREADS = L::threads;
   // the one entry that spills with the fixed P scale unless it reloads threadIdx (above)
   constexpr bool EXEMPT_SHAPE = FUSED && CAUSAL && D == 128 && BM == 32;
-  using FP = FixedP<T, PW_BWD_P_FIXED_EXEMPT != 0 && EXEMPT_SHAPE>;
+  using FP = FixedP<T, (PW_BWD_P_FIXED_EXEMPT == 1 || (PW_BWD_P_FIXED_EXEMPT == 2 && VARLEN)) &&
+                         EXEMPT_SHAPE>;
   // dS leaves its product already at dK's row scale (PW_BWD_DS_PRESCALE); not in the fused
   // kernel, which stashes dS unscaled for dQ
   constexpr bool DS_PRESCALE = PW_BWD_DS_PRESCALE != 0 && FP::on && !FUSED;
@@ -412,7 +415,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #if PW_BWD_TID_RELOAD  // (the default build keeps this text out: its PTX stays as tested)
-  constexpr bool RELOAD = PW_BWD_TID_RELOAD == 1 || (PW_BWD_TID_RELOAD == 2 && EXEMPT_SHAPE);
+  // 2: where the exempt shape takes the fixed P scale (float16; its dense form only with
+  // PW_BWD_P_FIXED_EXEMPT=2), the one place the reload pays
+  constexpr bool RELOAD =
+      PW_BWD_TID_RELOAD == 1 || (PW_BWD_TID_RELOAD == 2 && EXEMPT_SHAPE && FP::on);
   const int lane0 = lane, warp0 = warp;
 #endif
   const i64 nt = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;

@@ -14,7 +14,7 @@
 # forward.cu: scores scaled inside the exponential's fma; 2 in the visits body only) against
 # the default (scripts/mma_fwd_probe.py, D 64 and 128, L 8192 and 16384, 40 reps, with its
 # reference checks), and the float16 causal D = 128 one-kernel backward with the fixed P scale
-# made spill-free (-DPW_BWD_P_FIXED_EXEMPT=0 with -DPW_BWD_TID_RELOAD=2, kernels_cu/backward.cu)
+# made spill-free (-DPW_BWD_P_FIXED_EXEMPT=2 with -DPW_BWD_TID_RELOAD=2, kernels_cu/backward.cu)
 # against the default (scripts/mma_bwd_ab.py, backward alone). About 2-4 minutes each, logs in
 # logs/mma_*.txt. Earlier A/Bs and their figures: bench/NOTES.md,
 # bench/results/2026-12-04-h200-fit-headroom and 2026-12-04-h200-mma-vs-flag-attn.
@@ -155,7 +155,7 @@ fi
 if asked mma_probes; then
   for args in "mma_bwd_probe --dtypes bf16,fp16" \
               "mma_fwd_probe --variants PW_FWD_RAW_MAX=2;PW_FWD_RAW_MAX=1 --tiles 128:128x32x4;64:128x64x4 --lengths 8192,16384 --dtypes bf16,fp16 --rounds 3 --reps 40" \
-              "mma_bwd_ab --modes default --dtypes fp16,bf16 --dims 128 --variants PW_BWD_P_FIXED_EXEMPT=0,PW_BWD_TID_RELOAD=2"; do
+              "mma_bwd_ab --modes default --dtypes fp16,bf16 --dims 128 --variants PW_BWD_P_FIXED_EXEMPT=2,PW_BWD_TID_RELOAD=2"; do
     name=$(echo "$args" | tr ' =,;:' '_____' | tr -d '-' | tr -s '_' | cut -c1-60)
     read -r -a argv <<< "$args"  # the script, then its options
     timeout 300 python3 "scripts/${argv[0]}.py" "${argv[@]:1}" --out "$logs/$name.txt" > "$logs/$name.log" 2>&1
