@@ -17,8 +17,11 @@ The file picks its tile sizes from ``torch.cuda.get_device_capability()``: (8, 0
 table, (8, 6) its RTX 3090 one, anything else (the H100/H200 included) a 32x32 fallback of one
 stage. :func:`load` with ``table="a100"`` (the default) makes the module see (8, 0) so that the
 A100 table is what runs, on any GPU; ``table="native"`` leaves the capability alone. The table
-sets tile sizes only: on an H100/H200 Triton may still compile the file's ``tl.dot`` to Hopper's
-wgmma, so there it is not an mma.sync-for-mma.sync comparison with the forced mma.sync path.
+sets tile sizes only: on an H100/H200 Triton compiles the file's ``tl.dot`` to Hopper's wgmma
+unless ``DISABLE_MMA_V3=1`` is in the environment (Triton 3.6 still reads it), which makes it
+emit ``mma.sync`` as on an A100: the mma.sync-for-mma.sync comparison with the forced mma.sync
+path. :func:`mma_flavour` names which one a run gets (checked in Triton's cached PTX on the
+H200, bench/results/2026-12-04-h200-mma-vs-flag-attn).
 Its distance threshold is a ``tl.constexpr``: each new ``w`` compiles new kernels (the bench's
 warm-up absorbs that; w = L/4 is one per length).
 """

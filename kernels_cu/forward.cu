@@ -56,7 +56,7 @@ template <typename T, bool CAUSAL, bool ONE_K> struct VisitPairs {
 // scaling; masked scores stay -inf through the fma. 1: in both bodies; 2: in the visits body
 // only. Measured on the H200 with the mma.sync path forced (mma_fwd_probe, three runs, bf16
 // and fp16, L 2048-16384; bench/results/2026-12-04-h200-mma-vs-flag-attn): the visits body
-// gains at D = 64 causal (+2.3-3.8% at L >= 8192) and is within -1/+2.5% at D = 128 (one key
+// gains at D = 64 causal (+2.3-6.4% at L >= 8192) and is within -1/+2.5% at D = 128 (one key
 // slot: visits too), while the merged body (D = 64 non-causal) loses 1.3-3.2%, hence 2.
 // Not the default yet: the GPU suite has not run on it (273 mma.sync and float32 kernel tests
 // passed with 1).
