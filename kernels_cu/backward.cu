@@ -46,28 +46,31 @@
 // (4 LDL in a loop of about 1600 instructions, SASS); forming dS by one fma did not remove it.
 // -DPW_BWD_P_FIXED_EXEMPT=0 builds that entry with the fixed factor anyway: 1.036-1.053x
 // faster on the H200 with the spill (float16 causal D = 128, L 2048/8192), and spill-free
-// with -DPW_BWD_TID_RELOAD=2 (below) in its dense form; its packed-batch (varlen) form still
-// spills 8 bytes with both, so =2 exempts that form alone (1, the default: both forms).
+// with PW_BWD_TID_RELOAD=2 (below) in its dense form; its packed-batch (varlen) form still
+// spills 8 bytes with both, so the default, 2, exempts that form alone (1, the earlier
+// default: both forms).
 #ifndef PW_BWD_P_FIXED
 #define PW_BWD_P_FIXED 1
 #endif
-// PW_BWD_TID_RELOAD (A/B build; 0, the default: off): the dk/dv tile loop re-reads
-// threadIdx.x each tile (tid_reload, common.cuh) and derives lane and warp from it there, so
-// ptxas recomputes the lane- and warp-derived shared-memory offsets inside the loop instead
-// of holding them across it. 1: every dk/dv entry; 2: only the exempt entry below where it
-// takes the fixed P scale, which then builds in 254 registers and no spill (sm_90 32x64x4
-// float16 causal D = 128; NVRTC 13.5, 2026-12-04). Measured on the H200
-// (scripts/mma_bwd_ab.py, L 8192, bench/results/2026-12-04-h200-mma-vs-flag-attn): 1 is
-// 0.6-2.3% slower on every entry although its loops are 1-8% shorter (static), while 1 with
-// PW_BWD_P_FIXED_EXEMPT=0 runs the exempt entry 1.041x faster, as the fixed scale with its
-// spill did (1.036-1.053x). So 2 with PW_BWD_P_FIXED_EXEMPT=2 is the spill-free form of that
-// gain (the packed-batch form keeps the per-row scale: it spills either way); not the default
-// until the GPU suite has run on it.
+// PW_BWD_TID_RELOAD (2, the default; 0: off): the dk/dv tile loop re-reads threadIdx.x each
+// tile (tid_reload, common.cuh) and derives lane and warp from it there, so ptxas recomputes
+// the lane- and warp-derived shared-memory offsets inside the loop instead of holding them
+// across it. 1: every dk/dv entry; 2: only the exempt entry below where it takes the fixed P
+// scale, which then builds in 254 registers and no spill (sm_90 32x64x4 float16 causal
+// D = 128; NVRTC 13.5, 2026-12-04). Measured on the H200 (scripts/mma_bwd_ab.py,
+// bench/results/2026-12-04-h200-mma-vs-flag-attn): 1 is 0.6-2.3% slower on every entry
+// although its loops are 1-8% shorter (static), while 1 with PW_BWD_P_FIXED_EXEMPT=0 runs the
+// exempt entry 1.041x faster, as the fixed scale with its spill did (1.036-1.053x). So 2 with
+// PW_BWD_P_FIXED_EXEMPT=2 is the spill-free form of that gain (the packed-batch form keeps
+// the per-row scale: it spills either way): 1.045-1.049x on that entry (float16 causal
+// D = 128, L 2048/8192), the other D = 128 entries within 1% (bench/results/
+// 2026-12-04-h200-staged-defaults). The GPU suite, memcheck and racecheck ran on it before
+// it became the default.
 #ifndef PW_BWD_TID_RELOAD
-#define PW_BWD_TID_RELOAD 0
+#define PW_BWD_TID_RELOAD 2
 #endif
 #ifndef PW_BWD_P_FIXED_EXEMPT
-#define PW_BWD_P_FIXED_EXEMPT 1
+#define PW_BWD_P_FIXED_EXEMPT 2
 #endif
 template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
   static constexpr bool on = PW_BWD_P_FIXED != 0 && RowScale<T>::active && !KEEP_ROW_SCALE;
@@ -414,7 +417,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
   float* sStat = reinterpret_cast<float*>(smem + L::stats_offset);  // per stage: lse, delta
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#if PW_BWD_TID_RELOAD  // (the default build keeps this text out: its PTX stays as tested)
+#if PW_BWD_TID_RELOAD  // (0 keeps this text out: the earlier default's PTX)
   // 2: where the exempt shape takes the fixed P scale (float16; its dense form only with
   // PW_BWD_P_FIXED_EXEMPT=2), the one place the reload pays
   constexpr bool RELOAD =

@@ -47,21 +47,22 @@ template <typename T, bool CAUSAL, bool ONE_K> struct VisitPairs {
 #ifndef PW_FWD_LAZY_RESCALE
 #define PW_FWD_LAZY_RESCALE -1
 #endif
-// PW_FWD_RAW_MAX (A/B build; 0, the default: off): the score tile stays unscaled (score_tile
-// and score_pair get a scale of exactly 1, which folds their multiply away), the row max is
-// taken over raw scores and scaled once per row, and each probability is
-// exp2(fma(s, scale_log2, -max)): one fma per score where the default pays a multiply in the
-// score tile and a subtraction here (FlashAttention-2's form). It needs scale_log2 > 0, which
-// validation guarantees (sm_scale is finite and positive), so that the max commutes with the
-// scaling; masked scores stay -inf through the fma. 1: in both bodies; 2: in the visits body
-// only. Measured on the H200 with the mma.sync path forced (mma_fwd_probe, three runs, bf16
-// and fp16, L 2048-16384; bench/results/2026-12-04-h200-mma-vs-flag-attn): the visits body
-// gains at D = 64 causal (+2.3-6.4% at L >= 8192) and is within -1/+2.5% at D = 128 (one key
-// slot: visits too), while the merged body (D = 64 non-causal) loses 1.3-3.2%, hence 2.
-// Not the default yet: the GPU suite has not run on it (273 mma.sync and float32 kernel tests
-// passed with 1).
+// PW_FWD_RAW_MAX (2, the default; 0: the earlier form, kept for A/B builds): the score tile
+// stays unscaled (score_tile and score_pair get a scale of exactly 1, which folds their
+// multiply away), the row max is taken over raw scores and scaled once per row, and each
+// probability is exp2(fma(s, scale_log2, -max)): one fma per score where form 0 pays a
+// multiply in the score tile and a subtraction here (FlashAttention-2's form). It needs
+// scale_log2 > 0, which validation guarantees (sm_scale is finite and positive), so that the
+// max commutes with the scaling; masked scores stay -inf through the fma. 1: in both bodies;
+// 2: in the visits body only. Measured on the H200 with the mma.sync path forced
+// (mma_fwd_probe, four runs, bf16 and fp16, L 2048-16384; bench/results/
+// 2026-12-04-h200-mma-vs-flag-attn and 2026-12-04-h200-staged-defaults): the visits body
+// gains at D = 64 causal (+1.2-6.4% at L >= 8192) and +1.3-2.7% at D = 128 (one key slot:
+// visits too) on 7 of 8 rows of the last run (one -3.3%, float16 causal L 16384), while the
+// merged body (D = 64 non-causal) loses 1.3-3.2% with 1, hence 2. The GPU suite, memcheck and
+// racecheck ran on 2 before it became the default.
 #ifndef PW_FWD_RAW_MAX
-#define PW_FWD_RAW_MAX 0
+#define PW_FWD_RAW_MAX 2
 #endif
 // RAW: s holds raw scores and scale is scale_log2 (PW_FWD_RAW_MAX); otherwise s is in the
 // log2 domain already and scale is unused.

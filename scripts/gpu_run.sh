@@ -10,14 +10,15 @@
 # kvprobe (not in all): scripts/kvdecode_probe.py, the Hopper decode's A/B probe, configs from
 # KVPROBE_CONFIGS (default "base;pdl=0 pdld=0"), about 1-2 minutes per macro set.
 # mma_probes (not in all): the mma.sync backward against SDPA flash (scripts/mma_bwd_probe.py,
-# bfloat16 and float16), then the staged forward -DPW_FWD_RAW_MAX=2 and =1 (kernels_cu/
-# forward.cu: scores scaled inside the exponential's fma; 2 in the visits body only) against
-# the default (scripts/mma_fwd_probe.py, D 64 and 128, L 8192 and 16384, 40 reps, with its
-# reference checks), and the float16 causal D = 128 one-kernel backward with the fixed P scale
-# made spill-free (-DPW_BWD_P_FIXED_EXEMPT=2 with -DPW_BWD_TID_RELOAD=2, kernels_cu/backward.cu)
-# against the default (scripts/mma_bwd_ab.py, backward alone). About 2-4 minutes each, logs in
-# logs/mma_*.txt. Earlier A/Bs and their figures: bench/NOTES.md,
-# bench/results/2026-12-04-h200-fit-headroom and 2026-12-04-h200-mma-vs-flag-attn.
+# bfloat16 and float16), then the forward's earlier forms -DPW_FWD_RAW_MAX=0 and =1
+# (kernels_cu/forward.cu: the default, 2, scales raw scores inside the exponential's fma in
+# the visits body) against the default (scripts/mma_fwd_probe.py, D 64 and 128, L 8192 and
+# 16384, 40 reps, with its reference checks), and the earlier default of the float16 causal
+# D = 128 one-kernel backward (-DPW_BWD_P_FIXED_EXEMPT=1 with -DPW_BWD_TID_RELOAD=0: the
+# per-row P scale, kernels_cu/backward.cu) against the default (scripts/mma_bwd_ab.py,
+# backward alone). About 2-4 minutes each, logs in logs/mma_*.txt. Earlier A/Bs and their
+# figures: bench/NOTES.md, bench/results/2026-12-04-h200-fit-headroom,
+# 2026-12-04-h200-mma-vs-flag-attn and 2026-12-04-h200-staged-defaults.
 # PW_TEST_MACROS (tests/conftest.py) compiles every kernel of the tests step with those -D
 # options: an A/B build through the suite before it becomes the default.
 # bitwise (not in all): scripts/bitwise_ab.py, the builds argued to give identical bits
@@ -154,8 +155,8 @@ if asked probes; then
 fi
 if asked mma_probes; then
   for args in "mma_bwd_probe --dtypes bf16,fp16" \
-              "mma_fwd_probe --variants PW_FWD_RAW_MAX=2;PW_FWD_RAW_MAX=1 --tiles 128:128x32x4;64:128x64x4 --lengths 8192,16384 --dtypes bf16,fp16 --rounds 3 --reps 40" \
-              "mma_bwd_ab --modes default --dtypes fp16,bf16 --dims 128 --variants PW_BWD_P_FIXED_EXEMPT=2,PW_BWD_TID_RELOAD=2"; do
+              "mma_fwd_probe --variants PW_FWD_RAW_MAX=0;PW_FWD_RAW_MAX=1 --tiles 128:128x32x4;64:128x64x4 --lengths 8192,16384 --dtypes bf16,fp16 --rounds 3 --reps 40" \
+              "mma_bwd_ab --modes default --dtypes fp16,bf16 --dims 128 --variants PW_BWD_P_FIXED_EXEMPT=1,PW_BWD_TID_RELOAD=0"; do
     name=$(echo "$args" | tr ' =,;:' '_____' | tr -d '-' | tr -s '_' | cut -c1-60)
     read -r -a argv <<< "$args"  # the script, then its options
     timeout 300 python3 "scripts/${argv[0]}.py" "${argv[@]:1}" --out "$logs/$name.txt" > "$logs/$name.log" 2>&1

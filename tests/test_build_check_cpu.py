@@ -213,12 +213,13 @@ def test_lazy_rescale_ab_builds_compile(nvrtc, monkeypatch, lazy):
             assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-@pytest.mark.parametrize("raw", [1, 2])
+@pytest.mark.parametrize("raw", [0, 1])
 def test_raw_max_forward_ab_builds_compile(nvrtc, monkeypatch, raw):
-    """The staged -DPW_FWD_RAW_MAX forward (scores scaled inside the exponential's fma;
-    1: both loop bodies, 2: the visits body only) builds the sm_90 row's dense forward in
-    every dtype at D = 64 and 128, causal and not (both bodies, float32 included), without
-    spills; the default build (0) is the build check's."""
+    """The A/B forms of -DPW_FWD_RAW_MAX (kernels_cu/forward.cu; the default, 2, scales raw
+    scores inside the exponential's fma in the visits body, and is the build check's):
+    0 (scores scaled in the score tile everywhere, the default until 2026-12-04) and 1 (the fma
+    form in both loop bodies) build the sm_90 row's dense forward in every dtype at D = 64
+    and 128, causal and not (both bodies, float32 included), without spills."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
@@ -233,19 +234,22 @@ def test_raw_max_forward_ab_builds_compile(nvrtc, monkeypatch, raw):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-def test_fixed_p_everywhere_with_tid_reload_builds_without_spills(nvrtc, monkeypatch):
-    """The staged form that gives the float16 dk/dv entries the fixed P scale everywhere it
-    builds without spills: -DPW_BWD_P_FIXED_EXEMPT=2 (the causal D = 128 one-kernel entry
-    loses its exemption in its dense form) with -DPW_BWD_TID_RELOAD=2 (that entry re-reads
-    threadIdx.x per tile, kernels_cu/backward.cu), without which it spills 16 bytes. Its
-    packed-batch form spills 8 bytes even so (NVRTC 13.5), hence the exemption kept there.
-    Every sm_90 float16 dk/dv and one-kernel variant at D = 64 and 128, dense and packed,
-    builds without spills."""
+@pytest.mark.parametrize("macros", [
+    ("-DPW_BWD_P_FIXED_EXEMPT=1", "-DPW_BWD_TID_RELOAD=0"),
+    ("-DPW_BWD_P_FIXED_EXEMPT=2", "-DPW_BWD_TID_RELOAD=2")])
+def test_exempt_entry_forms_build_without_spills(nvrtc, monkeypatch, macros):
+    """The causal D = 128 float16 one-kernel entry spills 16 bytes with the fixed P scale
+    unless it re-reads threadIdx.x per tile (kernels_cu/backward.cu). The default
+    (-DPW_BWD_P_FIXED_EXEMPT=2 -DPW_BWD_TID_RELOAD=2: the fixed scale with the reload in its
+    dense form; the packed-batch form, which spills 8 bytes even so, keeps the per-row scale)
+    and the earlier default's A/B form (EXEMPT=1 RELOAD=0: per-row scale in both forms, no
+    reload) build every sm_90 float16 dk/dv and one-kernel variant at D = 64 and 128, dense
+    and packed, without spills; the explicit default pins the pair against a change of the
+    file's defaults."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
-    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
-        "-DPW_BWD_P_FIXED_EXEMPT=2", "-DPW_BWD_TID_RELOAD=2"))
+    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + macros)
     vs = sorted({Variant(phase, dt, d, t, c, varlen=varlen)
                  for varlen in (False, True)
                  for phase, d, dt, c, t in capability.selectable_configs(SM90, varlen=varlen)
