@@ -13,7 +13,8 @@
 # bfloat16 and float16), then the forward's earlier forms -DPW_FWD_RAW_MAX=0 and =1
 # (kernels_cu/forward.cu: the default, 2, scales raw scores inside the exponential's fma in
 # the visits body) against the default (scripts/mma_fwd_probe.py, D 64 and 128, L 8192 and
-# 16384, 40 reps, with its reference checks), and the earlier default of the float16 causal
+# 16384, 40 reps, with its reference checks and a control build of the default kernels
+# that shows the probe's noise), and the earlier default of the float16 causal
 # D = 128 one-kernel backward (-DPW_BWD_P_FIXED_EXEMPT=1 with -DPW_BWD_TID_RELOAD=0: the
 # per-row P scale, kernels_cu/backward.cu) against the default (scripts/mma_bwd_ab.py,
 # backward alone). About 2-4 minutes each, logs in logs/mma_*.txt. Earlier A/Bs and their
@@ -155,7 +156,7 @@ if asked probes; then
 fi
 if asked mma_probes; then
   for args in "mma_bwd_probe --dtypes bf16,fp16" \
-              "mma_fwd_probe --variants PW_FWD_RAW_MAX=0;PW_FWD_RAW_MAX=1 --tiles 128:128x32x4;64:128x64x4 --lengths 8192,16384 --dtypes bf16,fp16 --rounds 3 --reps 40" \
+              "mma_fwd_probe --variants PW_FWD_RAW_MAX=0;PW_FWD_RAW_MAX=1 --tiles 128:128x32x4;64:128x64x4 --lengths 8192,16384 --dtypes bf16,fp16 --rounds 3 --reps 40 --control" \
               "mma_bwd_ab --modes default --dtypes fp16,bf16 --dims 128 --variants PW_BWD_P_FIXED_EXEMPT=1,PW_BWD_TID_RELOAD=0"; do
     name=$(echo "$args" | tr ' =,;:' '_____' | tr -d '-' | tr -s '_' | cut -c1-60)
     read -r -a argv <<< "$args"  # the script, then its options

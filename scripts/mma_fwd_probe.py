@@ -18,7 +18,12 @@ and tile candidate (CUPY_PIECEWISE_TILES fwd=...):
 
 The parent runs the builds --rounds times in interleaved order and tables the medians with
 the spread (max - min over rounds, % of the median), beside SDPA flash (FlashAttention-2,
-mma.sync: the issue's yardstick) timed in the default build's worker. --out writes that
+mma.sync: the issue's yardstick) timed in the default build's worker. Builds run in separate
+processes, and rows whose kernels a variant does not change moved by up to 4.6% there
+(bench/results/2026-12-04-h200-staged-defaults): --control adds a build of the default
+kernels under a macro no kernel reads (CONTROL_MACRO, identical PTX), timed in its own
+worker without SDPA flash beside it, so the table shows this probe's noise, and any bias of
+the default's worker, in the same run as the variants. --out writes that
 text headed by the date, GPU, versions, command and commit, and beside it a JSON file
 {header, builds: {build: [round records]}}.
 """
@@ -34,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+CONTROL_MACRO = "PW_PROBE_CONTROL=1"  # read by no kernel: --control's build is the default's
 
 
 def worker(args) -> None:
@@ -211,6 +217,14 @@ def precompile(builds, tiles, dtypes, jobs):
     return len(vs) * len(builds), failed
 
 
+def build_list(variants: str, control: bool) -> list[str]:
+    """The builds a run times, each a space-separated macro string: the default (""), each
+    ';'-separated --variants entry, then with --control the default's kernels again under
+    CONTROL_MACRO."""
+    builds = [""] + [v.strip() for v in variants.split(";") if v.strip()]
+    return builds + [CONTROL_MACRO] if control else builds
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default="", help="';'-separated macro sets, e.g. 'A=1 B=0;C=1'")
@@ -220,6 +234,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--control", action="store_true",
+                    help=f"add a build of the default kernels ({CONTROL_MACRO}, read by no "
+                         "kernel) to measure the probe's noise")
     ap.add_argument("--out", default=None)
     ap.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -230,7 +247,7 @@ def main():
     if args.worker:
         worker(args)
         return
-    builds = [""] + [v.strip() for v in args.variants.split(";") if v.strip()]
+    builds = build_list(args.variants, args.control)
     results = {b: [] for b in builds}
     lines = []
 

@@ -518,7 +518,13 @@ def _late_write(torch, dst, src, delay_ns):
 
     kern = cupy.RawKernel(_LATE_WRITER, "pw_test_late_writer")
     d, s_ = (cupy.asarray(t.view(torch.int32).reshape(-1)) for t in (dst, src))
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+    ts = torch.cuda.current_stream()
+    # CuPy 14 deprecates ExternalStream for the CUDA stream protocol (__cuda_stream__), which
+    # torch's streams implement; the fallback keeps older pairs working
+    stream = (cupy.cuda.Stream.from_external(ts) if hasattr(ts, "__cuda_stream__")
+              and hasattr(cupy.cuda.Stream, "from_external")
+              else cupy.cuda.ExternalStream(ts.cuda_stream))
+    with stream:
         kern((4,), (256,), (d, s_, cupy.int64(d.size), cupy.uint64(delay_ns)))
 
 

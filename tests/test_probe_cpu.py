@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
 hopper_probe = pytest.importorskip("hopper_probe")  # (imports cupy_piecewise only)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _vtime(tag, L, D, c, tflops):
@@ -141,6 +143,17 @@ def test_mma_fwd_probe_tiles_and_table():
     header = mma_fwd_probe.run_header(results)
     assert header["gpu"] == "NVIDIA H200" and header["date"].endswith("+00:00")
     assert header["command"].startswith("python3 scripts/mma_fwd_probe.py")
+
+
+def test_mma_fwd_probe_control_build_is_the_default():
+    """--control times the default kernels once more under a macro that no kernel source
+    reads, so its column measures the cross-process probe's noise."""
+    mma_fwd_probe = pytest.importorskip("mma_fwd_probe")
+    assert mma_fwd_probe.build_list("A=1 B=0; C=1;", False) == ["", "A=1 B=0", "C=1"]
+    assert mma_fwd_probe.build_list("A=1", True) == ["", "A=1", mma_fwd_probe.CONTROL_MACRO]
+    name = mma_fwd_probe.CONTROL_MACRO.split("=")[0]
+    sources = [f for f in (ROOT / "kernels_cu").rglob("*") if f.suffix in (".cu", ".cuh")]
+    assert sources and not any(name in f.read_text() for f in sources)
 
 
 def test_mma_bwd_probe_table_medians_and_ratios():
