@@ -80,6 +80,8 @@ __all__ = [
     "hopper_bwd_shared_bytes",
     "hopper_bwd_helper_grid",
     "fwd_one_key_slot",
+    "FWD_ONE_K_MW1",
+    "apply_kernel_macros",
     "shared_bytes",
     "elem_bytes",
     "has_float32_kernels",
@@ -393,15 +395,42 @@ def fused_ds_bytes(cfg: TileConfig) -> int:
     return 2 * cfg.block_n * (cfg.block_m + 8)
 
 
+#: Host mirror of the kernels' -DPW_FWD_ONE_K_MW1 (kernels_cu/traits.cuh; an A/B build, off by
+#: default): one key slot per stage also at 16 query rows per warp. Only
+#: :func:`apply_kernel_macros` sets it, beside the -D option that builds the matching kernels.
+FWD_ONE_K_MW1 = False
+
+#: kernel macro -> this module's mirror of it (the launch's shared-memory size depends on it)
+_MACRO_MIRRORS = {"PW_FWD_ONE_K_MW1": "FWD_ONE_K_MW1"}
+
+
+def apply_kernel_macros(macros) -> None:
+    """Sets the host mirrors of the kernel macros in ``macros`` (``NAME=VALUE`` strings, as
+    given to NVRTC without ``-D``; names without a mirror are ignored): an A/B build that
+    changes a kernel's shared-memory layout needs the launch to size it the same way. The
+    probes and tests/conftest.py (PW_TEST_MACROS) call it; the package never does.
+
+    Raises ValueError for a mirrored macro whose value is not an integer."""
+    for m in macros:
+        name, _, value = m.partition("=")
+        if name in _MACRO_MIRRORS:
+            try:
+                globals()[_MACRO_MIRRORS[name]] = bool(int(value or "1"))
+            except ValueError:
+                raise ValueError(f"kernel macro {m!r}: expected an integer value") from None
+
+
 def fwd_one_key_slot(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> bool:
     """Whether the mma.sync forward (phases fwd and fwd_decode) keeps one key slot per
     pipeline stage instead of two: 16-bit inputs (``elem_bytes`` 2), ``head_dim`` >= 128 and
-    32 query rows per warp (``block_m == 32 * num_warps``). The kernel's rule is
-    ``fwd_one_key_slot`` of kernels_cu/traits.cuh; tests/test_traits_cpu.py checks that the
-    two agree on every selectable variant. A straddling tile's second key projection then
-    replaces its first between the tile's two visits, and 128x32x4 at D = 128 fits two
-    blocks per SM on sm_90 (104 KB each)."""
-    return elem_bytes == 2 and head_dim >= 128 and cfg.block_m == 32 * cfg.num_warps
+    32 query rows per warp (``block_m == 32 * num_warps``; also 16 with
+    :data:`FWD_ONE_K_MW1`). The kernel's rule is ``fwd_one_key_slot`` of
+    kernels_cu/traits.cuh; tests/test_traits_cpu.py checks that the two agree on every
+    selectable variant. A straddling tile's second key projection then replaces its first
+    between the tile's two visits, and 128x32x4 at D = 128 fits two blocks per SM on sm_90
+    (104 KB each)."""
+    rows = (32, 16) if FWD_ONE_K_MW1 else (32,)
+    return elem_bytes == 2 and head_dim >= 128 and cfg.block_m in [r * cfg.num_warps for r in rows]
 
 
 def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> int:

@@ -83,8 +83,29 @@ struct FwdTraits : TileTraitsBase<D, BM, WARPS> {
 // and dropping the second key slot takes 128x32x4 from 122 KB to 104 KB, so two blocks share
 // an SM (255 registers per thread still allow two 4-warp blocks): 1.12-1.21x the forward
 // of the 128x64x8 table entry before on an H200 (bench/results/2026-12-04-h200-fwd-one-key-slot).
+// PW_FWD_ONE_K_MW1 (A/B build; 0, the default: off) extends the rule to 16 query rows per warp,
+// and pw_forward's launch bounds then ask three blocks per SM of 64x..x4 at D = 128
+// (fwd_min_blocks): 64x32x4 takes 70 KB with one key slot (87 KB with two), and ptxas fits it
+// in 168 registers without spills (205 when not asked; NVRTC 13.5, offline, 2026-12-04), so
+// 12 warps share an SM instead of 8 (128x32x4, the table entry). ncu on 128x32x4 found the
+// loop latency-bound at 2 warps per scheduler (bench/NOTES.md, twenty-fifth section); this
+// build asks whether 3 help despite twice the ldmatrix traffic per mma. Untimed. The host
+// mirrors it in capability.FWD_ONE_K_MW1 (the launch's shared-memory size): set both
+// (capability.apply_kernel_macros does, for the probes and PW_TEST_MACROS).
+#ifndef PW_FWD_ONE_K_MW1
+#define PW_FWD_ONE_K_MW1 0
+#endif
 __host__ __device__ constexpr bool fwd_one_key_slot(int width, int D, int BM, int WARPS) {
-  return width == 1 && D >= 128 && BM == 2 * PW_MMA_ROWS * WARPS;
+  return width == 1 && D >= 128 &&
+         (BM == 2 * PW_MMA_ROWS * WARPS || (PW_FWD_ONE_K_MW1 && BM == PW_MMA_ROWS * WARPS));
+}
+// pw_forward's minimum blocks per SM (__launch_bounds__): 1, or 3 for PW_FWD_ONE_K_MW1's
+// 64-row, 4-warp, D = 128 one-key-slot blocks (above).
+__host__ __device__ constexpr int fwd_min_blocks(int width, int D, int BM, int WARPS) {
+  return PW_FWD_ONE_K_MW1 && D == 128 && WARPS == 4 && BM == PW_MMA_ROWS * WARPS &&
+                 fwd_one_key_slot(width, D, BM, WARPS)
+             ? 3
+             : 1;
 }
 
 // pw_backward_dq (phase bwd_dq; backward.cu). Rows of the block are queries.

@@ -41,7 +41,10 @@ def pytest_configure(config):
     if _test_macros():
         from cupy_piecewise import compile as comp
 
+        from cupy_piecewise import capability
+
         comp.BASE_OPTIONS = comp.BASE_OPTIONS + _test_macros()
+        capability.apply_kernel_macros(m[2:] for m in _test_macros())  # host mirrors
 
 
 def pytest_report_header(config):

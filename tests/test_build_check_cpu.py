@@ -305,3 +305,20 @@ def test_float16_ds_fit_ab_builds_compile(nvrtc, monkeypatch, macro):
     for r in compile_offline(SM90, vs):
         assert r.ok and r.registers, (r.variant, r.log)
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+
+
+def test_one_key_slot_mw1_forward_fits_three_blocks_without_spills(nvrtc, monkeypatch):
+    """The A/B build -DPW_FWD_ONE_K_MW1=1 (kernels_cu/traits.cuh): the D = 128 forward at
+    64x32x4 (16 rows per warp, one key slot) asks three blocks per SM in its launch bounds,
+    so ptxas must fit it in 65536 / (3 * 128) = 170 registers (168 allocated) without spills,
+    in both dtypes, causal and not (the visits body)."""
+    from cupy_piecewise import compile as comp
+
+    base = comp.arch_options
+    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
+        "-DPW_FWD_ONE_K_MW1=1",))
+    t = capability.TileConfig(64, 32, 4, 2)
+    vs = [Variant("fwd", dt, 128, t, c) for dt in capability.HALF_DTYPES for c in (False, True)]
+    for r in compile_offline(SM90, vs):
+        assert r.ok and r.registers and r.registers <= 168, (r.variant, r.registers, r.log)
+        assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)

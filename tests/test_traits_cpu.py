@@ -198,3 +198,36 @@ def _compile_sm90a(nvrtc, src: str) -> None:
             pytest.fail(nvrtc.getProgramLog(prog))
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def test_one_key_slot_mw1_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
+    """The A/B build -DPW_FWD_ONE_K_MW1=1 (kernels_cu/traits.cuh) gives 16-row-per-warp
+    forward tiles at D >= 128 one key slot and 64x..x4 at D = 128 three blocks per SM;
+    capability.apply_kernel_macros sets the host mirror so that shared_bytes sizes the launch
+    as FwdTraits carves it. Off (the default), neither moves."""
+    t64, t128 = capability.TileConfig(64, 32, 4, 2), capability.TileConfig(128, 32, 4, 2)
+    default = capability.shared_bytes("fwd", 128, t64)
+    assert not capability.fwd_one_key_slot(128, t64) and capability.fwd_one_key_slot(128, t128)
+    monkeypatch.setattr(capability, "FWD_ONE_K_MW1", False)  # restored after the test
+    capability.apply_kernel_macros(["PW_FWD_RAW_MAX=2", "PW_FWD_ONE_K_MW1=1"])
+    assert capability.FWD_ONE_K_MW1 and capability.fwd_one_key_slot(128, t64)
+    figure = capability.shared_bytes("fwd", 128, t64)
+    # three blocks per SM on sm_90: 228 KiB per SM, 1 KiB of it reserved per block
+    assert figure < default and 3 * (figure + 1024) <= 228 * 1024, (figure, default)
+    src = ("#define PW_FWD_ONE_K_MW1 1\n" + source("forward.cu")
+           + f"\nstatic_assert(fwd_one_key_slot(1, 128, 64, 4) && fwd_min_blocks(1, 128, 64, 4) == 3"
+             f" && fwd_min_blocks(1, 128, 128, 4) == 1, \"MW1 rule\");"
+           + f"\nstatic_assert(FwdTraits<128, 64, 32, 4, true>::smem_bytes == {figure}, "
+             f"\"FwdTraits != capability.shared_bytes with PW_FWD_ONE_K_MW1\");"
+           + f"\nstatic_assert(FwdTraits<128, 64, 32, 4, false>::smem_bytes == {default}, "
+             f"\"two key slots\");")
+    prog = nvrtc.createProgram(src, "forward.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(BASE_OPTIONS) + ["-arch=compute_90"])
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+    with pytest.raises(ValueError, match="PW_FWD_ONE_K_MW1=x"):
+        capability.apply_kernel_macros(["PW_FWD_ONE_K_MW1=x"])
