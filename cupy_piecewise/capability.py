@@ -81,6 +81,8 @@ __all__ = [
     "hopper_bwd_helper_grid",
     "fwd_one_key_slot",
     "FWD_ONE_K_MW1",
+    "FWD_Q_ROTATE",
+    "fwd_q_rotate",
     "apply_kernel_macros",
     "shared_bytes",
     "elem_bytes",
@@ -400,8 +402,13 @@ def fused_ds_bytes(cfg: TileConfig) -> int:
 #: :func:`apply_kernel_macros` sets it, beside the -D option that builds the matching kernels.
 FWD_ONE_K_MW1 = False
 
+#: Host mirror of the kernels' -DPW_FWD_Q_ROTATE (kernels_cu/traits.cuh; an A/B build, off by
+#: default): one-key-slot forward tiles with BM == 2 * BN keep three rotating slots of one Q
+#: tile each (:func:`fwd_q_rotate`). Only :func:`apply_kernel_macros` sets it.
+FWD_Q_ROTATE = False
+
 #: kernel macro -> this module's mirror of it (the launch's shared-memory size depends on it)
-_MACRO_MIRRORS = {"PW_FWD_ONE_K_MW1": "FWD_ONE_K_MW1"}
+_MACRO_MIRRORS = {"PW_FWD_ONE_K_MW1": "FWD_ONE_K_MW1", "PW_FWD_Q_ROTATE": "FWD_Q_ROTATE"}
 
 
 def apply_kernel_macros(macros) -> None:
@@ -433,6 +440,17 @@ def fwd_one_key_slot(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> boo
     return elem_bytes == 2 and head_dim >= 128 and cfg.block_m in [r * cfg.num_warps for r in rows]
 
 
+def fwd_q_rotate(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> bool:
+    """Whether the mma.sync forward keeps three rotating Q-sized slots (q2 and two key
+    stages over far tiles; q2, one stage and q1 over straddling tiles; two stages and q1 over
+    near tiles) instead of q1, q2 and two stages: with :data:`FWD_Q_ROTATE` (the kernels'
+    -DPW_FWD_Q_ROTATE) where :func:`fwd_one_key_slot` holds and ``block_m == 2 * block_n``,
+    so that one stage (k and v) is one Q tile. The kernel's rule is ``fwd_q_rotate`` of
+    kernels_cu/traits.cuh."""
+    return (FWD_Q_ROTATE and fwd_one_key_slot(head_dim, cfg, elem_bytes)
+            and cfg.block_m == 2 * cfg.block_n and cfg.stages == 2)
+
+
 def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> int:
     """Shared memory (bytes) one block of ``phase`` needs with tiles ``cfg``.
 
@@ -457,6 +475,8 @@ def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2
         # q1, q2, and per stage the key slots and v: kvcache two slots (16 query rows),
         # kvdecode one (one new token: every key has one distance), fwd by fwd_one_key_slot
         slots = {"kvcache": 2, "kvdecode": 1}.get(phase)
+        if slots is None and fwd_q_rotate(head_dim, cfg, elem_bytes):
+            return 3 * cfg.block_m * row  # three Q-sized slots (fwd_q_rotate)
         if slots is None:
             slots = 1 if fwd_one_key_slot(head_dim, cfg, elem_bytes) else 2
         return (2 * cfg.block_m + (slots + 1) * cfg.stages * cfg.block_n) * row

@@ -171,6 +171,12 @@ PW_DEVICE i64 floor_div(i64 a, i64 b) { return a >= 0 ? a / b : -((-a + b - 1) /
 PW_DEVICE i64 ceil_div(i64 a, i64 b) { return -floor_div(-a, b); }
 PW_DEVICE i64 clamp64(i64 x, i64 lo, i64 hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
+// A compile-time int carried by a value (a generic lambda's argument selects its
+// instantiation: forward.cu's PW_FWD_Q_ROTATE visits).
+template <int V> struct IntConst {
+  static constexpr int value = V;
+};
+
 // threadIdx.x read by a volatile move, which the compiler may not hoist out of a loop: values
 // derived from it inside a loop body are recomputed there each iteration rather than held in
 // registers across the loop (backward.cu, PW_BWD_TID_RELOAD).

@@ -158,8 +158,12 @@ __global__ void __launch_bounds__(WARPS * 32, fwd_min_blocks(Elem<T>::width, D, 
   const int t_begin = (int)min((i64)all_tiles, split * p.split_tiles);
   const int ntiles = (int)min((i64)all_tiles, (split + 1) * p.split_tiles);
 
-  load_rows<BM, DS, THREADS>(smem_addr(sQ1), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
-  load_rows<BM, DS, THREADS>(smem_addr(sQ2), p.q2.at(b, h, sq.q0), p.q2.sr, m0, M);
+  // PW_FWD_Q_ROTATE (traits.cuh): three rotating slots, Q loaded when its phase starts (below)
+  constexpr bool QROT = fwd_q_rotate(Elem<T>::width, D, BM, BN, WARPS);
+  if constexpr (!QROT) {
+    load_rows<BM, DS, THREADS>(smem_addr(sQ1), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
+    load_rows<BM, DS, THREADS>(smem_addr(sQ2), p.q2.at(b, h, sq.q0), p.q2.sr, m0, M);
+  }
 
   auto issue = [&](int t, int stage) {
     const i64 n0 = (i64)t * BN;
@@ -182,7 +186,85 @@ __global__ void __launch_bounds__(WARPS * 32, fwd_min_blocks(Elem<T>::width, D, 
   const u32 aQ1 = smem_addr(sQ1 + warp * L::warp_rows * L::pitch);
   const u32 aQ2 = smem_addr(sQ2 + warp * L::warp_rows * L::pitch);
 
-  if constexpr (!VisitPairs<T, CAUSAL, ONE_K>::value) {
+  if constexpr (QROT) {
+    static_assert(ONE_K && L::stage_elems == L::q_tile_elems, "a key stage fills one Q slot");
+    // Slots of one Q tile each. Far tiles: [q2 | stage 0 | stage 1]; straddling tiles,
+    // single-buffered: [q2 | stage | q1]; near tiles: [stage 0 | stage 1 | q1].
+    u16* const slot0 = reinterpret_cast<u16*>(smem);
+    u16* const slot1 = slot0 + L::q_tile_elems;
+    u16* const slot2 = slot1 + L::q_tile_elems;
+    const int wrow = warp * L::warp_rows * L::pitch;
+    const u32 aQ2r = smem_addr(slot0 + wrow), aQ1r = smem_addr(slot2 + wrow);
+    // Key tiles in sweep order have modes 2 (far), then 3 (straddling), then 1 (near)
+    // (tile_mode: the distances fall as the keys advance). tA: the first tile with some
+    // d < w (tile_mode bit 0: n0 >= m0 + P - w - BN + 2); tC: the first with no d >= w
+    // (bit 1 clear: n0 > m0 + BM - 1 + P - w). tests/test_traits_cpu.py checks both against
+    // tile_mode's definition.
+    const int tA = (int)clamp64(ceil_div(m0 + P - p.w - BN + 2, BN), t_begin, ntiles);
+    const int tC = (int)clamp64(floor_div(m0 + BM - 1 + P - p.w, BN) + 1, tA, ntiles);
+    auto issue_at = [&](int t, u16* st) {
+      const i64 n0 = (i64)t * BN;
+      const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
+      // the one key slot takes k1 when the tile needs it (k2 follows after its first visit)
+      if (mode & 1) load_rows<BN, DS, THREADS>(smem_addr(st + L::k1_in_stage), k1, p.k1.sr, n0, N);
+      else load_rows<BN, DS, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
+      load_rows<BN, DS, THREADS>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
+    };
+    // One tile's visits; LO..HI bound the pairs at compile time (2..2 far, 1..1 near),
+    // where the tile's mode then has that pair alone.
+    auto visit = [&](int t, u16* st, auto lo, auto hi) {
+      constexpr int LO = decltype(lo)::value, HI = decltype(hi)::value;
+      constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
+      const i64 n0 = (i64)t * BN;
+      const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
+      const bool masked =
+          mode == 3 || tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), n0 + BN, N);
+      const Geom g = make_geom<false>(row0, n0, P, p.w, N);
+#pragma unroll 1
+      for (int pair = LO == HI ? LO : ((mode & 1) ? 1 : 2);
+           pair <= (LO == HI ? HI : ((mode & 2) ? 2 : 1)); ++pair) {
+        if (LO != HI && pair == 2 && mode == 3) {  // k1 read by every warp: k2 replaces it
+          __syncthreads();
+          load_rows<BN, DS, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
+          cp_async_commit();
+          cp_async_wait<0>();
+          __syncthreads();
+        }
+        float s[MW][BN / 8][4];
+        const u32 sA = pair == 1 ? aQ1r : aQ2r;
+        const u32 sB = smem_addr(st + L::k1_in_stage);  // one slot: k1 or k2
+        const float sc = RAW ? 1.f : p.scale_log2;
+        if (masked)
+          score_pair<T, D, BN, MW, true>(s, sA, sB, pair_window<MW, CAUSAL>(g, pair, lane), sc,
+                                         lane);
+        else
+          score_pair<T, D, BN, MW, false>(s, sA, sB, PairWindow<MW>{}, sc, lane);
+        online_softmax<D, BN, MW, RAW>(s, acc, row_max, row_sum, p.scale_log2);
+        mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + L::v_in_stage), lane);
+      }
+    };
+    using One = IntConst<1>;
+    using Two = IntConst<2>;
+    // far tiles: q2 in slot 0 (also read by the straddling tiles), stages in slots 1 and 2
+    if (t_begin < tC) load_rows<BM, DS, THREADS>(smem_addr(slot0), p.q2.at(b, h, sq.q0), p.q2.sr, m0, M);
+    pipelined_tiles(
+        t_begin, tA, [&](int t, int stage) { issue_at(t, slot1 + stage * L::stage_elems); },
+        [&](int t, int stage) { visit(t, slot1 + stage * L::stage_elems, Two{}, Two{}); });
+    // q1 into slot 2, free now: pipelined_tiles ended with a wait and a block barrier
+    if (tA < ntiles) load_rows<BM, DS, THREADS>(smem_addr(slot2), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
+    for (int t = tA; t < tC; ++t) {  // straddling tiles, one stage (slot 1)
+      issue_at(t, slot1);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      visit(t, slot1, One{}, Two{});
+      __syncthreads();
+    }
+    // near tiles: q2 is done with, its slot and slot 1 are the stages
+    pipelined_tiles(
+        tC, ntiles, [&](int t, int stage) { issue_at(t, slot0 + stage * L::stage_elems); },
+        [&](int t, int stage) { visit(t, slot0 + stage * L::stage_elems, One{}, One{}); });
+  } else if constexpr (!VisitPairs<T, CAUSAL, ONE_K>::value) {
     // One visit per tile; a straddling tile's two products go into one score tile.
     constexpr bool RAW = PW_FWD_RAW_MAX == 1;
     pipelined_tiles(t_begin, ntiles, issue, [&](int t, int stage) {

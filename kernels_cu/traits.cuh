@@ -75,6 +75,9 @@ struct FwdTraits : TileTraitsBase<D, BM, WARPS> {
   static constexpr int smem_bytes = kv_offset + Base::stages * stage_bytes;
   static_assert(kv_offset % PW_SMEM_ALIGN == 0 && stage_bytes % PW_SMEM_ALIGN == 0,
                 "buffers start on 16-byte boundaries");
+  // PW_FWD_Q_ROTATE's layout (fwd_q_rotate below): three slots of one Q tile each, whose
+  // roles rotate over the key sweep
+  static constexpr int q_rotate_smem_bytes = 3 * q_tile_bytes;
 };
 
 // Whether pw_forward keeps one key slot per stage (FwdTraits' ONE_K; capability.py
@@ -99,6 +102,23 @@ __host__ __device__ constexpr bool fwd_one_key_slot(int width, int D, int BM, in
   return width == 1 && D >= 128 &&
          (BM == 2 * PW_MMA_ROWS * WARPS || (PW_FWD_ONE_K_MW1 && BM == PW_MMA_ROWS * WARPS));
 }
+// PW_FWD_Q_ROTATE (A/B build; 0, the default: off): a one-key-slot forward tile whose key
+// stage (k and v of BN keys) is as large as one Q tile (BM == 2 * BN) keeps three such slots
+// instead of four (q1, q2, two stages), and their roles rotate as the block sweeps its key
+// tiles in order. Far tiles (every pair d >= w: q2·k2 only) come first: [q2 | stage | stage];
+// the straddling tiles (both products; about (BM + BN) / BN of them) run single-buffered
+// with q1 loaded into the third slot: [q2 | stage | q1]; near tiles (q1·k1 only) reuse q2's
+// slot: [stage | stage | q1]. That takes 128x64x4 at D = 128, FlashAttention-2's D = 128
+// shape on sm_90 (32 rows x 64 keys per warp: 16 score accumulators, twice 128x32x4's),
+// from 136 KB to 102 KB, so two blocks share an SM. Untimed (bench/NOTES.md, twenty-sixth
+// section); the host mirrors it in capability.FWD_Q_ROTATE (capability.apply_kernel_macros).
+#ifndef PW_FWD_Q_ROTATE
+#define PW_FWD_Q_ROTATE 0
+#endif
+__host__ __device__ constexpr bool fwd_q_rotate(int width, int D, int BM, int BN, int WARPS) {
+  return PW_FWD_Q_ROTATE && fwd_one_key_slot(width, D, BM, WARPS) && BM == 2 * BN;
+}
+
 // pw_forward's minimum blocks per SM (__launch_bounds__): 1, or 3 for PW_FWD_ONE_K_MW1's
 // 64-row, 4-warp, D = 128 one-key-slot blocks (above).
 __host__ __device__ constexpr int fwd_min_blocks(int width, int D, int BM, int WARPS) {

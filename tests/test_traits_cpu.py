@@ -231,3 +231,67 @@ def test_one_key_slot_mw1_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
         nvrtc.destroyProgram(prog)
     with pytest.raises(ValueError, match="PW_FWD_ONE_K_MW1=x"):
         capability.apply_kernel_macros(["PW_FWD_ONE_K_MW1=x"])
+
+
+def _tile_mode(q0, qn, k0, kn, P, w):
+    """kernels_cu/common.cuh tile_mode: bit 0 some pair has d < w, bit 1 some d >= w."""
+    dmin, dmax = q0 + P - (k0 + kn - 1), q0 + qn - 1 + P - k0
+    return (1 if dmin < w else 0) | (2 if dmax >= w else 0)
+
+
+def test_q_rotate_phase_bounds_follow_tile_mode():
+    """PW_FWD_Q_ROTATE's phases (kernels_cu/forward.cu): tA = clamp(ceil((m0 + P - w - BN + 2)
+    / BN)), tC = clamp(floor((m0 + BM - 1 + P - w) / BN) + 1) split a key range into far
+    tiles (mode 2: q2 alone, the only Q loaded then), straddling tiles (mode 3) and near tiles
+    (mode 1: q1 alone), exactly as tile_mode classifies them, for random geometry including
+    negative and out-of-range w, offsets P and split ranges."""
+    import random
+
+    rng = random.Random(20261204)
+    for _ in range(4000):
+        BN = rng.choice((16, 32, 64, 128))
+        BM = rng.choice((BN, 2 * BN, 4 * BN))
+        M, N = rng.randint(1, 3000), rng.randint(1, 3000)
+        P = rng.randint(-N, N)
+        w = rng.randint(-(M + N + 1), M + N + 1)
+        m0 = BM * rng.randint(0, (M - 1) // BM)
+        nt = (N + BN - 1) // BN
+        t_begin = rng.randint(0, nt)
+        ntiles = rng.randint(t_begin, nt)
+        clamp = lambda x, lo, hi: max(lo, min(hi, x))
+        tA = clamp(-((-(m0 + P - w - BN + 2)) // BN), t_begin, ntiles)
+        tC = clamp((m0 + BM - 1 + P - w) // BN + 1, tA, ntiles)
+        for t in range(t_begin, ntiles):
+            mode = _tile_mode(m0, BM, t * BN, BN, P, w)
+            want = 2 if t < tA else (3 if t < tC else 1)
+            assert mode == want, (t, mode, want, dict(BN=BN, BM=BM, P=P, w=w, m0=m0, tA=tA, tC=tC))
+
+
+def test_q_rotate_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
+    """-DPW_FWD_Q_ROTATE=1 (kernels_cu/traits.cuh): a one-key-slot forward tile with
+    BM == 2 * BN keeps three Q-sized slots; capability.apply_kernel_macros sets the mirror so
+    shared_bytes gives 3 * BM padded rows (128x64x4 at D = 128: 104448 bytes, two blocks per
+    sm_90 SM, against 139264 without). Other tiles do not change."""
+    t = capability.TileConfig(128, 64, 4, 2)
+    default = capability.shared_bytes("fwd", 128, t)
+    monkeypatch.setattr(capability, "FWD_Q_ROTATE", False)  # restored after the test
+    capability.apply_kernel_macros(["PW_FWD_Q_ROTATE=1"])
+    assert capability.fwd_q_rotate(128, t)
+    assert not capability.fwd_q_rotate(128, capability.TileConfig(128, 32, 4, 2))
+    assert not capability.fwd_q_rotate(64, capability.TileConfig(128, 64, 4, 2))  # two slots
+    figure = capability.shared_bytes("fwd", 128, t)
+    assert (default, figure) == (139264, 104448)
+    assert 2 * (figure + 1024) <= 228 * 1024
+    src = ("#define PW_FWD_Q_ROTATE 1\n" + source("forward.cu")
+           + "\nstatic_assert(fwd_q_rotate(1, 128, 128, 64, 4) && !fwd_q_rotate(1, 128, 128, 32, 4)"
+             " && !fwd_q_rotate(2, 128, 128, 64, 4), \"rule\");"
+           + f"\nstatic_assert(FwdTraits<128, 128, 64, 4, true>::q_rotate_smem_bytes == {figure}, "
+             f"\"FwdTraits != capability.shared_bytes with PW_FWD_Q_ROTATE\");")
+    prog = nvrtc.createProgram(src, "forward.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(BASE_OPTIONS) + ["-arch=compute_90"])
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
