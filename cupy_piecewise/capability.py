@@ -447,6 +447,7 @@ def fwd_q_rotate(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> bool:
     -DPW_FWD_Q_ROTATE) where :func:`fwd_one_key_slot` holds and ``block_m == 2 * block_n``,
     so that one stage (k and v) is one Q tile. The kernel's rule is ``fwd_q_rotate`` of
     kernels_cu/traits.cuh."""
+    # stages == 2: the kernel's layout assumes double buffering (STAGES allows only 2 today)
     return (FWD_Q_ROTATE and fwd_one_key_slot(head_dim, cfg, elem_bytes)
             and cfg.block_m == 2 * cfg.block_n and cfg.stages == 2)
 

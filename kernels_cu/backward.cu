@@ -63,7 +63,7 @@
 // exempt entry 1.041x faster, as the fixed scale with its spill did (1.036-1.053x). So 2 with
 // PW_BWD_P_FIXED_EXEMPT=2 is the spill-free form of that gain (the packed-batch form keeps
 // the per-row scale: it spills either way): 1.045-1.049x on that entry (float16 causal
-// D = 128, L 2048/8192), the other D = 128 entries within 1% (bench/results/
+// D = 128, L 2048/8192), the other D = 128 entries 0.998-1.016x (bench/results/
 // 2026-12-04-h200-staged-defaults). The GPU suite, memcheck and racecheck ran on it before
 // it became the default.
 #ifndef PW_BWD_TID_RELOAD

@@ -250,7 +250,8 @@ __global__ void __launch_bounds__(WARPS * 32, fwd_min_blocks(Elem<T>::width, D, 
     pipelined_tiles(
         t_begin, tA, [&](int t, int stage) { issue_at(t, slot1 + stage * L::stage_elems); },
         [&](int t, int stage) { visit(t, slot1 + stage * L::stage_elems, Two{}, Two{}); });
-    // q1 into slot 2, free now: pipelined_tiles ended with a wait and a block barrier
+    // q1 into slot 2, free now: after a far tile the block barrier that ends its visit;
+    // with no far tile slot 2 was never written
     if (tA < ntiles) load_rows<BM, DS, THREADS>(smem_addr(slot2), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
     for (int t = tA; t < tC; ++t) {  // straddling tiles, one stage (slot 1)
       issue_at(t, slot1);

@@ -88,8 +88,9 @@ struct FwdTraits : TileTraitsBase<D, BM, WARPS> {
 // of the 128x64x8 table entry before on an H200 (bench/results/2026-12-04-h200-fwd-one-key-slot).
 // PW_FWD_ONE_K_MW1 (A/B build; 0, the default: off) extends the rule to 16 query rows per warp,
 // and pw_forward's launch bounds then ask three blocks per SM of 64x..x4 at D = 128
-// (fwd_min_blocks): 64x32x4 takes 70 KB with one key slot (87 KB with two), and ptxas fits it
-// in 168 registers without spills (205 when not asked; NVRTC 13.5, offline, 2026-12-04), so
+// (fwd_min_blocks): 64x32x4 takes 70 KB with one key slot (87 KB with two), and ptxas fits its
+// dense forms in 163-167 registers without spills (205 when not asked; the packed-batch causal
+// form spills 4 bytes; NVRTC 13.5, offline, 2026-12-04), so
 // 12 warps share an SM instead of 8 (128x32x4, the table entry). ncu on 128x32x4 found the
 // loop latency-bound at 2 warps per scheduler (bench/NOTES.md, twenty-fifth section); this
 // build asks whether 3 help despite twice the ldmatrix traffic per mma. Untimed. The host
@@ -110,7 +111,7 @@ __host__ __device__ constexpr bool fwd_one_key_slot(int width, int D, int BM, in
 // with q1 loaded into the third slot: [q2 | stage | q1]; near tiles (q1·k1 only) reuse q2's
 // slot: [stage | stage | q1]. That takes 128x64x4 at D = 128, FlashAttention-2's D = 128
 // shape on sm_90 (32 rows x 64 keys per warp: 16 score accumulators, twice 128x32x4's),
-// from 136 KB to 102 KB, so two blocks share an SM. Untimed (bench/NOTES.md, twenty-sixth
+// from 139 KB to 104 KB (139264 and 104448 bytes), so two blocks share an SM. Untimed (bench/NOTES.md, twenty-sixth
 // section); the host mirrors it in capability.FWD_Q_ROTATE (capability.apply_kernel_macros).
 #ifndef PW_FWD_Q_ROTATE
 #define PW_FWD_Q_ROTATE 0
@@ -118,6 +119,13 @@ __host__ __device__ constexpr bool fwd_one_key_slot(int width, int D, int BM, in
 __host__ __device__ constexpr bool fwd_q_rotate(int width, int D, int BM, int BN, int WARPS) {
   return PW_FWD_Q_ROTATE && fwd_one_key_slot(width, D, BM, WARPS) && BM == 2 * BN;
 }
+
+// pw_forward's dynamic shared memory with both rules applied (what capability.shared_bytes
+// gives; tests/test_traits_cpu.py compares the two per selectable variant, macros included)
+template <int DS, int BM, int BN, int WARPS, bool ONE_K, bool QROT> struct FwdLayoutBytes {
+  using L = FwdTraits<DS, BM, BN, WARPS, ONE_K>;
+  static constexpr int smem_bytes = QROT ? L::q_rotate_smem_bytes : L::smem_bytes;
+};
 
 // pw_forward's minimum blocks per SM (__launch_bounds__): 1, or 3 for PW_FWD_ONE_K_MW1's
 // 64-row, 4-warp, D = 128 one-key-slot blocks (above).

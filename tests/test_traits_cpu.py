@@ -42,10 +42,13 @@ def _checks(cc) -> dict[str, dict[tuple[str, int], list[str]]]:
         # fused backward: the dk/dv layout with its dS tile (FUSED); the forward: its key
         # slots by the kernel's own rule (traits.cuh fwd_one_key_slot), so a disagreement
         # with capability.fwd_one_key_slot fails the size check
-        one_k = f", fwd_one_key_slot({width}, {head_dim}, {t.block_m}, {t.num_warps})"
+        # (and its three rotating slots by fwd_q_rotate, with -DPW_FWD_Q_ROTATE: FwdLayoutBytes)
+        one_k = (f", fwd_one_key_slot({width}, {head_dim}, {t.block_m}, {t.num_warps}), "
+                 f"fwd_q_rotate({width}, {head_dim}, {t.block_m}, {t.block_n}, {t.num_warps})")
         stages = {"kvcache": f", {t.stages}, 2", "kvdecode": f", {t.stages}, 1",
                   "bwd_fused": ", true", "fwd": one_k, "fwd_decode": one_k}.get(phase, "")
-        expr = (f"{TRAITS[phase]}<{head_dim * width}, {t.block_m}, {t.block_n}, "
+        struct = "FwdLayoutBytes" if phase in ("fwd", "fwd_decode") else TRAITS[phase]
+        expr = (f"{struct}<{head_dim * width}, {t.block_m}, {t.block_n}, "
                 f"{t.num_warps}{stages}>")
         figure = capability.shared_bytes(phase, head_dim, t, capability.elem_bytes(dtype))
         label = f"{phase} D={head_dim} tiles {t} {dtype} causal={causal} on {_arch(cc)}"
@@ -200,15 +203,21 @@ def _compile_sm90a(nvrtc, src: str) -> None:
         nvrtc.destroyProgram(prog)
 
 
+#: BASE_OPTIONS without the -DPW_... options PW_TEST_MACROS may have added (tests/conftest.py):
+#: the staged-layout tests below define their macros in the source they compile
+_OWN_MACROS_ONLY = [o for o in BASE_OPTIONS if not o.startswith("-DPW_")]
+
+
 def test_one_key_slot_mw1_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
     """The A/B build -DPW_FWD_ONE_K_MW1=1 (kernels_cu/traits.cuh) gives 16-row-per-warp
     forward tiles at D >= 128 one key slot and 64x..x4 at D = 128 three blocks per SM;
     capability.apply_kernel_macros sets the host mirror so that shared_bytes sizes the launch
     as FwdTraits carves it. Off (the default), neither moves."""
     t64, t128 = capability.TileConfig(64, 32, 4, 2), capability.TileConfig(128, 32, 4, 2)
+    for mirror in ("FWD_ONE_K_MW1", "FWD_Q_ROTATE"):  # off whatever PW_TEST_MACROS set
+        monkeypatch.setattr(capability, mirror, False)  # restored after the test
     default = capability.shared_bytes("fwd", 128, t64)
     assert not capability.fwd_one_key_slot(128, t64) and capability.fwd_one_key_slot(128, t128)
-    monkeypatch.setattr(capability, "FWD_ONE_K_MW1", False)  # restored after the test
     capability.apply_kernel_macros(["PW_FWD_RAW_MAX=2", "PW_FWD_ONE_K_MW1=1"])
     assert capability.FWD_ONE_K_MW1 and capability.fwd_one_key_slot(128, t64)
     figure = capability.shared_bytes("fwd", 128, t64)
@@ -224,7 +233,7 @@ def test_one_key_slot_mw1_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
     prog = nvrtc.createProgram(src, "forward.cu", [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, list(BASE_OPTIONS) + ["-arch=compute_90"])
+            nvrtc.compileProgram(prog, _OWN_MACROS_ONLY + ["-arch=compute_90"])
         except nvrtc.NVRTCError:
             pytest.fail(nvrtc.getProgramLog(prog))
     finally:
@@ -273,8 +282,12 @@ def test_q_rotate_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
     shared_bytes gives 3 * BM padded rows (128x64x4 at D = 128: 104448 bytes, two blocks per
     sm_90 SM, against 139264 without). Other tiles do not change."""
     t = capability.TileConfig(128, 64, 4, 2)
+    others = [(128, capability.TileConfig(128, 32, 4, 2)), (64, capability.TileConfig(128, 64, 4, 2)),
+              (128, capability.TileConfig(64, 32, 4, 2))]
+    for mirror in ("FWD_ONE_K_MW1", "FWD_Q_ROTATE"):  # off whatever PW_TEST_MACROS set
+        monkeypatch.setattr(capability, mirror, False)  # restored after the test
     default = capability.shared_bytes("fwd", 128, t)
-    monkeypatch.setattr(capability, "FWD_Q_ROTATE", False)  # restored after the test
+    before = [capability.shared_bytes("fwd", d, c) for d, c in others]
     capability.apply_kernel_macros(["PW_FWD_Q_ROTATE=1"])
     assert capability.fwd_q_rotate(128, t)
     assert not capability.fwd_q_rotate(128, capability.TileConfig(128, 32, 4, 2))
@@ -282,6 +295,7 @@ def test_q_rotate_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
     figure = capability.shared_bytes("fwd", 128, t)
     assert (default, figure) == (139264, 104448)
     assert 2 * (figure + 1024) <= 228 * 1024
+    assert [capability.shared_bytes("fwd", d, c) for d, c in others] == before
     src = ("#define PW_FWD_Q_ROTATE 1\n" + source("forward.cu")
            + "\nstatic_assert(fwd_q_rotate(1, 128, 128, 64, 4) && !fwd_q_rotate(1, 128, 128, 32, 4)"
              " && !fwd_q_rotate(2, 128, 128, 64, 4), \"rule\");"
@@ -290,7 +304,7 @@ def test_q_rotate_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
     prog = nvrtc.createProgram(src, "forward.cu", [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, list(BASE_OPTIONS) + ["-arch=compute_90"])
+            nvrtc.compileProgram(prog, _OWN_MACROS_ONLY + ["-arch=compute_90"])
         except nvrtc.NVRTCError:
             pytest.fail(nvrtc.getProgramLog(prog))
     finally:
