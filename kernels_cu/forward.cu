@@ -230,6 +230,9 @@ __global__ void __launch_bounds__(WARPS * 32, fwd_min_blocks(Elem<T>::width, D, 
           cp_async_wait<0>();
           __syncthreads();
         }
+        // The visits body's steps (below). Shared through one lambda, that body's PTX changed
+        // (243 -> 244-246 registers at D = 128, offline), so the two stay apart until a
+        // device run can check and time the default with it.
         float s[MW][BN / 8][4];
         const u32 sA = pair == 1 ? aQ1r : aQ2r;
         const u32 sB = smem_addr(st + L::k1_in_stage);  // one slot: k1 or k2

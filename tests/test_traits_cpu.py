@@ -208,6 +208,19 @@ def _compile_sm90a(nvrtc, src: str) -> None:
 _OWN_MACROS_ONLY = [o for o in BASE_OPTIONS if not o.startswith("-DPW_")]
 
 
+def _compile_front(nvrtc, src: str) -> None:
+    """PTX of ``src`` (a kernel source with asserts appended) for compute_90 with
+    :data:`_OWN_MACROS_ONLY`; a failed static_assert fails the test with NVRTC's log."""
+    prog = nvrtc.createProgram(src, "forward.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, _OWN_MACROS_ONLY + ["-arch=compute_90"])
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 def test_one_key_slot_mw1_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
     """The A/B build -DPW_FWD_ONE_K_MW1=1 (kernels_cu/traits.cuh) gives 16-row-per-warp
     forward tiles at D >= 128 one key slot and 64x..x4 at D = 128 three blocks per SM;
@@ -230,14 +243,7 @@ def test_one_key_slot_mw1_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
              f"\"FwdTraits != capability.shared_bytes with PW_FWD_ONE_K_MW1\");"
            + f"\nstatic_assert(FwdTraits<128, 64, 32, 4, false>::smem_bytes == {default}, "
              f"\"two key slots\");")
-    prog = nvrtc.createProgram(src, "forward.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, _OWN_MACROS_ONLY + ["-arch=compute_90"])
-        except nvrtc.NVRTCError:
-            pytest.fail(nvrtc.getProgramLog(prog))
-    finally:
-        nvrtc.destroyProgram(prog)
+    _compile_front(nvrtc, src)
     with pytest.raises(ValueError, match="PW_FWD_ONE_K_MW1=x"):
         capability.apply_kernel_macros(["PW_FWD_ONE_K_MW1=x"])
 
@@ -301,11 +307,4 @@ def test_q_rotate_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
              " && !fwd_q_rotate(2, 128, 128, 64, 4), \"rule\");"
            + f"\nstatic_assert(FwdTraits<128, 128, 64, 4, true>::q_rotate_smem_bytes == {figure}, "
              f"\"FwdTraits != capability.shared_bytes with PW_FWD_Q_ROTATE\");")
-    prog = nvrtc.createProgram(src, "forward.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, _OWN_MACROS_ONLY + ["-arch=compute_90"])
-        except nvrtc.NVRTCError:
-            pytest.fail(nvrtc.getProgramLog(prog))
-    finally:
-        nvrtc.destroyProgram(prog)
+    _compile_front(nvrtc, src)
