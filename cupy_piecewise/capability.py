@@ -436,8 +436,9 @@ def fwd_one_key_slot(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> boo
     selectable variant. A straddling tile's second key projection then replaces its first
     between the tile's two visits, and 128x32x4 at D = 128 fits two blocks per SM on sm_90
     (104 KB each)."""
-    rows = (32, 16) if FWD_ONE_K_MW1 else (32,)
-    return elem_bytes == 2 and head_dim >= 128 and cfg.block_m in [r * cfg.num_warps for r in rows]
+    w = cfg.num_warps
+    return elem_bytes == 2 and head_dim >= 128 and (
+        cfg.block_m == 32 * w or (FWD_ONE_K_MW1 and cfg.block_m == 16 * w))
 
 
 def fwd_q_rotate(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> bool:

@@ -90,8 +90,8 @@ struct FwdTraits : TileTraitsBase<D, BM, WARPS> {
 // and pw_forward's launch bounds then ask three blocks per SM of 64x..x4 at D = 128
 // (fwd_min_blocks): 64x32x4 takes 70 KB with one key slot (87 KB with two), and ptxas fits its
 // dense forms in 163-167 registers without spills (205 when not asked; the packed-batch causal
-// form spills 4 bytes; NVRTC 13.5, offline, 2026-12-04), so
-// 12 warps share an SM instead of 8 (128x32x4, the table entry). ncu on 128x32x4 found the
+// form spills 4 bytes; NVRTC 13.5, offline, 2026-12-04), so 12 warps share an SM instead of
+// 8 (128x32x4, the table entry). ncu on 128x32x4 found the
 // loop latency-bound at 2 warps per scheduler (bench/NOTES.md, twenty-fifth section); this
 // build asks whether 3 help despite twice the ldmatrix traffic per mma. Untimed. The host
 // mirrors it in capability.FWD_ONE_K_MW1 (the launch's shared-memory size): set both
@@ -111,8 +111,9 @@ __host__ __device__ constexpr bool fwd_one_key_slot(int width, int D, int BM, in
 // with q1 loaded into the third slot: [q2 | stage | q1]; near tiles (q1·k1 only) reuse q2's
 // slot: [stage | stage | q1]. That takes 128x64x4 at D = 128, FlashAttention-2's D = 128
 // shape on sm_90 (32 rows x 64 keys per warp: 16 score accumulators, twice 128x32x4's),
-// from 139 KB to 104 KB (139264 and 104448 bytes), so two blocks share an SM. Untimed (bench/NOTES.md, twenty-sixth
-// section); the host mirrors it in capability.FWD_Q_ROTATE (capability.apply_kernel_macros).
+// from 139 KB to 104 KB (139264 and 104448 bytes), so two blocks share an SM. Untimed
+// (bench/NOTES.md, twenty-sixth section); the host mirrors it in capability.FWD_Q_ROTATE
+// (capability.apply_kernel_macros).
 #ifndef PW_FWD_Q_ROTATE
 #define PW_FWD_Q_ROTATE 0
 #endif

@@ -39,9 +39,7 @@ def pytest_configure(config):
     # NVRTC options are read at each compile (compile.Variant.options, arch_options), so
     # extending the base set here reaches every kernel the run builds.
     if _test_macros():
-        from cupy_piecewise import compile as comp
-
-        from cupy_piecewise import capability
+        from cupy_piecewise import capability, compile as comp
 
         comp.BASE_OPTIONS = comp.BASE_OPTIONS + _test_macros()
         capability.apply_kernel_macros(m[2:] for m in _test_macros())  # host mirrors
