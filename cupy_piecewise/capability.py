@@ -58,6 +58,7 @@ __all__ = [
     "LISTED_ARCHS",
     "SHARED_LIMIT",
     "TABLE",
+    "MACRO_TABLE",
     "ENV_VAR",
     "env_override",
     "refresh_env_override",
@@ -80,7 +81,6 @@ __all__ = [
     "hopper_bwd_shared_bytes",
     "hopper_bwd_helper_grid",
     "fwd_one_key_slot",
-    "FWD_ONE_K_MW1",
     "FWD_Q_ROTATE",
     "fwd_q_rotate",
     "apply_kernel_macros",
@@ -397,18 +397,15 @@ def fused_ds_bytes(cfg: TileConfig) -> int:
     return 2 * cfg.block_n * (cfg.block_m + 8)
 
 
-#: Host mirror of the kernels' -DPW_FWD_ONE_K_MW1 (kernels_cu/traits.cuh; an A/B build, off by
-#: default): one key slot per stage also at 16 query rows per warp. Only
-#: :func:`apply_kernel_macros` sets it, beside the -D option that builds the matching kernels.
-FWD_ONE_K_MW1 = False
-
 #: Host mirror of the kernels' -DPW_FWD_Q_ROTATE (kernels_cu/traits.cuh; an A/B build, off by
 #: default): one-key-slot forward tiles with BM == 2 * BN keep three rotating slots of one Q
-#: tile each (:func:`fwd_q_rotate`). Only :func:`apply_kernel_macros` sets it.
+#: tile each (:func:`fwd_q_rotate`). Only :func:`apply_kernel_macros` sets it, beside the -D
+#: option that builds the matching kernels; :data:`MACRO_TABLE` holds the entry it is staged
+#: for.
 FWD_Q_ROTATE = False
 
 #: kernel macro -> this module's mirror of it (the launch's shared-memory size depends on it)
-_MACRO_MIRRORS = {"PW_FWD_ONE_K_MW1": "FWD_ONE_K_MW1", "PW_FWD_Q_ROTATE": "FWD_Q_ROTATE"}
+_MACRO_MIRRORS = {"PW_FWD_Q_ROTATE": "FWD_Q_ROTATE"}
 
 
 def apply_kernel_macros(macros) -> None:
@@ -430,15 +427,13 @@ def apply_kernel_macros(macros) -> None:
 def fwd_one_key_slot(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> bool:
     """Whether the mma.sync forward (phases fwd and fwd_decode) keeps one key slot per
     pipeline stage instead of two: 16-bit inputs (``elem_bytes`` 2), ``head_dim`` >= 128 and
-    32 query rows per warp (``block_m == 32 * num_warps``; also 16 with
-    :data:`FWD_ONE_K_MW1`). The kernel's rule is ``fwd_one_key_slot`` of
+    32 query rows per warp (``block_m == 32 * num_warps``). The kernel's rule is ``fwd_one_key_slot`` of
     kernels_cu/traits.cuh; tests/test_traits_cpu.py checks that the two agree on every
     selectable variant. A straddling tile's second key projection then replaces its first
     between the tile's two visits, and 128x32x4 at D = 128 fits two blocks per SM on sm_90
     (104 KB each)."""
     w = cfg.num_warps
-    return elem_bytes == 2 and head_dim >= 128 and (
-        cfg.block_m == 32 * w or (FWD_ONE_K_MW1 and cfg.block_m == 16 * w))
+    return elem_bytes == 2 and head_dim >= 128 and cfg.block_m == 32 * w
 
 
 def fwd_q_rotate(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> bool:
@@ -685,6 +680,22 @@ TF32_TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
     },
 }
 
+#: Table entries that belong to a mirrored A/B macro (the mirrors above, by name): while the
+#: mirror is on (:func:`apply_kernel_macros`, which tests/conftest.py's ``PW_TEST_MACROS`` and
+#: the probes call), these replace TABLE's for dense 16-bit variants, so that the GPU suite
+#: runs the macro's kernels at the shapes they are staged for before the macro becomes the
+#: default (then the entry moves into TABLE). Same layout as TABLE.
+MACRO_TABLE: dict[str, dict[tuple[int, int], dict[str, dict[int, object]]]] = {
+    # PW_FWD_Q_ROTATE: the D = 128 non-causal forward at 128x64x4 in three rotating slots
+    # (fwd_q_rotate, 104 KB: two blocks per SM), which builds without spills; causal keeps
+    # 128x32x4 (the rotation spills 60 bytes there, NVRTC 13.5). The older build of the
+    # rotation ran 1.07-1.08x faster than 128x32x4 non-causal on an H200 (2026-12-04,
+    # bench/results/2026-12-04-h200-rotation; bench/NOTES.md, twenty-seventh section).
+    "FWD_Q_ROTATE": {
+        (9, 0): {"fwd": {128: {(None, True): _T(128, 32, 4), (None, None): _T(128, 64, 4)}}},
+    },
+}
+
 del _T, _SM86_89_TF32
 
 _NO_ENTRY = object()
@@ -700,6 +711,11 @@ def _table_entry(arch, phase: str, head_dim: int, varlen: bool, dtype: str = "bf
         entry = VARLEN_TABLE.get(arch, {}).get(phase, {}).get(head_dim)
         if entry is not None:
             return entry
+    elif dtype != "float32":
+        for mirror, rows in MACRO_TABLE.items():
+            entry = rows.get(arch, {}).get(phase, {}).get(head_dim) if globals()[mirror] else None
+            if entry is not None:
+                return entry
     return TABLE[arch][phase].get(head_dim)
 
 

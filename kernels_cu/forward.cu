@@ -127,8 +127,7 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
 }
 
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
-__global__ void __launch_bounds__(WARPS * 32, fwd_min_blocks(Elem<T>::width, D, BM, WARPS))
-    pw_forward(const Params p) {
+__global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   constexpr int DS = D * Elem<T>::width;   // a row in 16-bit units (common.cuh, Elem)
   constexpr bool ONE_K = fwd_one_key_slot(Elem<T>::width, D, BM, WARPS);
   using L = FwdTraits<DS, BM, BN, WARPS, ONE_K>;  // shared-memory layout, warp split (traits.cuh)
@@ -202,28 +201,37 @@ __global__ void __launch_bounds__(WARPS * 32, fwd_min_blocks(Elem<T>::width, D, 
     // tile_mode's definition.
     const int tA = (int)clamp64(ceil_div(m0 + P - p.w - BN + 2, BN), t_begin, ntiles);
     const int tC = (int)clamp64(floor_div(m0 + BM - 1 + P - p.w, BN) + 1, tA, ntiles);
-    auto issue_at = [&](int t, u16* st) {
+    // Each phase knows its tiles' mode (far 2, straddling 3, near 1), so the visits below
+    // call no tile_mode, and their geometry is held in 32-bit form across the sweep: row_p
+    // and key indices stay below 2^31 (lengths below 2^30; the host clamps P to [-M, N]:
+    // launch._clamped). A far or near tile needs the mask from tile t_mask on: its last key
+    // is past N (t >= N / BN) or, causal, after some query of the tile (tile_dmin < 0).
+    // Lane-derived addresses are recomputed per visit from a fresh threadIdx.x read
+    // (tid_reload): held across the sweep they cost eight registers, and this layout spilled.
+    const int row_p = (int)(row0 + P);  // distance of the warp's row 0 to key 0
+    const int n_keys = (int)N;
+    const int t_mask = (int)(CAUSAL ? min(N / BN, floor_div(m0 + P + 1, BN)) : N / BN);
+    // Far tiles read only k2; a straddling or near tile's first visit reads k1 (the one key
+    // slot takes k2 after that visit).
+    auto issue_at = [&](int t, u16* st, auto far) {
       const i64 n0 = (i64)t * BN;
-      const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
-      // the one key slot takes k1 when the tile needs it (k2 follows after its first visit)
-      if (mode & 1) load_rows<BN, DS, THREADS>(smem_addr(st + L::k1_in_stage), k1, p.k1.sr, n0, N);
-      else load_rows<BN, DS, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
+      if constexpr (decltype(far)::value)
+        load_rows<BN, DS, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
+      else
+        load_rows<BN, DS, THREADS>(smem_addr(st + L::k1_in_stage), k1, p.k1.sr, n0, N);
       load_rows<BN, DS, THREADS>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
     };
-    // One tile's visits; LO..HI bound the pairs at compile time (2..2 far, 1..1 near),
-    // where the tile's mode then has that pair alone.
+    // One tile's visits, pairs LO..HI: 2..2 far, 1..2 straddling (always masked), 1..1 near.
     auto visit = [&](int t, u16* st, auto lo, auto hi) {
       constexpr int LO = decltype(lo)::value, HI = decltype(hi)::value;
       constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
-      const i64 n0 = (i64)t * BN;
-      const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
-      const bool masked =
-          mode == 3 || tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), n0 + BN, N);
-      const Geom g = make_geom<false>(row0, n0, P, p.w, N);
+      const int lane = tid_reload() % 32;
+      const int n0 = t * BN;
+      const bool masked = LO != HI || t >= t_mask;
+      const Geom g = make_geom<false>(row_p, n0, 0, p.w, n_keys);
 #pragma unroll 1
-      for (int pair = LO == HI ? LO : ((mode & 1) ? 1 : 2);
-           pair <= (LO == HI ? HI : ((mode & 2) ? 2 : 1)); ++pair) {
-        if (LO != HI && pair == 2 && mode == 3) {  // k1 read by every warp: k2 replaces it
+      for (int pair = LO; pair <= HI; ++pair) {
+        if (LO != HI && pair == 2) {  // k1 read by every warp: k2 replaces it
           __syncthreads();
           load_rows<BN, DS, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
           cp_async_commit();
@@ -248,16 +256,18 @@ __global__ void __launch_bounds__(WARPS * 32, fwd_min_blocks(Elem<T>::width, D, 
     };
     using One = IntConst<1>;
     using Two = IntConst<2>;
+    using Far = IntConst<1>;
+    using NotFar = IntConst<0>;
     // far tiles: q2 in slot 0 (also read by the straddling tiles), stages in slots 1 and 2
     if (t_begin < tC) load_rows<BM, DS, THREADS>(smem_addr(slot0), p.q2.at(b, h, sq.q0), p.q2.sr, m0, M);
     pipelined_tiles(
-        t_begin, tA, [&](int t, int stage) { issue_at(t, slot1 + stage * L::stage_elems); },
+        t_begin, tA, [&](int t, int stage) { issue_at(t, slot1 + stage * L::stage_elems, Far{}); },
         [&](int t, int stage) { visit(t, slot1 + stage * L::stage_elems, Two{}, Two{}); });
     // q1 into slot 2, free now: after a far tile the block barrier that ends its visit;
     // with no far tile slot 2 was never written
     if (tA < ntiles) load_rows<BM, DS, THREADS>(smem_addr(slot2), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
     for (int t = tA; t < tC; ++t) {  // straddling tiles, one stage (slot 1)
-      issue_at(t, slot1);
+      issue_at(t, slot1, NotFar{});
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
@@ -266,7 +276,7 @@ __global__ void __launch_bounds__(WARPS * 32, fwd_min_blocks(Elem<T>::width, D, 
     }
     // near tiles: q2 is done with, its slot and slot 1 are the stages
     pipelined_tiles(
-        tC, ntiles, [&](int t, int stage) { issue_at(t, slot0 + stage * L::stage_elems); },
+        tC, ntiles, [&](int t, int stage) { issue_at(t, slot0 + stage * L::stage_elems, NotFar{}); },
         [&](int t, int stage) { visit(t, slot0 + stage * L::stage_elems, One{}, One{}); });
   } else if constexpr (!VisitPairs<T, CAUSAL, ONE_K>::value) {
     // One visit per tile; a straddling tile's two products go into one score tile.

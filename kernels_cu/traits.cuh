@@ -86,22 +86,8 @@ struct FwdTraits : TileTraitsBase<D, BM, WARPS> {
 // and dropping the second key slot takes 128x32x4 from 122 KB to 104 KB, so two blocks share
 // an SM (255 registers per thread still allow two 4-warp blocks): 1.12-1.21x the forward
 // of the 128x64x8 table entry before on an H200 (bench/results/2026-12-04-h200-fwd-one-key-slot).
-// PW_FWD_ONE_K_MW1 (A/B build; 0, the default: off) extends the rule to 16 query rows per warp,
-// and pw_forward's launch bounds then ask three blocks per SM of 64x..x4 at D = 128
-// (fwd_min_blocks): 64x32x4 takes 70 KB with one key slot (87 KB with two), and ptxas fits its
-// dense forms in 163-167 registers without spills (205 when not asked; the packed-batch causal
-// form spills 4 bytes; NVRTC 13.5, offline, 2026-12-04), so 12 warps share an SM instead of
-// 8 (128x32x4, the table entry). ncu on 128x32x4 found the
-// loop latency-bound at 2 warps per scheduler (bench/NOTES.md, twenty-fifth section); this
-// build asks whether 3 help despite twice the ldmatrix traffic per mma. Untimed. The host
-// mirrors it in capability.FWD_ONE_K_MW1 (the launch's shared-memory size): set both
-// (capability.apply_kernel_macros does, for the probes and PW_TEST_MACROS).
-#ifndef PW_FWD_ONE_K_MW1
-#define PW_FWD_ONE_K_MW1 0
-#endif
 __host__ __device__ constexpr bool fwd_one_key_slot(int width, int D, int BM, int WARPS) {
-  return width == 1 && D >= 128 &&
-         (BM == 2 * PW_MMA_ROWS * WARPS || (PW_FWD_ONE_K_MW1 && BM == PW_MMA_ROWS * WARPS));
+  return width == 1 && D >= 128 && BM == 2 * PW_MMA_ROWS * WARPS;
 }
 // PW_FWD_Q_ROTATE (A/B build; 0, the default: off): a one-key-slot forward tile whose key
 // stage (k and v of BN keys) is as large as one Q tile (BM == 2 * BN) keeps three such slots
@@ -111,9 +97,10 @@ __host__ __device__ constexpr bool fwd_one_key_slot(int width, int D, int BM, in
 // with q1 loaded into the third slot: [q2 | stage | q1]; near tiles (q1·k1 only) reuse q2's
 // slot: [stage | stage | q1]. That takes 128x64x4 at D = 128, FlashAttention-2's D = 128
 // shape on sm_90 (32 rows x 64 keys per warp: 16 score accumulators, twice 128x32x4's),
-// from 139 KB to 104 KB (139264 and 104448 bytes), so two blocks share an SM. Untimed
-// (bench/NOTES.md, twenty-sixth section); the host mirrors it in capability.FWD_Q_ROTATE
-// (capability.apply_kernel_macros).
+// from 139 KB to 104 KB (139264 and 104448 bytes), so two blocks share an SM. On an H200 its
+// first build ran 1.03-1.10x the table's 128x32x4 (bench/NOTES.md, twenty-seventh section);
+// dense non-causal builds without spills, and capability.MACRO_TABLE stages that entry. The
+// host mirrors the macro in capability.FWD_Q_ROTATE (capability.apply_kernel_macros).
 #ifndef PW_FWD_Q_ROTATE
 #define PW_FWD_Q_ROTATE 0
 #endif
@@ -127,15 +114,6 @@ template <int DS, int BM, int BN, int WARPS, bool ONE_K, bool QROT> struct FwdLa
   using L = FwdTraits<DS, BM, BN, WARPS, ONE_K>;
   static constexpr int smem_bytes = QROT ? L::q_rotate_smem_bytes : L::smem_bytes;
 };
-
-// pw_forward's minimum blocks per SM (__launch_bounds__): 1, or 3 for PW_FWD_ONE_K_MW1's
-// 64-row, 4-warp, D = 128 one-key-slot blocks (above).
-__host__ __device__ constexpr int fwd_min_blocks(int width, int D, int BM, int WARPS) {
-  return PW_FWD_ONE_K_MW1 && D == 128 && WARPS == 4 && BM == PW_MMA_ROWS * WARPS &&
-                 fwd_one_key_slot(width, D, BM, WARPS)
-             ? 3
-             : 1;
-}
 
 // pw_backward_dq (phase bwd_dq; backward.cu). Rows of the block are queries.
 //   [q1 | q2 | dO | stage 0: k1, k2, v | stage 1: k1, k2, v | lse, delta (reserved)]

@@ -53,7 +53,7 @@ def worker(args) -> None:
     from probe_common import cuda_time  # scripts/ (this file's folder) is on sys.path
 
     comp.BASE_OPTIONS = comp.BASE_OPTIONS + tuple(f"-D{m}" for m in args.macros.split() if m)
-    capability.apply_kernel_macros(args.macros.split())  # e.g. PW_FWD_ONE_K_MW1's smem size
+    capability.apply_kernel_macros(args.macros.split())  # e.g. PW_FWD_Q_ROTATE's smem size
     import cupy
 
     out = [dict(kind="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__,

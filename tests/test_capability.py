@@ -102,6 +102,30 @@ def test_table_lookups_and_refinement():
         assert lookup(cc, "fwd", 128, "bfloat16", True) == TileConfig(64, 32, 4)
 
 
+def test_macro_table_entries_follow_their_mirror(monkeypatch):
+    """capability.MACRO_TABLE: a staged macro's entries replace TABLE's for dense 16-bit
+    variants only while its mirror is on (PW_TEST_MACROS runs the GPU suite that way), and
+    each one is a shape its macro changes the layout of: the rotation's 128x64x4 at D = 128
+    gets three slots (104448 bytes, two blocks per SM)."""
+    monkeypatch.setattr(cap, "FWD_Q_ROTATE", False)
+    assert lookup((9, 0), "fwd", 128, "bfloat16", False) == TileConfig(128, 32, 4)
+    monkeypatch.setattr(cap, "FWD_Q_ROTATE", True)
+    for dtype in DTYPES:
+        got = lookup((9, 0), "fwd", 128, dtype, False)
+        assert got == TileConfig(128, 64, 4) and cap.fwd_q_rotate(128, got)
+        assert shared_bytes("fwd", 128, got) == 104448
+        assert lookup((9, 0), "fwd", 128, dtype, True) == TileConfig(128, 32, 4)
+        # packed batches keep VARLEN_TABLE's entry; other head dims and architectures TABLE's
+        assert lookup((9, 0), "fwd", 128, dtype, False, varlen=True) == TileConfig(128, 64, 8)
+        assert lookup((9, 0), "fwd", 64, dtype, False) == TABLE[(9, 0)]["fwd"][64]
+        assert lookup((8, 0), "fwd", 128, dtype, False) == TABLE[(8, 0)]["fwd"][128]
+    assert lookup((9, 0), "fwd", 128, "float32", False) == cap.TF32_TABLE[(9, 0)]["fwd"][128]
+    assert ("fwd", 128, "bfloat16", False, TileConfig(128, 64, 4)) in selectable_configs((9, 0))
+    for mirror, rows in cap.MACRO_TABLE.items():
+        assert hasattr(cap, mirror) and mirror in cap._MACRO_MIRRORS.values(), mirror
+        assert set(rows) <= set(LISTED_ARCHS)
+
+
 @pytest.mark.parametrize("cc", LISTED_ARCHS)
 def test_lookup_returns_table_entry(cc):
     for phase in DENSE_PHASES:

@@ -221,33 +221,6 @@ def _compile_front(nvrtc, src: str) -> None:
         nvrtc.destroyProgram(prog)
 
 
-def test_one_key_slot_mw1_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
-    """The A/B build -DPW_FWD_ONE_K_MW1=1 (kernels_cu/traits.cuh) gives 16-row-per-warp
-    forward tiles at D >= 128 one key slot and 64x..x4 at D = 128 three blocks per SM;
-    capability.apply_kernel_macros sets the host mirror so that shared_bytes sizes the launch
-    as FwdTraits carves it. Off (the default), neither moves."""
-    t64, t128 = capability.TileConfig(64, 32, 4, 2), capability.TileConfig(128, 32, 4, 2)
-    for mirror in ("FWD_ONE_K_MW1", "FWD_Q_ROTATE"):  # off whatever PW_TEST_MACROS set
-        monkeypatch.setattr(capability, mirror, False)  # restored after the test
-    default = capability.shared_bytes("fwd", 128, t64)
-    assert not capability.fwd_one_key_slot(128, t64) and capability.fwd_one_key_slot(128, t128)
-    capability.apply_kernel_macros(["PW_FWD_RAW_MAX=2", "PW_FWD_ONE_K_MW1=1"])
-    assert capability.FWD_ONE_K_MW1 and capability.fwd_one_key_slot(128, t64)
-    figure = capability.shared_bytes("fwd", 128, t64)
-    # three blocks per SM on sm_90: 228 KiB per SM, 1 KiB of it reserved per block
-    assert figure < default and 3 * (figure + 1024) <= 228 * 1024, (figure, default)
-    src = ("#define PW_FWD_ONE_K_MW1 1\n" + source("forward.cu")
-           + f"\nstatic_assert(fwd_one_key_slot(1, 128, 64, 4) && fwd_min_blocks(1, 128, 64, 4) == 3"
-             f" && fwd_min_blocks(1, 128, 128, 4) == 1, \"MW1 rule\");"
-           + f"\nstatic_assert(FwdTraits<128, 64, 32, 4, true>::smem_bytes == {figure}, "
-             f"\"FwdTraits != capability.shared_bytes with PW_FWD_ONE_K_MW1\");"
-           + f"\nstatic_assert(FwdTraits<128, 64, 32, 4, false>::smem_bytes == {default}, "
-             f"\"two key slots\");")
-    _compile_front(nvrtc, src)
-    with pytest.raises(ValueError, match="PW_FWD_ONE_K_MW1=x"):
-        capability.apply_kernel_macros(["PW_FWD_ONE_K_MW1=x"])
-
-
 def _tile_mode(q0, qn, k0, kn, P, w):
     """kernels_cu/common.cuh tile_mode: bit 0 some pair has d < w, bit 1 some d >= w."""
     dmin, dmax = q0 + P - (k0 + kn - 1), q0 + qn - 1 + P - k0
@@ -259,7 +232,8 @@ def test_q_rotate_phase_bounds_follow_tile_mode():
     / BN)), tC = clamp(floor((m0 + BM - 1 + P - w) / BN) + 1) split a key range into far
     tiles (mode 2: q2 alone, the only Q loaded then), straddling tiles (mode 3) and near tiles
     (mode 1: q1 alone), exactly as tile_mode classifies them, for random geometry including
-    negative and out-of-range w, offsets P and split ranges."""
+    negative and out-of-range w, offsets P and split ranges; and a far or near tile needs the
+    mask exactly from t_mask on (forward.cu's closed form of tile_needs_mask)."""
     import random
 
     rng = random.Random(20261204)
@@ -280,6 +254,13 @@ def test_q_rotate_phase_bounds_follow_tile_mode():
             mode = _tile_mode(m0, BM, t * BN, BN, P, w)
             want = 2 if t < tA else (3 if t < tC else 1)
             assert mode == want, (t, mode, want, dict(BN=BN, BM=BM, P=P, w=w, m0=m0, tA=tA, tC=tC))
+            # the visits' mask test, t >= t_mask, against tile_needs_mask(tile_dmin(...)):
+            # a column past N or (causal) a key after some query of the tile
+            for causal in (False, True):
+                t_mask = min(N // BN, (m0 + P + 1) // BN) if causal else N // BN
+                dmin = m0 + P - (t * BN + BN - 1)
+                needs = t * BN + BN > N or (causal and dmin < 0)
+                assert (t >= t_mask) == needs, (t, t_mask, causal, dict(BN=BN, P=P, m0=m0, N=N))
 
 
 def test_q_rotate_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
@@ -290,8 +271,7 @@ def test_q_rotate_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
     t = capability.TileConfig(128, 64, 4, 2)
     others = [(128, capability.TileConfig(128, 32, 4, 2)), (64, capability.TileConfig(128, 64, 4, 2)),
               (128, capability.TileConfig(64, 32, 4, 2))]
-    for mirror in ("FWD_ONE_K_MW1", "FWD_Q_ROTATE"):  # off whatever PW_TEST_MACROS set
-        monkeypatch.setattr(capability, mirror, False)  # restored after the test
+    monkeypatch.setattr(capability, "FWD_Q_ROTATE", False)  # off whatever PW_TEST_MACROS set
     default = capability.shared_bytes("fwd", 128, t)
     before = [capability.shared_bytes("fwd", d, c) for d, c in others]
     capability.apply_kernel_macros(["PW_FWD_Q_ROTATE=1"])
@@ -308,3 +288,5 @@ def test_q_rotate_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
            + f"\nstatic_assert(FwdTraits<128, 128, 64, 4, true>::q_rotate_smem_bytes == {figure}, "
              f"\"FwdTraits != capability.shared_bytes with PW_FWD_Q_ROTATE\");")
     _compile_front(nvrtc, src)
+    with pytest.raises(ValueError, match="PW_FWD_Q_ROTATE=x"):
+        capability.apply_kernel_macros(["PW_FWD_Q_ROTATE=x"])
