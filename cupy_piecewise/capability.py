@@ -686,14 +686,12 @@ TF32_TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
 #: runs the macro's kernels at the shapes they are staged for before the macro becomes the
 #: default (then the entry moves into TABLE). Same layout as TABLE.
 MACRO_TABLE: dict[str, dict[tuple[int, int], dict[str, dict[int, object]]]] = {
-    # PW_FWD_Q_ROTATE: the D = 128 non-causal forward at 128x64x4 in three rotating slots
-    # (fwd_q_rotate, 104 KB: two blocks per SM), which builds without spills; causal keeps
-    # 128x32x4 (the rotation spills 60 bytes there, NVRTC 13.5). The older build of the
-    # rotation ran 1.07-1.08x faster than 128x32x4 non-causal on an H200 (2026-12-04,
-    # bench/results/2026-12-04-h200-rotation; bench/NOTES.md, twenty-seventh section).
-    "FWD_Q_ROTATE": {
-        (9, 0): {"fwd": {128: {(None, True): _T(128, 32, 4), (None, None): _T(128, 64, 4)}}},
-    },
+    # PW_FWD_Q_ROTATE: the D = 128 forward at 128x64x4 in three rotating slots (fwd_q_rotate,
+    # 104 KB: two blocks per SM), whose dense forms build without spills (NVRTC 13.5). An
+    # older build of the rotation, which spilled, ran 1.03-1.10x the table's 128x32x4 on an
+    # H200 (2026-12-04, bench/results/2026-12-04-h200-rotation; bench/NOTES.md,
+    # twenty-seventh section). Packed batches keep VARLEN_TABLE's entry.
+    "FWD_Q_ROTATE": {(9, 0): {"fwd": {128: _T(128, 64, 4)}}},
 }
 
 del _T, _SM86_89_TF32

@@ -614,11 +614,9 @@ PW_DEVICE PairWindow<MW> pair_window(const Geom& g, int pair, int lane) {
 // diagonal or last tile): elements outside the pair's window (pair_window) become -inf.
 // The caller picks the instantiation with a branch, so unmasked tiles run no mask code (a
 // runtime flag inside one body gets if-converted: every tile then paid for the mask).
-template <typename T, int D, int BN, int MW, bool MASKED>
-PW_DEVICE void score_pair(float s[MW][BN / 8][4], u32 sA, u32 sB, const PairWindow<MW>& win,
-                          float scale_log2, int lane) {
-  zero_n<MW * BN / 2>(&s[0][0][0]);
-  mma_abt<T, D, BN, MW>(s, sA, sB, lane);
+// Scales a tile of raw scores and, MASKED, sets the elements outside win to -inf.
+template <int BN, int MW, bool MASKED>
+PW_DEVICE void scale_and_mask(float s[MW][BN / 8][4], const PairWindow<MW>& win, float scale_log2) {
 #pragma unroll
   for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
@@ -632,6 +630,25 @@ PW_DEVICE void score_pair(float s[MW][BN / 8][4], u32 sA, u32 sB, const PairWind
         }
         s[mi][nb][e] = x;
       }
+}
+
+template <typename T, int D, int BN, int MW, bool MASKED>
+PW_DEVICE void score_pair(float s[MW][BN / 8][4], u32 sA, u32 sB, const PairWindow<MW>& win,
+                          float scale_log2, int lane) {
+  zero_n<MW * BN / 2>(&s[0][0][0]);
+  mma_abt<T, D, BN, MW>(s, sA, sB, lane);
+  scale_and_mask<BN, MW, MASKED>(s, win, scale_log2);
+}
+
+// score_pair with the window computed after the product, from a fresh threadIdx.x read
+// (tid_reload): its eight registers are then not live across the product, where the
+// rotating-slot forward (forward.cu, PW_FWD_Q_ROTATE) peaks at the register limit.
+template <typename T, int D, int BN, int MW, bool CAUSAL>
+PW_DEVICE void score_pair_window_after(float s[MW][BN / 8][4], u32 sA, u32 sB, const Geom& g,
+                                       int pair, float scale_log2, int lane) {
+  zero_n<MW * BN / 2>(&s[0][0][0]);
+  mma_abt<T, D, BN, MW>(s, sA, sB, lane);
+  scale_and_mask<BN, MW, true>(s, pair_window<MW, CAUSAL>(g, pair, tid_reload() % 32), scale_log2);
 }
 
 // Zeroes the entries of a (dS) fragment that belong to the other projection pair: the

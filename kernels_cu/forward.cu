@@ -246,8 +246,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
         const u32 sB = smem_addr(st + L::k1_in_stage);  // one slot: k1 or k2
         const float sc = RAW ? 1.f : p.scale_log2;
         if (masked)
-          score_pair<T, D, BN, MW, true>(s, sA, sB, pair_window<MW, CAUSAL>(g, pair, lane), sc,
-                                         lane);
+          score_pair_window_after<T, D, BN, MW, CAUSAL>(s, sA, sB, g, pair, sc, lane);
         else
           score_pair<T, D, BN, MW, false>(s, sA, sB, PairWindow<MW>{}, sc, lane);
         online_softmax<D, BN, MW, RAW>(s, acc, row_max, row_sum, p.scale_log2);

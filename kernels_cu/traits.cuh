@@ -99,7 +99,7 @@ __host__ __device__ constexpr bool fwd_one_key_slot(int width, int D, int BM, in
 // shape on sm_90 (32 rows x 64 keys per warp: 16 score accumulators, twice 128x32x4's),
 // from 139 KB to 104 KB (139264 and 104448 bytes), so two blocks share an SM. On an H200 its
 // first build ran 1.03-1.10x the table's 128x32x4 (bench/NOTES.md, twenty-seventh section);
-// dense non-causal builds without spills, and capability.MACRO_TABLE stages that entry. The
+// its dense forms build without spills, and capability.MACRO_TABLE stages that entry. The
 // host mirrors the macro in capability.FWD_Q_ROTATE (capability.apply_kernel_macros).
 #ifndef PW_FWD_Q_ROTATE
 #define PW_FWD_Q_ROTATE 0

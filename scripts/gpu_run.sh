@@ -21,7 +21,7 @@
 # 128x64x4 at D = 128 in three rotating Q-sized slots, two blocks per SM; one block without
 # the macro) against the table's 128x32x4, L 2048-16384, with a control build (bench/NOTES.md,
 # twenty-seventh section). Its GPU suite run: PW_TEST_MACROS=PW_FWD_Q_ROTATE=1 with
-# CUPY_PIECEWISE_PATH=mma (capability.MACRO_TABLE then selects 128x64x4 non-causal).
+# CUPY_PIECEWISE_PATH=mma (capability.MACRO_TABLE then selects 128x64x4 at D = 128).
 # About 2-4 minutes each, logs in logs/mma_*.txt. Earlier A/Bs and their
 # figures: bench/NOTES.md, bench/results/2026-12-04-h200-fit-headroom,
 # 2026-12-04-h200-mma-vs-flag-attn and 2026-12-04-h200-staged-defaults.

@@ -310,12 +310,12 @@ def test_float16_ds_fit_ab_builds_compile(nvrtc, monkeypatch, macro):
 def test_q_rotate_forward_builds(nvrtc, monkeypatch):
     """The A/B build -DPW_FWD_Q_ROTATE=1 (kernels_cu/forward.cu: three rotating Q-sized
     slots) builds the D = 128 forward at 128x64x4 in both dtypes, causal and not, dense and
-    packed. Dense non-causal, the table entry it is meant for, builds without spills at 255
-    registers; dense causal spills 60/68 bytes (stores/loads) and packed 76-112/104-140
-    (NVRTC 13.5, 2026-12-04: a few local loads per 1500-instruction iteration), so those stay
-    probe builds; the bounds catch a change that makes them worse. Each report must differ
-    from the same variant built without the macro (whose dense forms spill 0-56 bytes), so
-    the macro is known to have reached NVRTC."""
+    packed. The dense forms, the entry it is staged for (capability.MACRO_TABLE), build
+    without spills at 255 registers; packed batches spill 88-100/116 bytes (stores/loads;
+    NVRTC 13.5, 2026-12-04) and keep another entry (VARLEN_TABLE); the bound catches a
+    change that makes them worse. Some report must differ from the same variants built
+    without the macro (whose dense non-causal forms spill 56 bytes), so the macro is known
+    to have reached NVRTC."""
     from cupy_piecewise import compile as comp
 
     t = capability.TileConfig(128, 64, 4, 2)
@@ -326,9 +326,11 @@ def test_q_rotate_forward_builds(nvrtc, monkeypatch):
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
         "-DPW_FWD_Q_ROTATE=1",))
+    changed = []
     for r in compile_offline(SM90, vs):
         assert r.ok and r.registers, (r.variant, r.log)
-        bound = 192 if r.variant.varlen else (96 if r.variant.causal else 0)
+        bound = 192 if r.variant.varlen else 0
         assert (r.spill_stores or 0) <= bound and (r.spill_loads or 0) <= bound, (r.variant, r.log)
-        got = (r.registers, r.stack_bytes, r.spill_stores, r.spill_loads)
-        assert got != plain[r.variant], (r.variant, got, "same as without -DPW_FWD_Q_ROTATE")
+        changed.append((r.registers, r.stack_bytes, r.spill_stores, r.spill_loads) != plain[r.variant])
+    # one NVRTC program with one option list: a report that moved shows the macro reached it
+    assert any(changed), "no report differs from the build without -DPW_FWD_Q_ROTATE"
