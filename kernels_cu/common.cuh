@@ -166,10 +166,16 @@ PW_DEVICE void grid_launch_dependents() {
 #endif
 }
 
-// Floor and ceiling division for possibly negative numerators (positive divisor).
-PW_DEVICE i64 floor_div(i64 a, i64 b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
-PW_DEVICE i64 ceil_div(i64 a, i64 b) { return -floor_div(-a, b); }
-PW_DEVICE i64 clamp64(i64 x, i64 lo, i64 hi) { return x < lo ? lo : (x > hi ? hi : x); }
+// Floor and ceiling division for possibly negative numerators (positive divisor). constexpr
+// and host-callable so that compile-time checks can evaluate the rules built on them
+// (traits.cuh fwd_rotate_phases; tests/test_traits_cpu.py).
+__host__ __device__ __forceinline__ constexpr i64 floor_div(i64 a, i64 b) {
+  return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+__host__ __device__ __forceinline__ constexpr i64 ceil_div(i64 a, i64 b) { return -floor_div(-a, b); }
+__host__ __device__ __forceinline__ constexpr i64 clamp64(i64 x, i64 lo, i64 hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
 
 // A compile-time int carried by a value (a generic lambda's argument selects its
 // instantiation: forward.cu's PW_FWD_Q_ROTATE visits).
@@ -609,14 +615,10 @@ PW_DEVICE PairWindow<MW> pair_window(const Geom& g, int pair, int lane) {
   return win;
 }
 
-// Scores of one warp's 16MW rows against a BN-column tile for one projection pair (sA, sB:
-// that pair's query and key tiles), in the log2 domain. MASKED (a straddling, causal
-// diagonal or last tile): elements outside the pair's window (pair_window) become -inf.
-// The caller picks the instantiation with a branch, so unmasked tiles run no mask code (a
-// runtime flag inside one body gets if-converted: every tile then paid for the mask).
-// Scales a tile of raw scores and, MASKED, sets the elements outside win to -inf.
+// Scales a tile of raw scores and, MASKED, sets the elements outside win to -inf
+// (score_pair's second step).
 template <int BN, int MW, bool MASKED>
-PW_DEVICE void scale_and_mask(float s[MW][BN / 8][4], const PairWindow<MW>& win, float scale_log2) {
+PW_DEVICE void scale_in_window(float s[MW][BN / 8][4], const PairWindow<MW>& win, float scale_log2) {
 #pragma unroll
   for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
@@ -632,23 +634,28 @@ PW_DEVICE void scale_and_mask(float s[MW][BN / 8][4], const PairWindow<MW>& win,
       }
 }
 
+// Scores of one warp's 16MW rows against a BN-column tile for one projection pair (sA, sB:
+// that pair's query and key tiles), in the log2 domain. MASKED (a straddling, causal
+// diagonal or last tile): elements outside the pair's window (pair_window) become -inf.
+// The caller picks the instantiation with a branch, so unmasked tiles run no mask code (a
+// runtime flag inside one body gets if-converted: every tile then paid for the mask).
 template <typename T, int D, int BN, int MW, bool MASKED>
 PW_DEVICE void score_pair(float s[MW][BN / 8][4], u32 sA, u32 sB, const PairWindow<MW>& win,
                           float scale_log2, int lane) {
   zero_n<MW * BN / 2>(&s[0][0][0]);
   mma_abt<T, D, BN, MW>(s, sA, sB, lane);
-  scale_and_mask<BN, MW, MASKED>(s, win, scale_log2);
+  scale_in_window<BN, MW, MASKED>(s, win, scale_log2);
 }
 
 // score_pair with the window computed after the product, from a fresh threadIdx.x read
-// (tid_reload): its eight registers are then not live across the product, where the
+// (tid_reload): its 4 * MW registers are then not live across the product, where the
 // rotating-slot forward (forward.cu, PW_FWD_Q_ROTATE) peaks at the register limit.
 template <typename T, int D, int BN, int MW, bool CAUSAL>
 PW_DEVICE void score_pair_window_after(float s[MW][BN / 8][4], u32 sA, u32 sB, const Geom& g,
                                        int pair, float scale_log2, int lane) {
   zero_n<MW * BN / 2>(&s[0][0][0]);
   mma_abt<T, D, BN, MW>(s, sA, sB, lane);
-  scale_and_mask<BN, MW, true>(s, pair_window<MW, CAUSAL>(g, pair, tid_reload() % 32), scale_log2);
+  scale_in_window<BN, MW, true>(s, pair_window<MW, CAUSAL>(g, pair, tid_reload() % 32), scale_log2);
 }
 
 // Zeroes the entries of a (dS) fragment that belong to the other projection pair: the

@@ -194,23 +194,17 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     u16* const slot2 = slot1 + L::q_tile_elems;
     const int wrow = warp * L::warp_rows * L::pitch;
     const u32 aQ2r = smem_addr(slot0 + wrow), aQ1r = smem_addr(slot2 + wrow);
-    // Key tiles in sweep order have modes 2 (far), then 3 (straddling), then 1 (near)
-    // (tile_mode: the distances fall as the keys advance). tA: the first tile with some
-    // d < w (tile_mode bit 0: n0 >= m0 + P - w - BN + 2); tC: the first with no d >= w
-    // (bit 1 clear: n0 > m0 + BM - 1 + P - w). tests/test_traits_cpu.py checks both against
-    // tile_mode's definition.
-    const int tA = (int)clamp64(ceil_div(m0 + P - p.w - BN + 2, BN), t_begin, ntiles);
-    const int tC = (int)clamp64(floor_div(m0 + BM - 1 + P - p.w, BN) + 1, tA, ntiles);
-    // Each phase knows its tiles' mode (far 2, straddling 3, near 1), so the visits below
-    // call no tile_mode, and their geometry is held in 32-bit form across the sweep: row_p
-    // and key indices stay below 2^31 (lengths below 2^30; the host clamps P to [-M, N]:
-    // launch._clamped). A far or near tile needs the mask from tile t_mask on: its last key
-    // is past N (t >= N / BN) or, causal, after some query of the tile (tile_dmin < 0).
-    // Lane-derived addresses are recomputed per visit from a fresh threadIdx.x read
-    // (tid_reload): held across the sweep they cost eight registers, and this layout spilled.
+    // Key tiles in sweep order have modes 2 (far), then 3 (straddling), then 1 (near), and
+    // each phase passes its mode on, so the visits below call no tile_mode; a far or near
+    // tile needs the mask from tile t_mask on (traits.cuh fwd_rotate_phases).
+    const RotatePhases ph = fwd_rotate_phases(m0, BM, BN, P, p.w, N, t_begin, ntiles, CAUSAL);
+    const int tA = ph.far_end, tC = ph.near_begin, t_mask = ph.mask_begin;
+    // The visits' geometry is held in 32-bit form across the sweep: row_p and key indices
+    // stay below 2^31 (lengths below 2^30; P within [-M, N]: core.plan.clamp_w). Lane-derived
+    // addresses are recomputed per visit from a fresh threadIdx.x read (tid_reload): held
+    // across the sweep they cost eight registers, and this layout spilled.
     const int row_p = (int)(row0 + P);  // distance of the warp's row 0 to key 0
     const int n_keys = (int)N;
-    const int t_mask = (int)(CAUSAL ? min(N / BN, floor_div(m0 + P + 1, BN)) : N / BN);
     // Far tiles read only k2; a straddling or near tile's first visit reads k1 (the one key
     // slot takes k2 after that visit).
     auto issue_at = [&](int t, u16* st, auto far) {
@@ -225,7 +219,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     auto visit = [&](int t, u16* st, auto lo, auto hi) {
       constexpr int LO = decltype(lo)::value, HI = decltype(hi)::value;
       constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
-      const int lane = tid_reload() % 32;
+      const int lane = tid_reload() % 32;  // shadows the kernel's lane on purpose (above)
       const int n0 = t * BN;
       const bool masked = LO != HI || t >= t_mask;
       const Geom g = make_geom<false>(row_p, n0, 0, p.w, n_keys);

@@ -108,6 +108,29 @@ __host__ __device__ constexpr bool fwd_q_rotate(int width, int D, int BM, int BN
   return PW_FWD_Q_ROTATE && fwd_one_key_slot(width, D, BM, WARPS) && BM == 2 * BN;
 }
 
+// The rotating-slot forward's key-tile phases (forward.cu, PW_FWD_Q_ROTATE) for the query
+// tile at m0 (BM rows) over its key tiles t (BN keys each) in [t_begin, ntiles): far tiles
+// (every d >= w: tile_mode 2) are [t_begin, far_end), straddling ones (mode 3)
+// [far_end, near_begin), near ones (every d < w: mode 1) [near_begin, ntiles); and a far or
+// near tile needs the mask exactly when t >= mask_begin (its last key is past N or, causal,
+// after some query of the tile: tile_needs_mask). Closed forms of those definitions, which
+// tile_mode's distances make monotone in t; tests/test_traits_cpu.py checks them with
+// static_asserts against the definitions on random geometries.
+struct RotatePhases {
+  int far_end, near_begin, mask_begin;
+};
+__host__ __device__ constexpr RotatePhases fwd_rotate_phases(i64 m0, int BM, int BN, i64 P, i64 w,
+                                                             i64 N, int t_begin, int ntiles,
+                                                             bool causal) {
+  // far_end: the first tile with some d < w (n0 >= m0 + P - w - BN + 2); near_begin: the
+  // first with no d >= w (n0 > m0 + BM - 1 + P - w)
+  const int far_end = (int)clamp64(ceil_div(m0 + P - w - BN + 2, BN), t_begin, ntiles);
+  const int near_begin = (int)clamp64(floor_div(m0 + BM - 1 + P - w, BN) + 1, far_end, ntiles);
+  const i64 past_n = N / BN;                        // n0 + BN > N
+  const i64 diagonal = floor_div(m0 + P + 1, BN);  // (causal) some key after its query
+  return {far_end, near_begin, (int)(causal && diagonal < past_n ? diagonal : past_n)};
+}
+
 // pw_forward's dynamic shared memory with both rules applied (what capability.shared_bytes
 // gives; tests/test_traits_cpu.py compares the two per selectable variant, macros included)
 template <int DS, int BM, int BN, int WARPS, bool ONE_K, bool QROT> struct FwdLayoutBytes {

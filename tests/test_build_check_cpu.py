@@ -321,11 +321,17 @@ def test_q_rotate_forward_builds(nvrtc, monkeypatch):
     t = capability.TileConfig(128, 64, 4, 2)
     vs = [Variant("fwd", dt, 128, t, c, varlen=vl) for vl in (False, True)
           for dt in capability.HALF_DTYPES for c in (False, True)]
+    base = comp.arch_options
+
+    def options(value):  # the macro as given here, whatever PW_TEST_MACROS set
+        return lambda cc, hopper=False: tuple(
+            o for o in base(cc, hopper) if not o.startswith("-DPW_FWD_Q_ROTATE")) + (
+            f"-DPW_FWD_Q_ROTATE={value}",)
+
+    monkeypatch.setattr(comp, "arch_options", options(0))
     plain = {r.variant: (r.registers, r.stack_bytes, r.spill_stores, r.spill_loads)
              for r in compile_offline(SM90, vs)}
-    base = comp.arch_options
-    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
-        "-DPW_FWD_Q_ROTATE=1",))
+    monkeypatch.setattr(comp, "arch_options", options(1))
     changed = []
     for r in compile_offline(SM90, vs):
         assert r.ok and r.registers, (r.variant, r.log)

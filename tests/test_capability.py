@@ -124,6 +124,10 @@ def test_macro_table_entries_follow_their_mirror(monkeypatch):
     for mirror, rows in cap.MACRO_TABLE.items():
         assert hasattr(cap, mirror) and mirror in cap._MACRO_MIRRORS.values(), mirror
         assert set(rows) <= set(LISTED_ARCHS)
+    # float32 never takes a staged entry, also where TF32_TABLE has none (D = 32: TABLE's)
+    monkeypatch.setitem(cap.MACRO_TABLE, "FWD_Q_ROTATE", {(9, 0): {"fwd": {32: TileConfig(64, 64, 4)}}})
+    assert lookup((9, 0), "fwd", 32, "bfloat16", False) == TileConfig(64, 64, 4)
+    assert lookup((9, 0), "fwd", 32, "float32", False) == TABLE[(9, 0)]["fwd"][32]
 
 
 @pytest.mark.parametrize("cc", LISTED_ARCHS)

@@ -227,40 +227,64 @@ def _tile_mode(q0, qn, k0, kn, P, w):
     return (1 if dmin < w else 0) | (2 if dmax >= w else 0)
 
 
-def test_q_rotate_phase_bounds_follow_tile_mode():
-    """PW_FWD_Q_ROTATE's phases (kernels_cu/forward.cu): tA = clamp(ceil((m0 + P - w - BN + 2)
-    / BN)), tC = clamp(floor((m0 + BM - 1 + P - w) / BN) + 1) split a key range into far
-    tiles (mode 2: q2 alone, the only Q loaded then), straddling tiles (mode 3) and near tiles
-    (mode 1: q1 alone), exactly as tile_mode classifies them, for random geometry including
-    negative and out-of-range w, offsets P and split ranges; and a far or near tile needs the
-    mask exactly from t_mask on (forward.cu's closed form of tile_needs_mask)."""
-    import random
-
-    rng = random.Random(20261204)
-    for _ in range(4000):
+def _rotate_geometries(rng, count):
+    """Random query-tile geometries for the rotating-slot forward's phases: tile sizes, lengths
+    up to 3000 and some near 2^30 (the kernels' limit), P anywhere in [-M, N] (what
+    core.plan.clamp_w leaves), w beyond both ends, split ranges."""
+    for i in range(count):
         BN = rng.choice((16, 32, 64, 128))
         BM = rng.choice((BN, 2 * BN, 4 * BN))
-        M, N = rng.randint(1, 3000), rng.randint(1, 3000)
-        P = rng.randint(-N, N)
+        top = (1 << 30) - 1 if i % 8 == 0 else 3000
+        M, N = rng.randint(1, top), rng.randint(1, top)
+        P = rng.choice((N - M, -M, N, rng.randint(-M, N)))
         w = rng.randint(-(M + N + 1), M + N + 1)
         m0 = BM * rng.randint(0, (M - 1) // BM)
         nt = (N + BN - 1) // BN
         t_begin = rng.randint(0, nt)
-        ntiles = rng.randint(t_begin, nt)
-        clamp = lambda x, lo, hi: max(lo, min(hi, x))
-        tA = clamp(-((-(m0 + P - w - BN + 2)) // BN), t_begin, ntiles)
-        tC = clamp((m0 + BM - 1 + P - w) // BN + 1, tA, ntiles)
-        for t in range(t_begin, ntiles):
-            mode = _tile_mode(m0, BM, t * BN, BN, P, w)
-            want = 2 if t < tA else (3 if t < tC else 1)
-            assert mode == want, (t, mode, want, dict(BN=BN, BM=BM, P=P, w=w, m0=m0, tA=tA, tC=tC))
-            # the visits' mask test, t >= t_mask, against tile_needs_mask(tile_dmin(...)):
-            # a column past N or (causal) a key after some query of the tile
-            for causal in (False, True):
-                t_mask = min(N // BN, (m0 + P + 1) // BN) if causal else N // BN
-                dmin = m0 + P - (t * BN + BN - 1)
-                needs = t * BN + BN > N or (causal and dmin < 0)
-                assert (t >= t_mask) == needs, (t, t_mask, causal, dict(BN=BN, P=P, m0=m0, N=N))
+        yield BN, BM, M, N, P, w, m0, t_begin, rng.randint(t_begin, min(nt, t_begin + 400))
+
+
+def _rotate_phases_by_definition(BN, BM, N, P, w, m0, t_begin, ntiles, causal):
+    """(far_end, near_begin, first masked tile) from tile_mode's and tile_needs_mask's
+    definitions, tile by tile: the phases must be contiguous runs of modes 2, 3, 1, and the
+    tiles that need the mask a suffix of the range (else None)."""
+    modes = [_tile_mode(m0, BM, t * BN, BN, P, w) for t in range(t_begin, ntiles)]
+    runs = [m for i, m in enumerate(modes) if i == 0 or m != modes[i - 1]]
+    if runs not in ([2, 3, 1][i:j] for i in range(4) for j in range(i, 4)):
+        return None
+    far_end = t_begin + sum(m == 2 for m in modes)
+    near_begin = far_end + sum(m == 3 for m in modes)
+    needs = [t * BN + BN > N or (causal and m0 + P - (t * BN + BN - 1) < 0)
+             for t in range(t_begin, ntiles)]
+    first = next((t_begin + i for i, x in enumerate(needs) if x), ntiles)
+    if not all(needs[first - t_begin:]):
+        return None
+    return far_end, near_begin, first
+
+
+def test_q_rotate_phases_follow_their_definitions(nvrtc):
+    """traits.cuh fwd_rotate_phases, which the rotating-slot forward (PW_FWD_Q_ROTATE) uses:
+    its far_end and near_begin split a key range into far tiles (mode 2: q2 alone, the only
+    Q loaded then), straddling tiles (mode 3) and near tiles (mode 1: q1 alone) exactly as
+    tile_mode classifies them, and a far or near tile needs the mask (a column past N, or
+    causal, a key after some query) exactly from mask_begin on. The C++ function itself is
+    evaluated, by static_asserts NVRTC compiles, on random geometries (negative and
+    out-of-range w, P across [-M, N], lengths near 2^30, split ranges)."""
+    import random
+
+    rng = random.Random(20261204)
+    asserts = []
+    for BN, BM, M, N, P, w, m0, t_begin, ntiles in _rotate_geometries(rng, 600):
+        for causal in (False, True):
+            want = _rotate_phases_by_definition(BN, BM, N, P, w, m0, t_begin, ntiles, causal)
+            assert want is not None, ("phases not contiguous", BN, BM, N, P, w, m0, t_begin, ntiles)
+            call = (f"fwd_rotate_phases({m0}ll, {BM}, {BN}, {P}ll, {w}ll, {N}ll, {t_begin}, "
+                    f"{ntiles}, {'true' if causal else 'false'})")
+            asserts.append(f"static_assert({call}.far_end == {want[0]} && {call}.near_begin == "
+                           f"{want[1]} && clamp64({call}.mask_begin, {t_begin}, {ntiles}) == "
+                           f"{want[2]}, \"fwd_rotate_phases({BN}, {BM}, {N}, {P}, {w}, {m0}, "
+                           f"{t_begin}, {ntiles}, {int(causal)})\");")
+    _compile_front(nvrtc, source("forward.cu") + "\n" + "\n".join(asserts) + "\n")
 
 
 def test_q_rotate_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
