@@ -406,6 +406,8 @@ FWD_Q_ROTATE = False
 
 #: kernel macro -> this module's mirror of it (the launch's shared-memory size depends on it)
 _MACRO_MIRRORS = {"PW_FWD_Q_ROTATE": "FWD_Q_ROTATE"}
+#: the mirrors' values without any macro (tests restore them: tests/test_capability.py)
+_MIRROR_DEFAULTS = {name: globals()[name] for name in _MACRO_MIRRORS.values()}
 
 
 def apply_kernel_macros(macros) -> None:

@@ -12,6 +12,7 @@ select for every listed architecture and to read ptxas's register and spill repo
 from __future__ import annotations
 
 import functools
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -65,6 +66,27 @@ _ELEM90 = {"float16": "pw90::f16", "bfloat16": "pw90::bf16"}
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
 BASE_OPTIONS = ("-std=c++17",)
+#: space-separated NAME=VALUE kernel macros for an A/B run (tests/conftest.py,
+#: scripts/sanitize_cases.py: :func:`apply_test_macros`)
+TEST_MACROS_ENV = "PW_TEST_MACROS"
+
+
+def apply_test_macros() -> tuple[str, ...]:
+    """Builds every kernel this process compiles with the -D options named in
+    ``PW_TEST_MACROS`` (space-separated ``NAME=VALUE``) and sets their host mirrors
+    (:func:`cupy_piecewise.capability.apply_kernel_macros`, which also makes
+    ``capability.MACRO_TABLE``'s staged tiles selectable), so an A/B build of kernels_cu/
+    can run the GPU suite and the sanitizers before it becomes the default. Returns the -D
+    options added (empty when the variable is unset). For test runs; the package never calls
+    it. Raises ValueError for a mirrored macro whose value is not an integer."""
+    global BASE_OPTIONS
+    from . import capability
+
+    macros = tuple(m for m in os.environ.get(TEST_MACROS_ENV, "").split() if m)
+    capability.apply_kernel_macros(macros)
+    options = tuple(f"-D{m}" for m in macros if f"-D{m}" not in BASE_OPTIONS)
+    BASE_OPTIONS = BASE_OPTIONS + options
+    return tuple(f"-D{m}" for m in macros)
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,7 +17,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from test_kernels_gpu import run_case  # noqa: E402
 
-from cupy_piecewise import build_check, capability, launch  # noqa: E402
+from cupy_piecewise import build_check, capability, compile as comp, launch  # noqa: E402
+
+# PW_TEST_MACROS: an A/B build's kernels (and its MACRO_TABLE tiles) under the sanitizers,
+# as tests/conftest.py does for the suite
+print("PW_TEST_MACROS:", " ".join(comp.apply_test_macros()) or "(none: the default kernels)",
+      flush=True)
 
 launched = set()
 _kernel = launch._kernel

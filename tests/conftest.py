@@ -15,7 +15,6 @@ The macros are named in the run's header line.
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 
@@ -28,25 +27,21 @@ def nvrtc():
     return require_nvrtc()
 
 NO_GPU_REASON = "no CUDA GPU visible to CuPy"
-MACROS_ENV = "PW_TEST_MACROS"
-
-
-def _test_macros() -> tuple[str, ...]:
-    return tuple(f"-D{m}" for m in os.environ.get(MACROS_ENV, "").split() if m)
+_applied: tuple[str, ...] = ()
 
 
 def pytest_configure(config):
     # NVRTC options are read at each compile (compile.Variant.options, arch_options), so
-    # extending the base set here reaches every kernel the run builds.
-    if _test_macros():
-        from cupy_piecewise import capability, compile as comp
+    # extending the base set here reaches every kernel the run builds; the host mirrors
+    # (and MACRO_TABLE's staged tiles) follow the macros.
+    global _applied
+    from cupy_piecewise import compile as comp
 
-        comp.BASE_OPTIONS = comp.BASE_OPTIONS + _test_macros()
-        capability.apply_kernel_macros(m[2:] for m in _test_macros())  # host mirrors
+    _applied = comp.apply_test_macros()
 
 
 def pytest_report_header(config):
-    return f"{MACROS_ENV}: {' '.join(_test_macros()) or '(none: the default kernels)'}"
+    return f"PW_TEST_MACROS: {' '.join(_applied) or '(none: the default kernels)'}"
 
 
 @functools.lru_cache(maxsize=None)

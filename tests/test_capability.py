@@ -30,6 +30,8 @@ DENSE_PHASES = tuple(p for p in PHASES if p != "bwd_fused")
 def _no_env_override(monkeypatch):
     monkeypatch.delenv(cap.ENV_VAR, raising=False)
     cap.refresh_env_override()
+    for name, value in cap._MIRROR_DEFAULTS.items():  # the default kernels, whatever
+        monkeypatch.setattr(cap, name, value)         # PW_TEST_MACROS set for the run
 
 
 def _all_entries():

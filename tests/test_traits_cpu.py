@@ -314,3 +314,24 @@ def test_q_rotate_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
     _compile_front(nvrtc, src)
     with pytest.raises(ValueError, match="PW_FWD_Q_ROTATE=x"):
         capability.apply_kernel_macros(["PW_FWD_Q_ROTATE=x"])
+
+
+def test_apply_test_macros_reaches_options_and_mirrors(monkeypatch):
+    """compile.apply_test_macros (tests/conftest.py and scripts/sanitize_cases.py call it):
+    PW_TEST_MACROS's NAME=VALUE words become -D options of every later compile and set the
+    host mirrors, so the staged tiles of capability.MACRO_TABLE become selectable; unset, it
+    changes nothing."""
+    from cupy_piecewise import compile as comp
+
+    monkeypatch.setattr(comp, "BASE_OPTIONS", ("-std=c++17",))
+    monkeypatch.setattr(capability, "FWD_Q_ROTATE", False)
+    monkeypatch.delenv("PW_TEST_MACROS", raising=False)
+    assert comp.apply_test_macros() == () and comp.BASE_OPTIONS == ("-std=c++17",)
+    monkeypatch.setenv("PW_TEST_MACROS", " PW_FWD_Q_ROTATE=1  PW_FWD_VISIT_RELOAD=1 ")
+    assert comp.apply_test_macros() == ("-DPW_FWD_Q_ROTATE=1", "-DPW_FWD_VISIT_RELOAD=1")
+    assert comp.BASE_OPTIONS == ("-std=c++17", "-DPW_FWD_Q_ROTATE=1", "-DPW_FWD_VISIT_RELOAD=1")
+    assert comp.arch_options((9, 0))[1:3] == ("-DPW_FWD_Q_ROTATE=1", "-DPW_FWD_VISIT_RELOAD=1")
+    assert capability.FWD_Q_ROTATE
+    assert capability.lookup((9, 0), "fwd", 128, "bfloat16", False) == capability.TileConfig(128, 64, 4)
+    comp.apply_test_macros()  # a second call adds nothing twice
+    assert comp.BASE_OPTIONS.count("-DPW_FWD_Q_ROTATE=1") == 1
