@@ -17,11 +17,14 @@
 # that shows the probe's noise), and the earlier default of the float16 causal
 # D = 128 one-kernel backward (-DPW_BWD_P_FIXED_EXEMPT=1 with -DPW_BWD_TID_RELOAD=0: the
 # per-row P scale, kernels_cu/backward.cu) against the default (scripts/mma_bwd_ab.py,
-# backward alone); last, the staged forward layout -DPW_FWD_Q_ROTATE=1 (kernels_cu/traits.cuh:
-# 128x64x4 at D = 128 in three rotating Q-sized slots, two blocks per SM; one block without
-# the macro) against the table's 128x32x4, L 2048-16384, with a control build (bench/NOTES.md,
-# twenty-seventh section). Its GPU suite run: PW_TEST_MACROS=PW_FWD_Q_ROTATE=1 with
-# CUPY_PIECEWISE_PATH=mma (capability.MACRO_TABLE then selects 128x64x4 at D = 128).
+# backward alone); last, two staged forward builds against the default, L 2048-16384, with a
+# control build (bench/NOTES.md, twenty-seventh section): -DPW_FWD_Q_ROTATE=1
+# (kernels_cu/traits.cuh: 128x64x4 at D = 128 in three rotating Q-sized slots, two blocks per
+# SM; one block without the macro; against the table's 128x32x4) and -DPW_FWD_VISIT_RELOAD=1
+# (forward.cu: the visits body re-reads threadIdx.x per tile; D = 128 at 128x32x4, D = 64 at
+# 128x64x4, whose causal rows visit). Their GPU suite run: PW_TEST_MACROS="PW_FWD_Q_ROTATE=1
+# PW_FWD_VISIT_RELOAD=1" with CUPY_PIECEWISE_PATH=mma (capability.MACRO_TABLE then selects
+# 128x64x4 at D = 128).
 # About 2-4 minutes each, logs in logs/mma_*.txt. Earlier A/Bs and their
 # figures: bench/NOTES.md, bench/results/2026-12-04-h200-fit-headroom,
 # 2026-12-04-h200-mma-vs-flag-attn and 2026-12-04-h200-staged-defaults.
@@ -163,7 +166,7 @@ if asked mma_probes; then
   for args in "mma_bwd_probe --dtypes bf16,fp16" \
               "mma_fwd_probe --variants PW_FWD_RAW_MAX=0;PW_FWD_RAW_MAX=1 --tiles 128:128x32x4;64:128x64x4 --lengths 8192,16384 --dtypes bf16,fp16 --rounds 3 --reps 40 --control" \
               "mma_bwd_ab --modes default --dtypes fp16,bf16 --dims 128 --variants PW_BWD_P_FIXED_EXEMPT=1,PW_BWD_TID_RELOAD=0" \
-              "mma_fwd_probe --variants PW_FWD_Q_ROTATE=1 --tiles 128:128x32x4,128x64x4 --lengths 2048,8192,16384 --dtypes bf16,fp16 --rounds 3 --reps 30 --control"; do
+              "mma_fwd_probe --variants PW_FWD_Q_ROTATE=1;PW_FWD_VISIT_RELOAD=1 --tiles 128:128x32x4,128x64x4;64:128x64x4 --lengths 2048,8192,16384 --dtypes bf16,fp16 --rounds 3 --reps 30 --control"; do
     name=$(echo "$args" | tr ' =,;:' '_____' | tr -d '-' | tr -s '_' | cut -c1-60)
     read -r -a argv <<< "$args"  # the script, then its options
     timeout 300 python3 "scripts/${argv[0]}.py" "${argv[@]:1}" --out "$logs/$name.txt" > "$logs/$name.log" 2>&1

@@ -340,3 +340,27 @@ def test_q_rotate_forward_builds(nvrtc, monkeypatch):
         changed.append((r.registers, r.stack_bytes, r.spill_stores, r.spill_loads) != plain[r.variant])
     # one NVRTC program with one option list: a report that moved shows the macro reached it
     assert any(changed), "no report differs from the build without -DPW_FWD_Q_ROTATE"
+
+
+@pytest.mark.parametrize("cc", [SM90, (8, 0), (8, 6)])
+def test_visit_reload_forward_builds_without_spills(nvrtc, monkeypatch, cc):
+    """The A/B build -DPW_FWD_VISIT_RELOAD=1 (kernels_cu/forward.cu: the visits body re-reads
+    threadIdx.x per tile) builds every forward entry the table can select on the
+    architecture, dense and packed, 16-bit and float32, without spills; on sm_90 it moves
+    the registers of some (so the macro reached NVRTC)."""
+    from cupy_piecewise import compile as comp
+
+    vs = sorted({Variant("fwd", dt, d, t, c, varlen=vl)
+                 for vl in (False, True)
+                 for phase, d, dt, c, t in capability.selectable_configs(cc, varlen=vl)
+                 if phase == "fwd"}, key=str)
+    base = comp.arch_options
+    plain = {r.variant: r.registers for r in compile_offline(cc, vs)} if cc == SM90 else {}
+    monkeypatch.setattr(comp, "arch_options", lambda c, hopper=False: base(c, hopper) + (
+        "-DPW_FWD_VISIT_RELOAD=1",))
+    moved = 0
+    for r in compile_offline(cc, vs):
+        assert r.ok and r.registers, (r.variant, r.log)
+        assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+        moved += plain.get(r.variant, r.registers) != r.registers
+    assert moved or not plain, "no variant's registers moved with -DPW_FWD_VISIT_RELOAD=1"
