@@ -71,7 +71,9 @@ template <typename T, bool CAUSAL, bool ONE_K> struct VisitPairs {
 // always. Offline (NVRTC 13.5, sm_90, bf16, causal, the table's tiles): the unmasked loop's
 // instructions fall 990 -> 889 at D = 128 (non-causal 1009 -> 906), 1032 -> 980 at 64,
 // 796 -> 720 at 96, 736 -> 671 at 80, 621 -> 504 at 256, 790 -> 756 at 32, 760 -> 736 at
-// 16, all without spills. Untimed (bench/NOTES.md, twenty-seventh section).
+// 16, all without spills. Untimed (bench/NOTES.md, twenty-seventh section); the backward's
+// same change (PW_BWD_TID_RELOAD=1) ran 0.6-2.3% slower on the H200 with 1-8% shorter loops,
+// so shorter is not known to be faster here either.
 #ifndef PW_FWD_VISIT_RELOAD
 #define PW_FWD_VISIT_RELOAD 0
 #endif
