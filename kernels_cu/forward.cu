@@ -245,9 +245,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
           cp_async_wait<0>();
           __syncthreads();
         }
-        // The visits body's steps (below). Shared through one lambda, that body's PTX changed
-        // (243 -> 244-246 registers at D = 128, offline), so the two stay apart until a
-        // device run can check and time the default with it.
+        // The visits body's steps (below), but with the mask window computed after the
+        // product (score_pair_window_after), which this layout needs to build without spills
+        // and which the visits body does not gain from (bench/NOTES.md, twenty-seventh).
         float s[MW][BN / 8][4];
         const u32 sA = pair == 1 ? aQ1r : aQ2r;
         const u32 sB = smem_addr(st + L::k1_in_stage);  // one slot: k1 or k2
