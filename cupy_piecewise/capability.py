@@ -429,13 +429,12 @@ def apply_kernel_macros(macros) -> None:
 def fwd_one_key_slot(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> bool:
     """Whether the mma.sync forward (phases fwd and fwd_decode) keeps one key slot per
     pipeline stage instead of two: 16-bit inputs (``elem_bytes`` 2), ``head_dim`` >= 128 and
-    32 query rows per warp (``block_m == 32 * num_warps``). The kernel's rule is ``fwd_one_key_slot`` of
-    kernels_cu/traits.cuh; tests/test_traits_cpu.py checks that the two agree on every
-    selectable variant. A straddling tile's second key projection then replaces its first
-    between the tile's two visits, and 128x32x4 at D = 128 fits two blocks per SM on sm_90
-    (104 KB each)."""
-    w = cfg.num_warps
-    return elem_bytes == 2 and head_dim >= 128 and cfg.block_m == 32 * w
+    32 query rows per warp (``block_m == 32 * num_warps``). The kernel's rule is
+    ``fwd_one_key_slot`` of kernels_cu/traits.cuh; tests/test_traits_cpu.py checks that the
+    two agree on every selectable variant. A straddling tile's second key projection then
+    replaces its first between the tile's two visits, and 128x32x4 at D = 128 fits two
+    blocks per SM on sm_90 (104 KB each)."""
+    return elem_bytes == 2 and head_dim >= 128 and cfg.block_m == 32 * cfg.num_warps
 
 
 def fwd_q_rotate(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> bool:
