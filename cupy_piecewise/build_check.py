@@ -19,13 +19,14 @@ import sys
 import time
 
 from . import capability
-from .compile import (HOPPER_KERNELS, HOPPER_UNCAUSAL, HOPPER_VARLEN_PHASES, Variant,
-                      compile_offline, get_function)
+from .compile import (HOPPER_KERNELS, HOPPER_UNCAUSAL, HOPPER_VARLEN_PHASES, ROTARY_LAYOUTS,
+                      Variant, compile_offline, get_function)
 
 
 def variants_for(cc, hopper: bool = False) -> list[Variant]:
-    """Every kernel variant the table can select on ``cc``, plus the per-row kernels; with
-    ``hopper`` (``--arch sm_90a``) the wgmma + TMA kernels instead."""
+    """Every kernel variant the table can select on ``cc``, plus the per-row kernels and the
+    KV-cache kernels' rotary-inside forms; with ``hopper`` (``--arch sm_90a``) the wgmma +
+    TMA kernels instead."""
     if hopper:
         return [Variant(phase, dtype, d, capability.kv90_tiles(d) if phase == "kvdecode_sm90"
                         else None, causal, varlen, cluster) for phase in HOPPER_KERNELS
@@ -40,6 +41,8 @@ def variants_for(cc, hopper: bool = False) -> list[Variant]:
         out.add(Variant("fwd_combine", dtype, head_dim, None, False))
         if phase in capability.KV_PHASES:  # the KV-cache append, for the KV head dims
             out.add(Variant("kv_append", dtype, head_dim, None, False))
+            for rotary in ROTARY_LAYOUTS.values():  # attention_with_rotary_kvcache
+                out.add(Variant(phase, dtype, head_dim, tiles, causal, rotary=rotary))
         if phase == "bwd_fused":  # its float32 dQ sums to dq1, dq2
             out.add(Variant("bwd_dq_convert", dtype, head_dim, None, False))
     for phase, head_dim, dtype, causal, tiles in capability.selectable_configs(cc, varlen=True):

@@ -42,6 +42,8 @@ _TEMPLATE = {"fwd": "pw_forward", "fwd_decode": "pw_forward", "fwd_combine": "pw
 #: bwd_dq_convert: the fused backward's float32 dQ sums to dq1, dq2), a thread per 16-byte
 #: chunk (kv_append: the KV-cache append)
 ROW_KERNELS = ("bwd_delta", "fwd_combine", "kv_append", "bwd_dq_convert")
+#: rotary-inside KV-cache kernels (pw_kvcache's ROT): rotary layout name -> template value
+ROTARY_LAYOUTS = {"half": 1, "interleaved": 2}
 #: kernels with their tiles fixed inside (wgmma + TMA; kernels_cu/sm90/): sm_90a only.
 #: bwd_sm90 computes all five gradients (dQ by float32 atomics), bwd_sm90_det only dK1, dK2,
 #: dV (deterministic mode: dQ from the mma.sync dq kernel); bwd_sm90_prep (delta, lse in
@@ -117,6 +119,9 @@ class Variant:
     causal: bool = False
     varlen: bool = False  # packed variable-length batch (VARLEN_PHASES, HOPPER_VARLEN_PHASES)
     cluster: int = 1  # kvdecode_sm90: key splits merged inside one thread-block cluster
+    #: kvcache/kvdecode: rotary embedding inside the kernel (ROTARY_LAYOUTS: 1 halves,
+    #: 2 interleaved pairs; 0 none)
+    rotary: int = 0
 
     @property
     def filename(self) -> str:
@@ -153,6 +158,10 @@ class Variant:
         stages = ""  # the KV-cache kernel: a deeper ring, and one key slot when decoding
         if self.phase in ("kvcache", "kvdecode"):
             stages = f", {t.stages}, {'true' if self.phase == 'kvdecode' else 'false'}"
+            if self.rotary:
+                stages += f", {self.rotary}"
+        elif self.rotary:
+            raise ValueError(f"phase {self.phase!r} has no rotary-inside kernel")
         if self.varlen:
             if self.phase not in VARLEN_PHASES:
                 raise ValueError(f"phase {self.phase!r} has no packed-batch kernel")

@@ -323,21 +323,27 @@ def _cupy_call(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new, k2
 
 
 def run_on_gpu(ops, a: KVArgs, q1, q2, k1_cache, k2_cache, v_cache, cache_seqlens, k1_new,
-               k2_new, v_new, block_table, o, lse) -> None:
+               k2_new, v_new, block_table, o, lse, rotary=None) -> None:
     """Launch a checked KV-cache call ``a`` (M, B > 0) into the outputs ``o``, ``lse`` on the
     library's current stream; ``ops``: the library's
     :class:`~cupy_piecewise.core.ArrayOps` (CuPy or torch). Inputs the kernels cannot read
     in place are copied to fresh buffers (caches never are: checked as kernel-ready);
-    lengths and block table get unit stride."""
+    lengths and block table get unit stride. ``rotary``: None, or ``(layout, cos, sin,
+    groups)`` for a rotary-inside call (:mod:`cupy_piecewise.kvcache_rotary`: k1 and k2 the
+    same raw cache, ``layout`` a ``compile.ROTARY_LAYOUTS`` value, float32 tables made
+    contiguous here, ``groups`` the two position divisors, 0 for not rotated)."""
     from .launch import kernel_ready
 
     arrays = {"q1": q1, "q2": q2, "o": o, "k1": k1_cache, "k2": k2_cache, "v": v_cache}
     if a.appended:
         arrays.update(k1n=k1_new, k2n=k2_new, vn=v_new)
+    copies = {}  # id of an input -> its copy: one copy when k1n and k2n are one tensor
     for name in ("q1", "q2", "k1n", "k2n", "vn"):  # inputs only: copy what is not ready
         x = arrays.get(name)
         if x is not None and not kernel_ready(ops.shape(x), ops.strides(x), ops.ptr(x), 2):
-            arrays[name] = ops.copy(x)  # a fresh (aligned) contiguous buffer, always
+            if id(x) not in copies:
+                copies[id(x)] = ops.copy(x)  # a fresh (aligned) contiguous buffer, always
+            arrays[name] = copies[id(x)]
     # the kernels index the lengths and the table's columns with unit stride
     if ops.strides(cache_seqlens)[0] != 1:
         cache_seqlens = ops.copy(cache_seqlens)
@@ -347,14 +353,26 @@ def run_on_gpu(ops, a: KVArgs, q1, q2, k1_cache, k2_cache, v_cache, cache_seqlen
     ptrs.update(seqlens=int(ops.ptr(cache_seqlens)), lse=int(ops.ptr(lse)),
                 block_table=int(ops.ptr(block_table)) if block_table is not None else 0)
     bt_stride = int(ops.strides(block_table)[0]) if block_table is not None else 0
-    plan = launch_plan(a, {n: tuple(ops.strides(x))[:3] for n, x in arrays.items()}, bt_stride)
+    layout, groups = 0, (0, 0)
+    if rotary is not None:
+        layout, cos, sin, groups = rotary
+        for name, table in (("rot_cos", cos), ("rot_sin", sin)):
+            half = ops.shape(table)[1]
+            if tuple(ops.strides(table)) != (half, 1) or ops.ptr(table) % 16:
+                table = ops.copy(table)  # the kernel reads 16-byte pieces of packed rows
+            arrays[name] = table  # held until the launch: a freed copy could be reused
+            ptrs[name] = int(ops.ptr(table))
+    views = {n: tuple(ops.strides(x))[:3] for n, x in arrays.items() if not n.startswith("rot_")}
+    plan = launch_plan(a, views, bt_stride, layout, groups)
     ws = ops.scratch(plan.workspace_bytes, a.device) if plan.workspace_bytes else None
     plan.run(ptrs, ops.stream(a.device), int(ops.ptr(ws)) if ws is not None else 0)
 
 
-def launch_plan(a: KVArgs, strides: dict, bt_stride: int):
+def launch_plan(a: KVArgs, strides: dict, bt_stride: int, rotary: int = 0,
+                rot_groups: tuple = (0, 0)):
     """The :class:`cupy_piecewise.kvcache_launch.KVPlan` of a checked call ``a`` whose
-    arrays have the element ``strides`` (first three axes) given by name."""
+    arrays have the element ``strides`` (first three axes) given by name; ``rotary`` and
+    ``rot_groups`` as :class:`~cupy_piecewise.kvcache_launch.KVShape` takes them."""
     from . import kvcache_launch as kl
 
     limit = a.capacity + a.M + 1  # |d| <= capacity + M: the same comparisons in 32 bits
@@ -362,5 +380,6 @@ def launch_plan(a: KVArgs, strides: dict, bt_stride: int):
         a.device, a.dtype, a.B, a.H, a.Hkv, a.M, a.D, a.capacity, a.pages,
         a.block_size if a.paged else 0, bt_stride, a.appended, a.causal,
         max(-limit, min(limit, a.w)), a.sm_scale,
-        tuple((n, tuple(strides[n])) for n in kl.POINTERS if n in strides))
+        tuple((n, tuple(strides[n])) for n in kl.POINTERS if n in strides), rotary,
+        tuple(rot_groups))
     return kl.plan(shape)

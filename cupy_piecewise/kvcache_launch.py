@@ -36,13 +36,16 @@ KV_FIELDS = tuple(f"{t}.{f}" for t in ("q1", "q2", "o") for f in ("ptr", "sb", "
     tuple(f"{t}.{f}" for t in ("k1", "k2", "v") for f in ("ptr", "sp", "sh", "sr")) + \
     tuple(f"{t}.{f}" for t in ("k1n", "k2n", "vn") for f in ("ptr", "sb", "sh", "sr")) + (
         "seqlens", "block_table", "bt_stride", "block_size", "lse", "o_part", "lse_part",
-        "H", "group", "M", "capacity", "w", "nsplit", "scale_log2|sm_scale")
+        "H", "group", "M", "capacity", "w", "nsplit", "scale_log2|sm_scale", "rot_cos",
+        "rot_sin", "rot_group1", "rot_group2")
 _KV_SLOT = {name: i for i, name in enumerate(KV_FIELDS)}
 _KV_PACK = struct.Struct(f"<{len(KV_FIELDS)}q")
 _LOG2E = 1.4426950408889634
 #: the arrays a call passes, in the order :meth:`KVPlan.run` takes their pointers
 POINTERS = ("q1", "q2", "o", "k1", "k2", "v", "k1n", "k2n", "vn", "seqlens", "block_table",
-            "lse")
+            "lse", "rot_cos", "rot_sin")
+#: pointers that are a KVParams field of their own (the others are a view's ``.ptr``)
+_BARE_POINTERS = ("seqlens", "block_table", "lse", "rot_cos", "rot_sin")
 #: most key splits of one call (the merge kernel loops over them per row)
 MAX_SPLITS = 64
 #: resident blocks per SM the split count aims to fill (shared memory permitting)
@@ -71,16 +74,22 @@ class KVShape(NamedTuple):
     w: int  # clamped to +-(capacity + M + 1): 32-bit in the kernel, same comparisons
     sm_scale: float
     strides: tuple  # ((name, (s0, s1, s2)), ...) in POINTERS order, absent arrays left out
+    #: rotary inside the kernel (attention_with_rotary_kvcache): 0 for none, else a
+    #: compile.ROTARY_LAYOUTS value (k1 and k2 then name one cache of raw keys), and each
+    #: projection's position divisor (0: not rotated)
+    rotary: int = 0
+    rot_groups: tuple = (0, 0)
 
 
 def use_hopper_decode(shape: KVShape, cc) -> bool:
     """True when ``shape`` runs the Hopper decode kernel (``kernels_cu/sm90/kvdecode.cu``: TMA
     loads from a producer warp): compute capability 9.0, one new token (M = 1), a head dim
-    in :data:`capability.KV90_HEAD_DIMS`, no ``CUPY_PIECEWISE_PATH=mma``, and caches whose
-    strides a tensor map describes (positive multiples of 16 bytes on every axis longer
-    than 1; a broadcast axis is not one). Everything else runs the cp.async kernel."""
+    in :data:`capability.KV90_HEAD_DIMS`, no rotary inside, no ``CUPY_PIECEWISE_PATH=mma``,
+    and caches whose strides a tensor map describes (positive multiples of 16 bytes on every
+    axis longer than 1; a broadcast axis is not one). Everything else runs the cp.async
+    kernel."""
     if (tuple(cc) != (9, 0) or shape.M != 1 or shape.D not in capability.KV90_HEAD_DIMS
-            or capability.path_override() == "mma"):
+            or shape.rotary or capability.path_override() == "mma"):
         return False
     dims = (shape.pages, shape.Hkv, shape.block_size or shape.capacity)
     strides = dict(shape.strides)
@@ -140,7 +149,7 @@ class KVPlan:
             # one new token: every key has one distance, so one key slot per stage (kvdecode)
             phase = "kvdecode" if s.M == 1 else "kvcache"
             tiles = capability.lookup(cc, phase, s.D, s.dtype, s.causal)
-            main = Variant(phase, s.dtype, s.D, tiles, s.causal)
+            main = Variant(phase, s.dtype, s.D, tiles, s.causal, rotary=s.rotary)
             fn, smem = launch._kernel(s.device, main)
             self.nsplit = split_count(s, tiles, smem, sms, per_sm)
         G = s.H // s.Hkv
@@ -179,7 +188,8 @@ class KVPlan:
         slots[_KV_SLOT["bt_stride"]] = s.bt_stride
         slots[_KV_SLOT["block_size"]] = s.block_size
         for name, value in (("H", s.H), ("group", G), ("M", s.M), ("capacity", s.capacity),
-                            ("w", s.w), ("nsplit", self.nsplit)):
+                            ("w", s.w), ("nsplit", self.nsplit),
+                            ("rot_group1", s.rot_groups[0]), ("rot_group2", s.rot_groups[1])):
             slots[_KV_SLOT[name]] = value
         slots[_KV_SLOT["scale_log2|sm_scale"]] = struct.unpack(
             "<q", struct.pack("<ff", s.sm_scale * _LOG2E, s.sm_scale))[0]
@@ -200,7 +210,7 @@ class KVPlan:
         slots = list(self._template)
         for name in POINTERS:
             p = ptrs.get(name, 0) or 0
-            if name in ("seqlens", "block_table", "lse"):
+            if name in _BARE_POINTERS:
                 slots[_KV_SLOT[name]] = p
             else:
                 slots[_KV_SLOT[f"{name}.ptr"]] = p

@@ -26,6 +26,12 @@ struct KVParams {
   i64 H, group, M, capacity, w, nsplit;
   float scale_log2;           // sm_scale * log2(e)
   float sm_scale;
+  // Rotary-inside calls (pw_kvcache's ROT != 0): K1 and K2 are one cache of raw keys, and key
+  // n of projection i is rotated at position n / rot_group<i> (0: not rotated) with the
+  // (positions, D / 2) float32 tables rot_cos, rot_sin. Null tables otherwise.
+  const float* rot_cos;
+  const float* rot_sin;
+  i64 rot_group1, rot_group2;
 };
 
 // Element offset of row n of sequence b inside a cache view, head excluded.

@@ -677,3 +677,52 @@ def test_hopper_decode_launches_programmatically(fake_gpu, fake_maps, monkeypatc
     else:
         assert plan.nsplit == 1 and calls == [(kind, "kvdecode_sm90", (H, 1, B), 160, 9)]
     assert len(fake_maps) == 3  # k1, k2, v
+
+
+@pytest.mark.parametrize("M,interleaved", [(1, False), (5, True)])
+def test_rotary_kvcache_plan_runs_the_cp_async_kernel_with_its_tables(fake_gpu, monkeypatch,
+                                                                        M, interleaved):
+    """A rotary-inside call on an H200 runs the cp.async kernel (kvdecode for one token,
+    kvcache for more) built with ROT, never the TMA decode, and the parameter block of every
+    launch carries the cos/sin pointers and the two position divisors; the append (which
+    skips K2 when rot_cos is set) gets the same block."""
+    from cupy_piecewise import kvcache_launch as kl
+    from cupy_piecewise.compile import ROTARY_LAYOUTS
+
+    drv, _ = fake_gpu
+    monkeypatch.delenv(capability.PATH_VAR, raising=False)  # the TMA decode would be eligible
+    capability.refresh_env_override()
+    calls = []
+
+    def launch_kernel(fn, gx, gy, gz, bx, by, bz, smem, stream, args, extra):
+        if fn.phase == "fwd_combine":  # the merge's own Params, not KVParams
+            calls.append((fn, None))
+            return
+        addr = ctypes.c_void_p.from_address(args).value
+        block = (ctypes.c_int64 * len(kl.KV_FIELDS)).from_address(addr)
+        calls.append((fn, dict(zip(kl.KV_FIELDS, block))))
+
+    monkeypatch.setattr(drv, "launchKernel", launch_kernel)
+    B, H, Hkv, N, D = 2, 8, 2, 4096, 128
+    q, kv, new = _contiguous((B, H, M, D)), _contiguous((B, Hkv, N, D)), _contiguous((B, Hkv, M, D))
+    names = (("q1", q), ("q2", q), ("o", q), ("k1", kv), ("k2", kv), ("v", kv), ("k1n", new),
+             ("k2n", new), ("vn", new))
+    layout = ROTARY_LAYOUTS["interleaved" if interleaved else "half"]
+    shape = kl.KVShape(0, "bfloat16", B, H, Hkv, M, D, N, B, 0, 0, True, True, 64, 0.125,
+                       tuple((n, st[:3]) for n, st in names), layout, (1, 4))
+    assert not kl.use_hopper_decode(shape, (9, 0))
+    assert kl.use_hopper_decode(shape._replace(rotary=0, rot_groups=(0, 0)), (9, 0)) == (M == 1)
+    plan = kl.KVPlan(shape)
+    ptrs = {"q1": 16, "q2": 32, "o": 48, "k1": 64, "k2": 64, "v": 96, "k1n": 112, "k2n": 112,
+            "vn": 128, "seqlens": 144, "rot_cos": 0x1000, "rot_sin": 0x2000}
+    plan.run(ptrs, stream=5, workspace=1 << 20 if plan.workspace_bytes else 0)
+    phases = [fn.phase for fn, _ in calls]
+    assert phases[:2] == ["kv_append", "kvdecode" if M == 1 else "kvcache"]
+    assert calls[1][0].rotary == layout
+    assert f", {layout}>" in calls[1][0].name_expression
+    for fn, p in calls:
+        if fn.phase == "fwd_combine":
+            continue
+        assert (p["rot_cos"], p["rot_sin"], p["rot_group1"], p["rot_group2"]) == (
+            0x1000, 0x2000, 1, 4)
+        assert p["k1.ptr"] == p["k2.ptr"] == 64 and p["k1n.ptr"] == p["k2n.ptr"] == 112
