@@ -10,7 +10,10 @@ Python's. Medians of CUDA-event timings after warm-up; the device copy bandwidth
 (``dst.copy_(src)`` of 2 GiB) is measured in the same run. ``piecewise_kvcache_mma`` is the
 same call with ``CUPY_PIECEWISE_PATH=mma``: the cp.async decode kernel, which an H200
 replaces with the TMA one (kernels_cu/sm90/kvdecode.cu); ``--variants`` adds rows under
-tuning settings of the latter.
+tuning settings of the latter. ``--rotary`` adds ``attention_with_rotary_kvcache`` rows
+(one cache of raw keys rotated in the kernel: ReRoPE, and SelfExtend with groups of 8; the
+same effective bytes, the float32 cos/sin reads not counted), run with
+``CUPY_PIECEWISE_ROTARY_GPU=1``.
 
     PYTHONPATH=$PWD python3 bench/kvcache_decode.py --out bench/results/DIR/kvcache_decode.json
 """
@@ -125,7 +128,7 @@ def kernel_choice(path=None, stages=None, head_dim=None, min_tiles=None, max_clu
         kvcache_launch._plans._data.clear()
 
 
-def run_case(dtype, D, B, H, Hkv, N, block_sizes, w_frac=0.25, variants=()):
+def run_case(dtype, D, B, H, Hkv, N, block_sizes, w_frac=0.25, variants=(), rotary=False):
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(N + H + D)
     q1, q2 = (torch.randn(B, H, 1, D, device=dev, dtype=dtype, generator=g) for _ in range(2))
@@ -155,6 +158,25 @@ def run_case(dtype, D, B, H, Hkv, N, block_sizes, w_frac=0.25, variants=()):
         with kernel_choice(stages=knobs.get("s"), head_dim=D, min_tiles=knobs.get("m"),
                            max_cluster=knobs.get("c")):
             add(f"piecewise_kvcache_{name}", ours, 2, f"Hopper decode {name}")
+    if rotary:  # k1 serves as the raw key cache; tables of N positions
+        from cupy_piecewise import kvcache_rotary
+
+        ang = torch.arange(N, device=dev, dtype=torch.float32)[:, None] * 10000.0 ** (
+            -torch.arange(D // 2, device=dev, dtype=torch.float32) / (D // 2))
+        cos, sin = ang.cos(), ang.sin()
+        saved = os.environ.get(kvcache_rotary.GPU_ENV)
+        os.environ[kvcache_rotary.GPU_ENV] = "1"
+        try:
+            for name, g2 in (("rerope", None), ("selfextend", 8)):
+                add(f"piecewise_rotary_{name}", lambda g2=g2:
+                    cupy_piecewise.attention_with_rotary_kvcache(
+                        q1, q2, k1, v, w, cos=cos, sin=sin, cache_seqlens=seq,
+                        k2_group_size=g2), 2, "rotary inside (cp.async kernel)")
+        finally:
+            if saved is None:
+                os.environ.pop(kvcache_rotary.GPU_ENV)
+            else:
+                os.environ[kvcache_rotary.GPU_ENV] = saved
     for bs in block_sizes:
         # one shuffled page order for the three caches, as a paged allocator hands them out
         table = torch.randperm(B * (N // bs), device=dev).view(B, N // bs).to(torch.int32)
@@ -223,6 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="JSON results here")
     ap.add_argument("--quick", action="store_true", help="bf16, D 64 and 128, three shapes")
     ap.add_argument("--paged", default="64,256", help="block sizes of the paged rows ('' for none)")
+    ap.add_argument("--rotary", action="store_true",
+                    help="also time attention_with_rotary_kvcache (ReRoPE, SelfExtend G = 8)")
     ap.add_argument("--variants", default="",
                     help="tuning: also time the Hopper decode under these knob settings, comma-"
                          "separated, each of s<ring stages>, c<largest cluster>, m<fewest key "
@@ -243,7 +267,8 @@ def main(argv=None) -> int:
             for B, H, Hkv, N in shapes:
                 rows = run_case(dtype, D, B, H, Hkv, N,
                                 tuple(int(b) for b in args.paged.split(",") if b),
-                                variants=tuple(v for v in args.variants.split(",") if v))
+                                variants=tuple(v for v in args.variants.split(",") if v),
+                                rotary=args.rotary)
                 torch.cuda.empty_cache()
                 cudnn = next((r["gbps"] for r in rows if r["provider"] == "sdpa_cudnn"), None)
                 contig = rows[0]["gbps"]

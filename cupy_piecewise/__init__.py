@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 from .api import attention, attention_backward  # noqa: E402
 from .kvcache import attention_with_kvcache  # noqa: E402
+from .kvcache_rotary import apply_rotary, attention_with_rotary_kvcache  # noqa: E402
 from .varlen import attention_varlen, attention_varlen_backward  # noqa: E402
 from .validate import GPU_DTYPES, GPU_HEAD_DIMS, Problem, check_inputs  # noqa: E402
 
@@ -24,6 +25,8 @@ __all__ = [
     "attention_varlen",
     "attention_varlen_backward",
     "attention_with_kvcache",
+    "attention_with_rotary_kvcache",
+    "apply_rotary",
     "Problem",
     "check_inputs",
     "GPU_DTYPES",

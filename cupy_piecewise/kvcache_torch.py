@@ -19,7 +19,8 @@ from . import kvcache, validate
 
 Tensor = torch.Tensor
 
-__all__ = ["attention_with_kvcache", "kvcache_op"]
+__all__ = ["attention_with_kvcache", "kvcache_op", "attention_with_rotary_kvcache",
+           "rotary_kvcache_op"]
 
 
 def _cuda(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new, k2_new, v_new,
@@ -106,3 +107,114 @@ def attention_with_kvcache(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens
     limit = capacity + q1.shape[2] + 1
     return kvcache_op(q1, q2, k1_cache, k2_cache, v_cache, max(-limit, min(limit, w)),
                       cache_seqlens, k1_new, k2_new, v_new, block_table, causal, scale)
+
+
+# ---------------------------------------------------------------------------------------
+# Rotary inside (cupy_piecewise.kvcache_rotary): one cache of raw keys, rotated per key.
+
+def _rotary_args(q1, q2, k_cache, v_cache, w, cos, sin, cache_seqlens, k_new, v_new,
+                 block_table, g1, g2, interleaved, causal, sm_scale):
+    """kvcache_rotary.check_rotary_args of an operator call (group sizes 0: not rotated)."""
+    from . import kvcache_rotary
+
+    return kvcache_rotary.check_rotary_args(q1, q2, k_cache, v_cache, w, cos, sin,
+                                            cache_seqlens, k_new, v_new, block_table,
+                                            g1 or None, g2 or None, interleaved, causal,
+                                            sm_scale)
+
+
+def _rotary_cuda(*args):
+    from . import kvcache_rotary
+
+    r = _rotary_args(*args)
+    a = r.kv
+    q1 = args[0]
+    o = torch.empty((a.B, a.H, a.M, a.D), dtype=q1.dtype, device=q1.device)
+    lse = torch.empty((a.B, a.H, a.M), dtype=torch.float32, device=q1.device)
+    if a.M == 0 or a.B == 0 or (a.H == 0 and not a.appended):
+        return o, lse
+    kvcache_rotary.require_gpu_allowed()
+    from .adapters import torch as ad
+
+    kvcache_rotary.run_rotary_on_gpu(ad.OPS, r, args, o, lse, args[5], args[6])
+    return o, lse
+
+
+def _rotary_cpu(q1, q2, k_cache, v_cache, w, cos, sin, cache_seqlens, k_new, v_new,
+                block_table, g1, g2, interleaved, causal, sm_scale):
+    """The reference on CPU tensors: the append on the caches themselves, then float64."""
+    from . import kvcache_rotary
+
+    r = _rotary_args(q1, q2, k_cache, v_cache, w, cos, sin, cache_seqlens, k_new, v_new,
+                     block_table, g1, g2, interleaved, causal, sm_scale)
+    a = r.kv
+    seq = cache_seqlens.to(torch.int64)
+    extra = a.M if a.appended else 0
+    if bool((seq < 0).any()) or bool((seq + extra > a.capacity).any()):
+        raise ValueError(f"cache_seqlens {seq.tolist()} plus {extra} appended rows must lie in "
+                         f"[0, {a.capacity}] (the cache's capacity)")
+    table = block_table.numpy() if block_table is not None else None
+    if a.appended:
+        with torch.no_grad():
+            for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+                for b in range(a.B):
+                    kvcache._append(cache, b, int(seq[b]), new[b], table)
+    lengths = (seq + extra).to(torch.int32).numpy()
+    o, lse = kvcache_rotary.reference_with_rotary_kvcache(
+        _f64(q1), _f64(q2), _f64(k_cache), _f64(v_cache), a.w, _f64(cos), _f64(sin), lengths,
+        block_table=table, k1_group_size=g1 or None, k2_group_size=g2 or None,
+        interleaved=interleaved, causal=a.causal, sm_scale=a.sm_scale)
+    return (torch.from_numpy(o).to(q1.dtype),
+            torch.from_numpy(lse.astype(np.float32)))
+
+
+@torch.library.custom_op("cupy_piecewise::rotary_kvcache", mutates_args=("k_cache", "v_cache"))
+def rotary_kvcache_op(
+    q1: Tensor, q2: Tensor, k_cache: Tensor, v_cache: Tensor, w: int, cos: Tensor, sin: Tensor,
+    cache_seqlens: Tensor, k_new: Optional[Tensor], v_new: Optional[Tensor],
+    block_table: Optional[Tensor], g1: int, g2: int, interleaved: bool, causal: bool,
+    sm_scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Rotary-inside KV-cache attention -> (o (B, H, M, D), lse (B, H, M) float32); see
+    :func:`cupy_piecewise.attention_with_rotary_kvcache` (``g1``, ``g2``: the group sizes,
+    0 for not rotated). Writes the new keys and values into the caches."""
+    run = _rotary_cuda if q1.is_cuda else _rotary_cpu
+    return run(q1, q2, k_cache, v_cache, w, cos, sin, cache_seqlens, k_new, v_new, block_table,
+               g1, g2, interleaved, causal, sm_scale)
+
+
+@rotary_kvcache_op.register_fake
+def _rotary_fake(q1, q2, k_cache, v_cache, w, cos, sin, cache_seqlens, k_new, v_new,
+                 block_table, g1, g2, interleaved, causal, sm_scale):
+    B, H, M, D = q1.shape
+    return q1.new_empty((B, H, M, D)), q1.new_empty((B, H, M), dtype=torch.float32)
+
+
+def attention_with_rotary_kvcache(q1, q2, k_cache, v_cache, w, cos, sin, cache_seqlens, k_new,
+                                  v_new, block_table, k1_group_size, k2_group_size, interleaved,
+                                  causal, sm_scale):
+    """(o, lse) for torch tensors through ``cupy_piecewise::rotary_kvcache``. The operator's
+    body checks every argument; here the schema's scalars are resolved first, each checked
+    so that errors name it (as :func:`attention_with_kvcache` does)."""
+    from . import kvcache_rotary
+
+    tensors = (q1, q2, k_cache, v_cache, cos, sin, cache_seqlens) + (
+        () if block_table is None else (block_table,))
+    if not all(isinstance(x, Tensor) for x in tensors) or k_cache.dim() != 4 or (
+            block_table is not None and block_table.dim() != 2) or q1.dim() != 4:
+        kvcache_rotary.check_rotary_args(q1, q2, k_cache, v_cache, w, cos, sin, cache_seqlens,
+                                         k_new, v_new, block_table, k1_group_size,
+                                         k2_group_size, interleaved, causal, sm_scale)
+    w = validate._check_w(w)
+    causal = validate._check_causal(causal)
+    scale = validate._check_sm_scale(sm_scale, q1.shape[-1])
+    g1 = kvcache_rotary._group(k1_group_size, "k1_group_size")
+    g2 = kvcache_rotary._group(k2_group_size, "k2_group_size")
+    if not isinstance(interleaved, (bool, np.bool_)):
+        raise TypeError(f"interleaved must be a bool, got {interleaved!r}")
+    interleaved = bool(interleaved)
+    capacity = k_cache.shape[2] * (1 if block_table is None else block_table.shape[1])
+    limit = capacity + q1.shape[2] + 1
+    return rotary_kvcache_op(q1, q2, k_cache, v_cache, max(-limit, min(limit, w)), cos, sin,
+                             cache_seqlens, k_new, v_new, block_table, g1, g2, interleaved,
+                             causal, scale)

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma kvprobe | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma kvprobe rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
 # probes (not in all): the Hopper forward and backward probes (scripts/hopper_probe.py,
 # scripts/hopper_bwd_probe.py), about 4 minutes each, logs in logs/hopper_*.txt.
+# rotary (not in all): the rotary-inside KV-cache kernel's first validation: its GPU tests,
+# memcheck and racecheck on its sanitizer cases (SANITIZE_SKIP leaves the rest out), and the
+# decode bench's quick shapes with --rotary, under CUPY_PIECEWISE_ROTARY_GPU=1; about 4 min.
 # kvprobe (not in all): scripts/kvdecode_probe.py, the Hopper decode's A/B probe, configs from
 # KVPROBE_CONFIGS (default "base;pdl=0 pdld=0"), about 1-2 minutes per macro set.
 # mma_probes (not in all): the mma.sync backward against SDPA flash (scripts/mma_bwd_probe.py,
@@ -49,7 +52,7 @@
 # three other processes), so run it in two calls with TEST_PATHS / PYTEST_ARGS (--ignore=...),
 # one pytest process each: several pytest processes on one GPU time-slice it and finish
 # fewer tests in the same time (bench/results/2026-12-04-h200-gpu-suite).
-# SANITIZE_DIMS (e.g. 80,96,256) / SANITIZE_SKIP (dense,kvcache,varlen,torch) / SANITIZE_PATHS
+# SANITIZE_DIMS (e.g. 80,96,256) / SANITIZE_SKIP (dense,kvcache,rotary,varlen,torch) / SANITIZE_PATHS
 # (hopper or mma: the dense cases of one path) narrow sanitize.
 # FUZZ_EXAMPLES (default 600, about 5 min on an H200) sets the fuzz step's example count; the examples it finds
 # failing are saved to logs/fuzz_db (copy them into tests/fuzz_db to make them replay).
@@ -219,6 +222,24 @@ if asked kvprobe; then
     > "$logs/kvdecode_probe.log" 2>&1
   rc=$?; echo "kvdecode_probe: exit $rc"; tail -16 "$logs/kvdecode_probe.log"
   status=$((status | rc))
+fi
+if asked rotary; then
+  export CUPY_PIECEWISE_ROTARY_GPU=1
+  timeout 400 python3 -m pytest -q -ra -m gpu -p no:cacheprovider tests/test_kvcache_rotary_gpu.py \
+    2>&1 | tee "$logs/pytest_rotary.log" | tail -8
+  status=$((status | ${PIPESTATUS[0]}))
+  for tool in memcheck racecheck; do
+    extra=""; [[ $tool == memcheck ]] && extra="--report-api-errors no"
+    SANITIZE_SKIP=dense,kvcache,varlen,torch timeout 400 compute-sanitizer --tool $tool $extra \
+      --error-exitcode 9 python3 scripts/sanitize_cases.py > "$logs/sanitize_rotary_$tool.log" 2>&1 &
+  done
+  for tool in memcheck racecheck; do wait -n; rc=$?; status=$((status | rc)); done
+  for tool in memcheck racecheck; do
+    echo "compute-sanitizer $tool (rotary):"; grep -E "ERROR SUMMARY|ok rotary|Error|Traceback" "$logs/sanitize_rotary_$tool.log" | tail -4
+  done
+  timeout 300 python3 bench/kvcache_decode.py --quick --paged "" --rotary \
+    --out "$out/kvcache_decode_rotary.json" 2>&1 | tee "$logs/kvcache_decode_rotary.log" | tail -30
+  status=$((status | ${PIPESTATUS[0]}))
 fi
 tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$logs"
 exit $status

@@ -38,8 +38,8 @@ launch._kernel = _recording_kernel  # every launch plan asks for its kernels thr
 cc = launch._compute_capability(0)
 hopper = cc == (9, 0)
 # SANITIZE_DIMS=80,96,256 narrows every head-dim loop (a partial run: the coverage check
-# below then lists what it left out but does not fail); SANITIZE_SKIP=dense,kvcache,varlen,
-# torch leaves out whole groups; SANITIZE_PATHS=hopper (or mma) runs the dense cases of that
+# below then lists what it left out but does not fail); SANITIZE_SKIP=dense,kvcache,
+# rotary,varlen,torch leaves out whole groups; SANITIZE_PATHS=hopper (or mma) runs the dense cases of that
 # path only (with compute-sanitizer's --kernel-name, a run on one kernel family).
 _only = {int(d) for d in os.environ.get("SANITIZE_DIMS", "").split(",") if d.strip()}
 _skip = {g.strip() for g in os.environ.get("SANITIZE_SKIP", "").split(",") if g.strip()}
@@ -156,6 +156,59 @@ for D in _dims(kvcache.KV_HEAD_DIMS) if "kvcache" not in _skip else ():
             print(f"ok kvdecode split D={D} clusters<={most}", flush=True)
         capability.KV90_MIN_TILES[D], capability.KV90_MAX_CLUSTER = saved
         kvcache_launch._plans._data.clear()
+
+# Rotary inside the KV-cache kernel (ROT = 1 halves, 2 interleaved): raw keys rotated in
+# shared memory, appended, contiguous and paged, one token (kvdecode) and three (kvcache)
+from test_kvcache_rotary_gpu import _lowp, _tables  # noqa: E402
+
+from cupy_piecewise import kvcache_rotary  # noqa: E402
+
+os.environ[kvcache_rotary.GPU_ENV] = "1"
+for D in _dims(kvcache.KV_HEAD_DIMS) if "rotary" not in _skip else ():
+    for dtype in ("float16", "bfloat16"):
+        # every (phase, layout, causal flag): the build check compiles each of them
+        for M, interleaved, causal in [(m, i, c) for m in (1, 3) for i in (False, True)
+                                       for c in (False, True)]:
+            B, H, Hkv, N, bs = 2, 4, 2, 192, 64
+            nd = _np_dtype(dtype)
+            seq = np.array([0, 150], np.int32)
+            groups = (1, None) if interleaved else (1, 8)
+            cos, sin = _tables(N, D)
+            q1, q2 = (round_to(rng.standard_normal((B, H, M, D)).astype(np.float32), dtype)
+                      for _ in range(2))
+            host = [round_to(rng.standard_normal((B, Hkv, N, D)).astype(np.float32), dtype)
+                    for _ in range(2)]
+            new = [round_to(rng.standard_normal((B, Hkv, M, D)).astype(np.float32), dtype)
+                   for _ in range(2)]
+            full = [c.copy() for c in host]
+            for c, n in zip(full, new):
+                for b in range(B):
+                    c[b, :, seq[b]:seq[b] + M] = n[b]
+            lengths = seq + M
+            kw = dict(k1_group_size=groups[0], k2_group_size=groups[1], interleaved=interleaved,
+                      causal=causal, sm_scale=1 / np.sqrt(D))
+            ref = kvcache_rotary.reference_with_rotary_kvcache(q1, q2, full[0], full[1], 40, cos,
+                                                               sin, lengths, **kw)
+            low = _lowp(q1, q2, full[0], full[1], cos, sin, [g or 0 for g in groups],
+                        interleaved, 40, lengths, M, causal, 1 / np.sqrt(D), dtype)
+            table = np.arange(B * N // bs, dtype=np.int32)[::-1].reshape(B, N // bs).copy()
+            for paged in (False, True):
+                caches = [cupy.asarray(c.astype(nd)) for c in host]
+                if paged:
+                    caches = [cupy.asarray(np.stack([c[b, :, j * bs:(j + 1) * bs]
+                                                     for b in range(B) for j in range(N // bs)])
+                                           [np.argsort(table.ravel())].astype(nd)) for c in host]
+                o, lse = kvcache_rotary.attention_with_rotary_kvcache(
+                    cupy.asarray(q1.astype(nd)), cupy.asarray(q2.astype(nd)), *caches, 40,
+                    cos=cupy.asarray(cos), sin=cupy.asarray(sin), cache_seqlens=cupy.asarray(seq),
+                    block_table=cupy.asarray(table) if paged else None,
+                    k_new=cupy.asarray(new[0].astype(nd)), v_new=cupy.asarray(new[1].astype(nd)),
+                    return_lse=True, **kw)
+                for name, g, r, lw in zip(("o", "lse"), (cupy.asnumpy(o), cupy.asnumpy(lse)),
+                                          ref, low):
+                    tolerance.assert_close(name, np.asarray(g, np.float64), r, lw, dtype)
+            print(f"ok rotary kvcache {dtype} D={D} M={M} interleaved={interleaved} "
+                  f"causal={causal} (contiguous, paged)", flush=True)
 
 # Packed variable-length batches (the VARLEN kernels): empty sequences, tile edges, every
 # head dim, dtype and causal flag, forward and backward with a gradient into lse

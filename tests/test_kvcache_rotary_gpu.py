@@ -1,0 +1,192 @@
+"""attention_with_rotary_kvcache on the CUDA kernels (marked ``gpu``): the rotary-inside
+pw_kvcache against the float64 reference by the tolerance rule (outputs NaN-poisoned; the
+low-precision yardstick rotates in float32 and rounds the keys to the input dtype, as
+rotating before caching would), both layouts, ReRoPE and SelfExtend position maps,
+contiguous and paged caches, M in {1, 4, 17}, GQA, cache lengths from 0 to full, the raw
+keys appended in place, a torch decode step replayed in a CUDA graph, and the gate that
+keeps the kernel off until it has been validated."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from seeds import fresh_seed  # noqa: E402  (tests/seeds.py)
+import kvcache_cases as kc  # noqa: E402
+
+from cupy_piecewise import kvcache, kvcache_rotary as kr, reference, tolerance  # noqa: E402
+from cupy_piecewise.gpu_arrays import _np_dtype, poisoned, round_to  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def allowed(monkeypatch):
+    monkeypatch.setenv(kr.GPU_ENV, "1")
+
+
+def _tables(positions, D):
+    ang = np.arange(positions)[:, None] * 10000.0 ** (-np.arange(D // 2) / (D // 2))
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def _rotate32(x, cos, sin, pos, interleaved):
+    """The kernel's rotation: float32 arithmetic on float32 values of the dtype, each product
+    and sum rounded (NumPy does not contract to FMA; the kernel uses __fmul_rn/__fadd_rn)."""
+    c, s = cos[pos], sin[pos]
+    out = np.empty_like(x, dtype=np.float32)
+    if interleaved:
+        e, o = x[..., 0::2], x[..., 1::2]
+        out[..., 0::2], out[..., 1::2] = e * c - o * s, o * c + e * s
+    else:
+        h = x.shape[-1] // 2
+        a, b = x[..., :h], x[..., h:]
+        out[..., :h], out[..., h:] = a * c - b * s, b * c + a * s
+    return out
+
+
+def _lowp(q1, q2, keys, vals, cos, sin, groups, interleaved, w, seq, M, causal, scale, dtype):
+    """The low-precision yardstick per sequence: keys rotated in float32, rounded to dtype."""
+    B, H, _, D = q1.shape
+    o, lse = np.zeros((B, H, M, D)), np.full((B, H, M), -np.inf)
+    for b in range(B):
+        L = int(seq[b])
+        raw = keys[b:b + 1, :, :L]
+        n = np.arange(L)
+        k12 = [raw if not g else round_to(_rotate32(raw, cos, sin, n // g, interleaved), dtype)
+               for g in groups]
+        ol, ll = reference.lowp_forward(q1[b:b + 1], k12[0], q2[b:b + 1], k12[1],
+                                        vals[b:b + 1, :, :L], w, causal, scale, dtype=dtype,
+                                        q_offset=L - M, k_offset=0)
+        o[b], lse[b] = ol[0], ll[0]
+    return o, lse
+
+
+CASES = [  # (dtype, D, M, layout, groups, paged block size or 0, causal, appended)
+    (dt, D, M, lay, grp, bs, causal, app)
+    for dt in ("bfloat16", "float16") for D in (64, 128) for M in (1, 4, 17)
+    for lay, grp in (("half", (1, None)), ("interleaved", (1, 4)))
+    for bs, causal, app in ((0, True, True), (64, True, False), (16, False, True))
+] + [("bfloat16", D, 1, "half", (None, 2), 0, True, True) for D in (16, 32)]
+
+
+@pytest.mark.parametrize("dtype,D,M,layout,groups,bs,causal,appended", CASES, ids=[
+    f"{c[0]}-D{c[1]}-M{c[2]}-{c[3]}-g{c[4][0]}_{c[4][1]}-{'paged' + str(c[5]) if c[5] else 'contig'}"
+    f"-{'causal' if c[6] else 'full'}-{'append' if c[7] else 'cached'}" for c in CASES])
+def test_rotary_kvcache_matches_reference(dtype, D, M, layout, groups, bs, causal, appended,
+                                          allowed, monkeypatch):
+    import cupy
+
+    monkeypatch.setattr(kvcache, "_empty", lambda shape, dt: poisoned(
+        shape, "float32" if np.dtype(dt) == np.float32 else dtype))
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    B, H, Hkv, N = 4, 8, 2, 1024
+    interleaved = layout == "interleaved"
+    seq = np.array([0, 1, 300, N - (M if appended else 0)], np.int32)
+    w = int(rng.choice([-3, 0, 1, 5, 200, 700]))
+    scale = 1.0 / np.sqrt(D)
+    cos, sin = _tables(N, D)
+    q1, q2 = (round_to(rng.standard_normal((B, H, M, D)).astype(np.float32) * 1.5, dtype)
+              for _ in range(2))
+    keys, vals = (round_to(rng.standard_normal((B, Hkv, N, D)).astype(np.float32) * 1.5, dtype)
+                  for _ in range(2))
+    new = [round_to(rng.standard_normal((B, Hkv, M, D)).astype(np.float32), dtype)
+           for _ in range(2)]
+    full = [keys.copy(), vals.copy()]
+    if appended:
+        for c, n in zip(full, new):
+            for b in range(B):
+                c[b, :, seq[b]:seq[b] + M] = n[b]
+    lengths = seq + (M if appended else 0)
+    ref = kr.reference_with_rotary_kvcache(  # float32 arrays holding dtype values
+        q1, q2, full[0], full[1], w, cos, sin, lengths,
+        k1_group_size=groups[0], k2_group_size=groups[1], interleaved=interleaved,
+        causal=causal, sm_scale=scale)
+    low = _lowp(q1, q2, full[0], full[1], cos, sin, [g or 0 for g in groups], interleaved, w,
+                lengths, M, causal, scale, dtype)
+
+    nd = _np_dtype(dtype)
+    if bs:
+        pages, table = kc.page_all([keys, vals], bs, rng)
+        dev = [cupy.asarray(np.nan_to_num(p).astype(nd)) for p in pages]
+        dev_table = cupy.asarray(table)
+    else:
+        dev, dev_table = [cupy.asarray(c.astype(nd)) for c in (keys, vals)], None
+    kw = dict(cos=cupy.asarray(cos), sin=cupy.asarray(sin), cache_seqlens=cupy.asarray(seq),
+              block_table=dev_table, k1_group_size=groups[0], k2_group_size=groups[1],
+              interleaved=interleaved, causal=causal, sm_scale=float(scale), return_lse=True)
+    if appended:
+        kw.update(k_new=cupy.asarray(new[0].astype(nd)), v_new=cupy.asarray(new[1].astype(nd)))
+    o, lse = kr.attention_with_rotary_kvcache(cupy.asarray(q1.astype(nd)),
+                                              cupy.asarray(q2.astype(nd)), *dev, w, **kw)
+    got = [cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)]
+    for name, g, r, lw in zip(("o", "lse"), got, ref, low):
+        verdict = tolerance.compare(name, g, r, lw, dtype)
+        assert verdict.passed, f"{verdict} (w={w}, input seed {seed})"
+    if appended:  # the caches hold the raw new rows, read back in sequence order
+        for dc, want in zip(dev, full):
+            h = cupy.asnumpy(dc).astype(np.float32)
+            if bs:
+                h = np.stack([np.concatenate([h[p] for p in table[b]], axis=1) for b in range(B)])
+            np.testing.assert_array_equal(h, want)
+
+
+def test_the_gpu_path_refuses_to_run_until_validated(monkeypatch):
+    import cupy
+
+    monkeypatch.delenv(kr.GPU_ENV, raising=False)
+    q = cupy.zeros((1, 2, 1, 64), cupy.float16)
+    cache = cupy.zeros((1, 2, 64, 64), cupy.float16)
+    cos, sin = (cupy.asarray(t) for t in _tables(64, 64))
+    with pytest.raises(NotImplementedError, match=kr.GPU_ENV):
+        kr.attention_with_rotary_kvcache(q, q, cache, cache, 4, cos=cos, sin=sin,
+                                         cache_seqlens=cupy.ones(1, cupy.int32))
+
+
+def test_torch_rotary_decode_in_a_cuda_graph_matches_eager(allowed):
+    """A rotary decode step (append one raw key, attend) captured once and replayed with the
+    lengths advanced on the device gives the eager results and the same caches."""
+    torch = pytest.importorskip("torch")
+    import cupy_piecewise
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, Hkv, D, N, steps, bs = 3, 8, 2, 128, 512, 4, 64
+    dt = torch.bfloat16
+    cos, sin = (torch.from_numpy(t).cuda() for t in _tables(N, D))
+    start = torch.tensor([0, 100, 400], dtype=torch.int32, device="cuda")
+    caches_e = [torch.randn(B * N // bs + 1, Hkv, bs, D, device="cuda", dtype=dt, generator=g)
+                for _ in range(2)]
+    caches_g = [c.clone() for c in caches_e]
+    table = torch.randperm(B * N // bs, device="cuda", generator=g).view(B, N // bs).to(torch.int32)
+    qs = [torch.randn(steps, B, H, 1, D, device="cuda", dtype=dt, generator=g) for _ in range(2)]
+    news = [torch.randn(steps, B, Hkv, 1, D, device="cuda", dtype=dt, generator=g) for _ in range(2)]
+
+    def step(q1, q2, caches, seq, kn, vn):
+        return cupy_piecewise.attention_with_rotary_kvcache(
+            q1, q2, *caches, 64, cos=cos, sin=sin, cache_seqlens=seq, k_new=kn, v_new=vn,
+            block_table=table, k2_group_size=8, return_lse=True)
+
+    eager = [step(qs[0][t], qs[1][t], caches_e, start + t, news[0][t], news[1][t])
+             for t in range(steps)]
+    sq1, sq2 = qs[0][0].clone(), qs[1][0].clone()
+    sn = [n[0].clone() for n in news]
+    seq = start.clone()
+    step(sq1, sq2, [c.clone() for c in caches_g], seq, *sn)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(sq1, sq2, caches_g, seq, *sn)
+    for t in range(steps):
+        sq1.copy_(qs[0][t]), sq2.copy_(qs[1][t])
+        for s, n in zip(sn, news):
+            s.copy_(n[t])
+        seq.copy_(start + t)
+        graph.replay()
+        assert torch.equal(out[0], eager[t][0]), f"o differs at step {t}"
+        assert torch.equal(out[1], eager[t][1]), f"lse differs at step {t}"
+    for a, b in zip(caches_g, caches_e):
+        assert torch.equal(a, b)
