@@ -15,7 +15,8 @@ distance ``d = i - j`` behind query ``i`` is scored as if it were at distance
 With ``w`` larger than the sequence every pair takes the first projection, and the
 layer equals causal scaled-dot-product attention with plain rotary embeddings; the
 script asserts that, asserts that a small ``w`` equals a direct evaluation of the
-clipped positions, and runs backward. It runs on the CPU (float64 / float32 torch
+clipped positions, runs backward, and decodes the last tokens against one cache of raw
+keys that ``attention_with_rotary_kvcache`` rotates inside the kernel. It runs on the CPU (float64 / float32 torch
 implementation) and, when a GPU is present, on CUDA (bfloat16 and float16 kernels,
 checked against float32 references with the same weights).
 
@@ -137,8 +138,56 @@ def check(device: str, dtype: torch.dtype, atol: float) -> None:
     assert err2 <= atol, f"{device} {dtype}: w = 7 differs from the clipped definition by {err2:.3e}"
     y.float().square().mean().backward()
     assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in layer.parameters())
+    # 3. serving: decode the last tokens against one cache of raw keys, rotated inside the
+    #    kernel (attention_with_rotary_kvcache), equals the layer's attention rows.
+    err3 = decode_with_raw_key_cache(layer, x.detach(), steps=4)
+    if err3 is not None:
+        assert err3 <= atol, f"{device} {dtype}: decode differs from the layer by {err3:.3e}"
     print(f"{device:5s} {str(dtype):15s} |y - rotary sdpa| {err:.2e}  |dx diff| {gerr:.2e}  "
-          f"|y - clipped definition| {err2:.2e}  ok")
+          f"|y - clipped definition| {err2:.2e}  |decode - layer| "
+          f"{'skipped (CUPY_PIECEWISE_ROTARY_GPU unset)' if err3 is None else f'{err3:.2e}'}  ok")
+
+
+def rope_tables(positions: int, D: int, device, dtype, base: float = 10000.0):
+    """cos, sin of shape (positions, D // 2): rope()'s angles, the first half of each row
+    (float32 on the GPU, which the kernel reads; any float dtype on the CPU)."""
+    inv_freq = base ** (-torch.arange(0, D, 2, device=device, dtype=torch.float64) / D)
+    ang = torch.arange(positions, device=device, dtype=torch.float64)[:, None] * inv_freq
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def decode_with_raw_key_cache(layer: ReRoPEAttention, x: torch.Tensor, steps: int):
+    """Prefill the raw keys and values of all but the last ``steps`` tokens into a cache,
+    then decode those tokens one at a time with attention_with_rotary_kvcache (queries
+    rotated here, keys in the kernel); the rows must match the layer's own attention.
+    CUDA runs only with CUPY_PIECEWISE_ROTARY_GPU=1 (the kernel's first GPU validation is
+    pending); returns the largest difference, or None when it did not run."""
+    from cupy_piecewise import kvcache_rotary
+
+    if x.is_cuda and not kvcache_rotary.gpu_allowed():
+        return None
+    B, L, _ = x.shape
+    with torch.no_grad():
+        q1, _, q2, _, v = layer.projections(x)
+        q = layer.wq(x).view(B, L, layer.h, layer.d).transpose(1, 2)
+        k = layer.wk(x).view(B, L, layer.hkv, layer.d).transpose(1, 2)  # raw keys
+        want = cupy_piecewise.attention(q1, layer.projections(x)[1], q2, k, v, layer.window,
+                                        causal=True)
+        cos, sin = rope_tables(L, layer.d, x.device, torch.float32 if x.is_cuda else x.dtype)
+        k_cache = torch.zeros(B, layer.hkv, L, layer.d, device=x.device, dtype=x.dtype)
+        v_cache = torch.zeros_like(k_cache)
+        start = L - steps
+        k_cache[:, :, :start], v_cache[:, :, :start] = k[:, :, :start], v[:, :, :start]
+        worst = 0.0
+        for t in range(start, L):
+            lengths = torch.full((B,), t, device=x.device, dtype=torch.int32)
+            o = cupy_piecewise.attention_with_rotary_kvcache(
+                q1[:, :, t:t + 1], q2[:, :, t:t + 1], k_cache, v_cache, layer.window, cos=cos,
+                sin=sin, cache_seqlens=lengths, k_new=k[:, :, t:t + 1].contiguous(),
+                v_new=v[:, :, t:t + 1].contiguous())
+            worst = max(worst, (o.double() - want[:, :, t:t + 1].double()).abs().max().item())
+        assert torch.equal(k_cache, k.contiguous()), "the cache must hold the raw keys"
+    return worst
 
 
 def main() -> None:

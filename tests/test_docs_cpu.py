@@ -43,3 +43,17 @@ def test_kvcache_examples_pass():
                               verbose=False, report=True)
     assert result.attempted >= 10, f"too few examples found in {path}: {result}"
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples in {path.name} failed"
+
+
+def test_rerope_example_runs_its_checks_on_the_cpu():
+    """examples/rerope_attention.py asserts its own results (plain rotary attention for
+    w > L, the clipped definition, a raw-key rotary decode equal to the layer); its CPU
+    half runs here in a few seconds."""
+    pytest.importorskip("torch")
+    import runpy
+
+    path = SEMANTICS.parents[1] / "examples" / "rerope_attention.py"
+    example = runpy.run_path(str(path))  # defines, does not run main()
+    torch = pytest.importorskip("torch")
+    example["check"]("cpu", torch.float64, 1e-10)
+    example["check"]("cpu", torch.float32, 1e-5)
