@@ -84,12 +84,12 @@ class KVShape(NamedTuple):
 def use_hopper_decode(shape: KVShape, cc) -> bool:
     """True when ``shape`` runs the Hopper decode kernel (``kernels_cu/sm90/kvdecode.cu``: TMA
     loads from a producer warp): compute capability 9.0, one new token (M = 1), a head dim
-    in :data:`capability.KV90_HEAD_DIMS`, no rotary inside, no ``CUPY_PIECEWISE_PATH=mma``,
-    and caches whose strides a tensor map describes (positive multiples of 16 bytes on every
-    axis longer than 1; a broadcast axis is not one). Everything else runs the cp.async
-    kernel."""
+    in :data:`capability.KV90_HEAD_DIMS`, no ``CUPY_PIECEWISE_PATH=mma``, and caches whose
+    strides a tensor map describes (positive multiples of 16 bytes on every axis longer than
+    1; a broadcast axis is not one). Everything else runs the cp.async kernel. Both kernels
+    have rotary-inside forms."""
     if (tuple(cc) != (9, 0) or shape.M != 1 or shape.D not in capability.KV90_HEAD_DIMS
-            or shape.rotary or capability.path_override() == "mma"):
+            or capability.path_override() == "mma"):
         return False
     dims = (shape.pages, shape.Hkv, shape.block_size or shape.capacity)
     strides = dict(shape.strides)
@@ -139,7 +139,8 @@ class KVPlan:
             # up to a cluster's worth of splits merge on chip, without pw_forward_combine
             if self.nsplit <= capability.KV90_MAX_CLUSTER:  # built for KV90_CLUSTERS
                 self.cluster = self.nsplit
-            main = Variant("kvdecode_sm90", s.dtype, s.D, tiles, False, cluster=self.cluster)
+            main = Variant("kvdecode_sm90", s.dtype, s.D, tiles, False, cluster=self.cluster,
+                           rotary=s.rotary)
             fn, smem = launch._kernel(s.device, main)
             dims = (s.pages, s.Hkv, s.block_size or s.capacity, s.D)
             st = dict(s.strides)

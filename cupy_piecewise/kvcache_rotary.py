@@ -24,12 +24,16 @@ with ``interleaved=False`` (GPT-NeoX, Llama: ``rotate_half``) the halves ``x[:D/
 ``(positions, D)`` repeats its first half, so ``cos[:, :D // 2]`` is the table here; a
 GPT-J style ``(positions, D)`` table repeats each entry twice, so pass ``cos[:, ::2]``.
 
-The GPU kernel (``kernels_cu/kvcache.cu``, ``pw_kvcache`` with ``ROT``) rotates each key
-tile in shared memory in float32 (products and sums rounded separately, no FMA) and rounds
-the result once to the cache dtype, as a float32 rotation before caching would. It has been compiled and build-checked for every architecture but not
-yet run on a GPU (no device was lent in the session that wrote it), so the GPU path refuses
-to run unless :data:`GPU_ENV` is set to ``1`` (bench/NOTES.md, "Rotary inside the KV-cache
-kernel"). The NumPy and torch CPU paths (the float64 reference) have no such gate.
+On the GPU a rotary call runs the kernel a two-cache call of its shape runs (the cp.async
+``pw_kvcache``, or on an H200 the TMA decode ``pw90_kvdecode`` for one new token), built
+with ``ROT``: each warp rotates the key rows it is about to read in shared memory
+(``kv_rotate_rows``, kernels_cu/kvparams.cuh), in float32 (products and sums rounded
+separately, no FMA), and rounds the result once to the cache dtype, as a float32 rotation
+before caching would. Both kernels are compiled and build-checked for every architecture
+but have not yet run on a GPU (no device was lent in the session that wrote them), so the
+GPU path refuses to run unless :data:`GPU_ENV` is set to ``1`` (bench/NOTES.md, "Rotary
+inside the KV-cache kernel"). The NumPy and torch CPU paths (the float64 reference) have
+no such gate.
 """
 from __future__ import annotations
 
@@ -296,9 +300,10 @@ def attention_with_rotary_kvcache(q1, q2, k_cache, v_cache, dist_threshold, *, c
 
     Arrays come from one library: NumPy (float64 reference, results in the input dtype),
     torch CPU (reference, the append done on the tensors), CuPy or torch CUDA
-    (bfloat16/float16, head dims 16, 32, 64, 128; the ``cp.async`` KV-cache kernel on every
-    architecture; gated by :data:`GPU_ENV` until its first GPU validation). On the GPU
-    nothing synchronises with the host, so the torch call captures in a CUDA graph.
+    (bfloat16/float16, head dims 16, 32, 64, 128; the KV-cache kernels of
+    :func:`~cupy_piecewise.attention_with_kvcache` built with the rotation; gated by
+    :data:`GPU_ENV` until their first GPU validation). On the GPU nothing synchronises with
+    the host, so the torch call captures in a CUDA graph.
 
     Returns:
         ``o`` (B, H, M, D) in the input dtype, or ``(o, lse)`` with ``lse`` (B, H, M)

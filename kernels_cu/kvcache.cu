@@ -22,78 +22,6 @@
 #include "kvparams.cuh"
 #include "traits.cuh"
 
-// The two halves of a rotated pair (a, b) by angle (c, s): a c - b s and b c + a s, each
-// product and the sum rounded to float32 on its own (no FMA contraction), so the result is
-// the one a float32 rotation on the host (NumPy, torch) gives before rounding to T.
-PW_DEVICE float rot_first(float a, float b, float c, float s) {
-  return __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-}
-PW_DEVICE float rot_second(float a, float b, float c, float s) {
-  return __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
-}
-
-// Rotary embedding of one warp's 16 key rows in shared memory, in place: ROT = 1 rotates the
-// two halves of a row against each other (GPT-NeoX and Llama's rotate_half), ROT = 2
-// interleaved pairs (2i, 2i + 1) (GPT-J). Key n = n0 + r (row r, `pitch` elements apart) is
-// rotated at position n / group_of(n); group_of(n) = 0 leaves it as it is, and so do rows at
-// n >= L (past the sequence: zero-filled, their scores masked). cos_t and sin_t are
-// (positions, D / 2) float32 tables, rows 16-byte aligned. Pairs are rotated in float32
-// (rot_first, rot_second) and rounded once to T, as a float32 rotation of the keys before
-// caching them would. The caller syncs the warp before other lanes read the rows.
-template <typename T, int D, int ROT, class GroupOf>
-PW_DEVICE void kv_rotate_rows(u16* rows, int pitch, int n0, int L, const float* cos_t,
-                              const float* sin_t, int lane, GroupOf group_of) {
-  static_assert(ROT == 1 || ROT == 2, "halves (1) or interleaved pairs (2)");
-  constexpr int HALF = D / 2;
-  // a work item is 8 columns of a row: ROT 1 pairs them with the 8 columns HALF further on
-  constexpr int PER_ROW = ROT == 1 ? D / 16 : D / 8;
-#pragma unroll
-  for (int i = lane; i < PW_MMA_ROWS * PER_ROW; i += 32) {
-    const int r = i / PER_ROW, c = i % PER_ROW, n = n0 + r;
-    const int g = n < L ? group_of(n) : 0;
-    if (g == 0) continue;
-    const i64 base = (i64)(n / g) * HALF;
-    u16* x = rows + r * pitch + c * 8;
-    if constexpr (ROT == 1) {
-      uint4 a = *reinterpret_cast<const uint4*>(x), b = *reinterpret_cast<const uint4*>(x + HALF);
-      const float4* cp = reinterpret_cast<const float4*>(cos_t + base + c * 8);
-      const float4* sp = reinterpret_cast<const float4*>(sin_t + base + c * 8);
-      const float4 c0 = __ldg(cp), c1 = __ldg(cp + 1), s0 = __ldg(sp), s1 = __ldg(sp + 1);
-      const float cs[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-      const float sn[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
-      u32* au = reinterpret_cast<u32*>(&a);
-      u32* bu = reinterpret_cast<u32*>(&b);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float y1[2], y2[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // column 2j + h of each half
-          const float x1 = Elem<T>::to_float((u16)(au[j] >> (16 * h)));
-          const float x2 = Elem<T>::to_float((u16)(bu[j] >> (16 * h)));
-          y1[h] = rot_first(x1, x2, cs[2 * j + h], sn[2 * j + h]);
-          y2[h] = rot_second(x1, x2, cs[2 * j + h], sn[2 * j + h]);
-        }
-        au[j] = Elem<T>::pack(y1[0], y1[1]);
-        bu[j] = Elem<T>::pack(y2[0], y2[1]);
-      }
-      *reinterpret_cast<uint4*>(x) = a;
-      *reinterpret_cast<uint4*>(x + HALF) = b;
-    } else {
-      uint4 a = *reinterpret_cast<const uint4*>(x);
-      const float4 c0 = __ldg(reinterpret_cast<const float4*>(cos_t + base + c * 4));
-      const float4 s0 = __ldg(reinterpret_cast<const float4*>(sin_t + base + c * 4));
-      const float cs[4] = {c0.x, c0.y, c0.z, c0.w}, sn[4] = {s0.x, s0.y, s0.z, s0.w};
-      u32* au = reinterpret_cast<u32*>(&a);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {  // the pair (8c + 2j, 8c + 2j + 1): one 32-bit word
-        const float e = Elem<T>::to_float((u16)au[j]), o = Elem<T>::to_float((u16)(au[j] >> 16));
-        au[j] = Elem<T>::pack(rot_first(e, o, cs[j], sn[j]), rot_second(e, o, cs[j], sn[j]));
-      }
-      *reinterpret_cast<uint4*>(x) = a;
-    }
-  }
-}
-
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, int STAGES, bool PER_KEY,
           int ROT = 0>
 __global__ void __launch_bounds__(WARPS * 32) pw_kvcache(const KVParams p) {
@@ -228,16 +156,17 @@ __global__ void __launch_bounds__(WARPS * 32) pw_kvcache(const KVParams p) {
 
     if constexpr (ROT != 0) {  // raw keys in: rotate the warp's rows of the slots it reads
       u16* mine = const_cast<u16*>(st) + warp * 16 * PITCH;
+      // 16-byte group g of row r of a slot: padded rows, PITCH elements apart
+      auto at_row = [](u16* slot) { return [slot](int r, int g) { return slot + r * PITCH + g * 8; }; };
       const int g1 = (int)p.rot_group1, g2 = (int)p.rot_group2;
       if (PER_KEY) {  // one slot, each row from the projection its distance picks
-        kv_rotate_rows<T, D, ROT>(mine, PITCH, n0, L, p.rot_cos, p.rot_sin, lane,
+        kv_rotate_rows<T, D, ROT>(at_row(mine), n0, L, p, lane,
                                   [&](int n) { return P - n >= p.w ? g2 : g1; });
       } else {
         if (mode & 1)
-          kv_rotate_rows<T, D, ROT>(mine, PITCH, n0, L, p.rot_cos, p.rot_sin, lane,
-                                    [&](int) { return g1; });
+          kv_rotate_rows<T, D, ROT>(at_row(mine), n0, L, p, lane, [&](int) { return g1; });
         if (mode & 2)
-          kv_rotate_rows<T, D, ROT>(mine + K2_SLOT, PITCH, n0, L, p.rot_cos, p.rot_sin, lane,
+          kv_rotate_rows<T, D, ROT>(at_row(mine + K2_SLOT), n0, L, p, lane,
                                     [&](int) { return g2; });
       }
       __syncwarp();

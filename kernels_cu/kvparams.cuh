@@ -1,6 +1,7 @@
 // What the KV-cache kernels share: their parameter struct, the cache addressing, the
-// per-warp online softmax over 16 keys and the epilogue that merges the warps' partial rows
-// and writes o and lse (or one split's partials). Used by kernels_cu/kvcache.cu (cp.async,
+// per-warp online softmax over 16 keys, the epilogue that merges the warps' partial rows
+// and writes o and lse (or one split's partials), and the rotary-inside rotation of a
+// warp's key rows. Used by kernels_cu/kvcache.cu (cp.async,
 // every architecture) and kernels_cu/sm90/kvdecode.cu (TMA, Hopper, one new token).
 #pragma once
 #include "params.cuh"
@@ -155,3 +156,77 @@ template <typename T, int D> struct KvStoreGlobal {
     }
   }
 };
+
+// The two halves of a rotated pair (a, b) by angle (c, s): a c - b s and b c + a s, each
+// product and the sum rounded to float32 on its own (no FMA contraction), so the result is
+// the one a float32 rotation on the host (NumPy, torch) gives before rounding to T.
+PW_DEVICE float rot_first(float a, float b, float c, float s) {
+  return __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+}
+PW_DEVICE float rot_second(float a, float b, float c, float s) {
+  return __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
+// Rotary embedding of one warp's 16 key rows in shared memory, in place (the KV-cache
+// kernels' ROT: pw_kvcache, pw90_kvdecode): ROT = 1 rotates the two halves of a row against
+// each other (GPT-NeoX and Llama's rotate_half), ROT = 2 interleaved pairs (2i, 2i + 1)
+// (GPT-J). `at(r, g)` is the address of the 16-byte group g (columns 8g .. 8g + 7) of row r,
+// whatever the tile's layout (padded or swizzled). Key n = n0 + r is rotated at position
+// n / group_of(n); group_of(n) = 0 leaves it as it is, and so do rows at n >= L (past the
+// sequence: their scores are masked). p.rot_cos and p.rot_sin are (positions, D / 2)
+// float32 tables, rows 16-byte aligned. Pairs are rotated in float32 (rot_first,
+// rot_second) and rounded once to T, as a float32 rotation of the keys before caching them
+// would. The caller syncs the warp before other lanes read the rows.
+template <typename T, int D, int ROT, class At, class GroupOf>
+PW_DEVICE void kv_rotate_rows(At at, int n0, int L, const KVParams& p, int lane,
+                              GroupOf group_of) {
+  static_assert(ROT == 1 || ROT == 2, "halves (1) or interleaved pairs (2)");
+  constexpr int HALF = D / 2;
+  // A work item is 8 pairs of a row, two 16-byte groups x and y, and 8 entries of each
+  // table (pairs 8c .. 8c + 7): ROT 1 pairs group c with group c + D / 16 (the same columns
+  // of the second half), ROT 2 takes groups 2c and 2c + 1, four neighbour pairs each.
+  constexpr int PER_ROW = D / 16;
+  // Two items in flight per lane: fully unrolled, ptxas hoisted every table load and took
+  // 160 registers in pw90_kvdecode at D = 128 (128 without the rotation), which would cost
+  // that kernel its third block per SM; unrolled by two it stays at 128.
+#pragma unroll 2
+  for (int i = lane; i < 16 * PER_ROW; i += 32) {  // 16 rows: one warp's keys
+    const int r = i / PER_ROW, c = i % PER_ROW, n = n0 + r;
+    const int g = n < L ? group_of(n) : 0;
+    if (g == 0) continue;
+    const i64 base = (i64)(n / g) * HALF + c * 8;
+    u16* x = at(r, ROT == 1 ? c : 2 * c);
+    u16* y = at(r, ROT == 1 ? c + D / 16 : 2 * c + 1);
+    uint4 a = *reinterpret_cast<const uint4*>(x), b = *reinterpret_cast<const uint4*>(y);
+    const float4* cp = reinterpret_cast<const float4*>(p.rot_cos + base);
+    const float4* sp = reinterpret_cast<const float4*>(p.rot_sin + base);
+    const float4 c0 = __ldg(cp), c1 = __ldg(cp + 1), s0 = __ldg(sp), s1 = __ldg(sp + 1);
+    const float cs[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+    const float sn[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+    u32* au = reinterpret_cast<u32*>(&a);
+    u32* bu = reinterpret_cast<u32*>(&b);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // 32-bit word j of each group: columns 2j, 2j + 1
+      if constexpr (ROT == 1) {  // column 2j + h of x pairs with the same column of y
+        float u[2], v[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float x1 = Elem<T>::to_float((u16)(au[j] >> (16 * h)));
+          const float x2 = Elem<T>::to_float((u16)(bu[j] >> (16 * h)));
+          u[h] = rot_first(x1, x2, cs[2 * j + h], sn[2 * j + h]);
+          v[h] = rot_second(x1, x2, cs[2 * j + h], sn[2 * j + h]);
+        }
+        au[j] = Elem<T>::pack(u[0], u[1]);
+        bu[j] = Elem<T>::pack(v[0], v[1]);
+      } else {  // the word is one pair: pair j of x, pair 4 + j of y
+        const float e = Elem<T>::to_float((u16)au[j]), o = Elem<T>::to_float((u16)(au[j] >> 16));
+        au[j] = Elem<T>::pack(rot_first(e, o, cs[j], sn[j]), rot_second(e, o, cs[j], sn[j]));
+        const float f = Elem<T>::to_float((u16)bu[j]), q = Elem<T>::to_float((u16)(bu[j] >> 16));
+        bu[j] = Elem<T>::pack(rot_first(f, q, cs[4 + j], sn[4 + j]),
+                              rot_second(f, q, cs[4 + j], sn[4 + j]));
+      }
+    }
+    *reinterpret_cast<uint4*>(x) = a;
+    *reinterpret_cast<uint4*>(y) = b;
+  }
+}

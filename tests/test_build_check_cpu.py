@@ -13,7 +13,8 @@ import time
 import pytest
 
 from cupy_piecewise import build_check, capability
-from cupy_piecewise.compile import HOPPER_KERNELS, ROW_KERNELS, Variant, compile_offline
+from cupy_piecewise.compile import (HOPPER_KERNELS, ROTARY_LAYOUTS, ROW_KERNELS, Variant,
+                                    compile_offline)
 
 SM90 = (9, 0)
 
@@ -94,11 +95,20 @@ def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatc
         (v.phase, v.head_dim, v.dtype, v.causal) for v in hopper
         if not v.varlen and v.phase != "kvdecode_sm90"}
     assert {v.phase for v in hopper if v.varlen} == set(HOPPER_KERNELS) - {"kvdecode_sm90"}
-    # the decode: one build per dtype, KV90 head dim and cluster size (no causal flag: M = 1
-    # sees every key)
-    assert {(v.head_dim, v.dtype, v.causal, v.cluster) for v in hopper
-            if v.phase == "kvdecode_sm90"} == set(itertools.product(
-                capability.KV90_HEAD_DIMS, capability.HALF_DTYPES, (False,), range(1, 9)))
+    # the decode: one build per dtype, KV90 head dim, cluster size (no causal flag: M = 1
+    # sees every key) and rotary form (none, halves, interleaved)
+    decode = [(v.head_dim, v.dtype, v.causal, v.cluster, v.rotary) for v in hopper
+              if v.phase == "kvdecode_sm90"]
+    assert len(decode) == len(set(decode)) and set(decode) == set(itertools.product(
+        capability.KV90_HEAD_DIMS, capability.HALF_DTYPES, (False,), range(1, 9),
+        (0,) + tuple(ROTARY_LAYOUTS.values())))
+    # the cp.async KV-cache kernels: both rotary forms of every selectable variant
+    kv = {(v.phase, v.head_dim, v.dtype, v.causal, v.tiles) for v in variants
+          if v.phase in capability.KV_PHASES and not v.rotary}
+    assert kv and not any(v.rotary for v in variants if v.phase not in capability.KV_PHASES)
+    for rot in ROTARY_LAYOUTS.values():
+        assert {(v.phase, v.head_dim, v.dtype, v.causal, v.tiles) for v in variants
+                if v.phase in capability.KV_PHASES and v.rotary == rot} == kv, rot
     bwd_dims = (64, 80, 96, 128)
     for phase, dims in (("fwd_sm90", (64, 80, 96, 128, 256)), ("bwd_sm90", bwd_dims),
                         ("bwd_sm90_det", bwd_dims)):
@@ -113,10 +123,13 @@ def test_hopper_kernels_build_for_sm90a(capsys, nvrtc):
     launch.HopperLaunches, varlen_launch.HopperVarlenLaunches and launch.HopperBackward ask
     for), with no spills: 20 forward (D 64, 80, 96, 128, 256), 32 backward (D 64, 80, 96,
     128; fused dQ or deterministic), 8 prep and 8 dQ-convert kernels, each dense and packed
-    (VARLEN). 80 and 96 are the D = 128 kernels with DV columns stored."""
+    (VARLEN). 80 and 96 are the D = 128 kernels with DV columns stored. Plus the KV-cache
+    decode: 96 builds (D 64 and 128, two dtypes, clusters of 1-8, without rotation and with
+    each rotary layout)."""
     assert build_check.main(["--arch", "sm_90a"]) == 0
     out = capsys.readouterr().out
-    assert "168 variants compiled for sm_90a" in out
+    assert "232 variants compiled for sm_90a" in out
+    assert "pw90_kvdecode<bf16_t, 128, 3, 4, 4, 2>" in out and "pw90_kvdecode<half_t, 64, 6, 1, 4>" in out
     for name in ("pw90_forward<pw90::f16, 256, true, true>", "pw90_forward<pw90::bf16, 128, false, false, 96>",
                  "pw90_bwd<pw90::f16, 128, true, true, true, 80>", "pw90_bwd_prep<pw90::bf16, 128, false, 96>",
                  "pw90_bwd_dq_convert<pw90::f16, 128, true, 80>"):

@@ -65,21 +65,27 @@ def _lowp(q1, q2, keys, vals, cos, sin, groups, interleaved, w, seq, M, causal, 
     return o, lse
 
 
-CASES = [  # (dtype, D, M, layout, groups, paged block size or 0, causal, appended)
-    (dt, D, M, lay, grp, bs, causal, app)
+CASES = [  # (dtype, D, M, layout, groups, paged block size or 0, causal, appended, path)
+    (dt, D, M, lay, grp, bs, causal, app, path)
     for dt in ("bfloat16", "float16") for D in (64, 128) for M in (1, 4, 17)
     for lay, grp in (("half", (1, None)), ("interleaved", (1, 4)))
     for bs, causal, app in ((0, True, True), (64, True, False), (16, False, True))
-] + [("bfloat16", D, 1, "half", (None, 2), 0, True, True) for D in (16, 32)]
+    # one token on an H200: the TMA decode (auto) and the cp.async one (mma)
+    for path in (("auto", "mma") if M == 1 else ("auto",))
+] + [("bfloat16", D, 1, "half", (None, 2), 0, True, True, "auto") for D in (16, 32)]
 
 
-@pytest.mark.parametrize("dtype,D,M,layout,groups,bs,causal,appended", CASES, ids=[
+@pytest.mark.parametrize("dtype,D,M,layout,groups,bs,causal,appended,path", CASES, ids=[
     f"{c[0]}-D{c[1]}-M{c[2]}-{c[3]}-g{c[4][0]}_{c[4][1]}-{'paged' + str(c[5]) if c[5] else 'contig'}"
-    f"-{'causal' if c[6] else 'full'}-{'append' if c[7] else 'cached'}" for c in CASES])
+    f"-{'causal' if c[6] else 'full'}-{'append' if c[7] else 'cached'}-{c[8]}" for c in CASES])
 def test_rotary_kvcache_matches_reference(dtype, D, M, layout, groups, bs, causal, appended,
-                                          allowed, monkeypatch):
+                                          path, allowed, monkeypatch):
     import cupy
 
+    from cupy_piecewise import capability
+
+    monkeypatch.setenv(capability.PATH_VAR, path)
+    capability.refresh_env_override()
     monkeypatch.setattr(kvcache, "_empty", lambda shape, dt: poisoned(
         shape, "float32" if np.dtype(dt) == np.float32 else dtype))
     seed = fresh_seed()
@@ -133,6 +139,63 @@ def test_rotary_kvcache_matches_reference(dtype, D, M, layout, groups, bs, causa
             if bs:
                 h = np.stack([np.concatenate([h[p] for p in table[b]], axis=1) for b in range(B)])
             np.testing.assert_array_equal(h, want)
+
+
+STALE_CASES = [("bfloat16", 128, 8, 2, "contig"), ("float16", 64, 20, 1, "paged64"),
+               ("bfloat16", 64, 4, 2, "paged16")]
+
+
+@pytest.mark.parametrize("path", ["auto", "mma"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype,D,H,Hkv,layout", STALE_CASES,
+                         ids=[f"{c[0]}-D{c[1]}-H{c[2]}-Hkv{c[3]}-{c[4]}" for c in STALE_CASES])
+def test_rotary_decode_never_reads_rows_past_the_lengths(dtype, D, H, Hkv, layout,
+                                                         interleaved, path, allowed,
+                                                         monkeypatch):
+    """M = 1 on both decode kernels with every cache row past a sequence's length (and every
+    unused page) NaN: the rotation must leave those rows alone and the kernels mask them.
+    Lengths end inside and on the edge of 16-key chunks and 64-key tiles; w puts d = w
+    inside a chunk (the TMA decode's straddling K2, rotated in its own slot), on a chunk
+    edge, before every key and after every key; SelfExtend groups of 3 cross chunk edges."""
+    import cupy
+
+    from cupy_piecewise import capability
+
+    monkeypatch.setenv(capability.PATH_VAR, path)
+    capability.refresh_env_override()
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    B, N = 6, 512
+    seq = np.array([0, 1, 15, 64, 300, N], np.int32)
+    nd = _np_dtype(dtype)
+    cos, sin = _tables(N, D)
+    q1, q2 = (round_to(rng.standard_normal((B, H, 1, D)).astype(np.float32) * 1.5, dtype)
+              for _ in range(2))
+    keys, vals = (round_to(rng.standard_normal((B, Hkv, N, D)).astype(np.float32) * 1.5, dtype)
+                  for _ in range(2))
+    stale = [c.copy() for c in (keys, vals)]
+    for c in stale:
+        for b in range(B):
+            c[b, :, seq[b]:] = np.nan
+    for w in (int(rng.integers(2, 300)), 48, -(N + 5), N + 5):
+        kw = dict(k1_group_size=1, k2_group_size=3, interleaved=interleaved, causal=True,
+                  sm_scale=1 / np.sqrt(D))
+        ref = kr.reference_with_rotary_kvcache(q1, q2, keys, vals, w, cos, sin, seq, **kw)
+        low = _lowp(q1, q2, keys, vals, cos, sin, (1, 3), interleaved, w, seq, 1, True,
+                    1 / np.sqrt(D), dtype)
+        if layout.startswith("paged"):
+            pages, table = kc.page_all(stale, int(layout[5:]), rng)
+            dev = [cupy.asarray(p.astype(nd)) for p in pages]  # unused pages stay NaN
+            extra = dict(block_table=cupy.asarray(table))
+        else:
+            dev, extra = [cupy.asarray(c.astype(nd)) for c in stale], {}
+        o, lse = kr.attention_with_rotary_kvcache(
+            cupy.asarray(q1.astype(nd)), cupy.asarray(q2.astype(nd)), *dev, w,
+            cos=cupy.asarray(cos), sin=cupy.asarray(sin), cache_seqlens=cupy.asarray(seq),
+            return_lse=True, **kw, **extra)
+        for name, g, r, lw in zip(("o", "lse"), (cupy.asnumpy(o), cupy.asnumpy(lse)), ref, low):
+            verdict = tolerance.compare(name, np.asarray(g, np.float64), r, lw, dtype)
+            assert verdict.passed, f"w={w}: {verdict} (input seed {seed})"
 
 
 def test_the_gpu_path_refuses_to_run_until_validated(monkeypatch):

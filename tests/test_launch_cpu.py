@@ -679,18 +679,23 @@ def test_hopper_decode_launches_programmatically(fake_gpu, fake_maps, monkeypatc
     assert len(fake_maps) == 3  # k1, k2, v
 
 
-@pytest.mark.parametrize("M,interleaved", [(1, False), (5, True)])
-def test_rotary_kvcache_plan_runs_the_cp_async_kernel_with_its_tables(fake_gpu, monkeypatch,
-                                                                        M, interleaved):
-    """A rotary-inside call on an H200 runs the cp.async kernel (kvdecode for one token,
-    kvcache for more) built with ROT, never the TMA decode, and the parameter block of every
-    launch carries the cos/sin pointers and the two position divisors; the append (which
-    skips K2 when rot_cos is set) gets the same block."""
+@pytest.mark.parametrize("M,interleaved,path", [(1, False, None), (1, True, "mma"),
+                                                 (5, True, None)])
+def test_rotary_kvcache_plan_carries_its_tables(fake_gpu, fake_maps, monkeypatch, M,
+                                                interleaved, path):
+    """A rotary-inside call on an H200 runs the kernel a two-cache call of its shape runs
+    (the TMA decode for one token, the cp.async kernel with CUPY_PIECEWISE_PATH=mma or for
+    more tokens), built with ROT; the parameter block of every launch carries the cos/sin
+    pointers and the two position divisors, and k1 and k2 name the one raw cache. The append
+    (which skips K2 when rot_cos is set) gets the same block."""
     from cupy_piecewise import kvcache_launch as kl
     from cupy_piecewise.compile import ROTARY_LAYOUTS
 
     drv, _ = fake_gpu
-    monkeypatch.delenv(capability.PATH_VAR, raising=False)  # the TMA decode would be eligible
+    if path is None:
+        monkeypatch.delenv(capability.PATH_VAR, raising=False)
+    else:
+        monkeypatch.setenv(capability.PATH_VAR, path)
     capability.refresh_env_override()
     calls = []
 
@@ -698,7 +703,8 @@ def test_rotary_kvcache_plan_runs_the_cp_async_kernel_with_its_tables(fake_gpu, 
         if fn.phase == "fwd_combine":  # the merge's own Params, not KVParams
             calls.append((fn, None))
             return
-        addr = ctypes.c_void_p.from_address(args).value
+        nmaps = 3 if fn.phase == "kvdecode_sm90" else 0  # tensor maps of k1, k2, v first
+        addr = (ctypes.c_void_p * (nmaps + 1)).from_address(args)[nmaps]
         block = (ctypes.c_int64 * len(kl.KV_FIELDS)).from_address(addr)
         calls.append((fn, dict(zip(kl.KV_FIELDS, block))))
 
@@ -710,16 +716,17 @@ def test_rotary_kvcache_plan_runs_the_cp_async_kernel_with_its_tables(fake_gpu, 
     layout = ROTARY_LAYOUTS["interleaved" if interleaved else "half"]
     shape = kl.KVShape(0, "bfloat16", B, H, Hkv, M, D, N, B, 0, 0, True, True, 64, 0.125,
                        tuple((n, st[:3]) for n, st in names), layout, (1, 4))
-    assert not kl.use_hopper_decode(shape, (9, 0))
-    assert kl.use_hopper_decode(shape._replace(rotary=0, rot_groups=(0, 0)), (9, 0)) == (M == 1)
+    hopper = kl.use_hopper_decode(shape, (9, 0))
+    assert hopper == (M == 1 and path is None)
+    assert kl.use_hopper_decode(shape._replace(rotary=0, rot_groups=(0, 0)), (9, 0)) == hopper
     plan = kl.KVPlan(shape)
     ptrs = {"q1": 16, "q2": 32, "o": 48, "k1": 64, "k2": 64, "v": 96, "k1n": 112, "k2n": 112,
             "vn": 128, "seqlens": 144, "rot_cos": 0x1000, "rot_sin": 0x2000}
     plan.run(ptrs, stream=5, workspace=1 << 20 if plan.workspace_bytes else 0)
-    phases = [fn.phase for fn, _ in calls]
-    assert phases[:2] == ["kv_append", "kvdecode" if M == 1 else "kvcache"]
+    main = "kvdecode_sm90" if hopper else ("kvdecode" if M == 1 else "kvcache")
+    assert [fn.phase for fn, _ in calls][:2] == ["kv_append", main]
     assert calls[1][0].rotary == layout
-    assert f", {layout}>" in calls[1][0].name_expression
+    assert calls[1][0].name_expression.endswith(f", {layout}>")
     for fn, p in calls:
         if fn.phase == "fwd_combine":
             continue

@@ -23,6 +23,9 @@
 // form one thread-block cluster and merge their rows through distributed shared memory at
 // the end: no partials in global memory and no second launch, which at a few thousand keys
 // is a fifth of the step.
+// With ROT != 0 (attention_with_rotary_kvcache) the K1 and K2 maps describe one cache of raw
+// keys, and each consumer warp rotates the rows of its chunk (and of the straddling K2) in
+// place before its score product (kv_rotate_rows, kvparams.cuh).
 // Everything that depends on the cached lengths is read on the device; the grid depends on
 // shapes only (CUDA graphs). Rows of a chunk past the sequence's length hold whatever the
 // cache holds there (TMA fills only rows past the cache's capacity with zeros): their scores
@@ -101,7 +104,7 @@ PW_DEVICE float ld_cluster(const float* local, int rank) {
 
 }  // namespace pw90kv
 
-template <typename T, int D, int STAGES, int CLUSTER, int CW>
+template <typename T, int D, int STAGES, int CLUSTER, int CW, int ROT = 0>
 __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
     pw90_kvdecode(const __grid_constant__ pw90::TmaDesc tk1, const __grid_constant__ pw90::TmaDesc tk2,
                   const __grid_constant__ pw90::TmaDesc tv, const KVParams p) {
@@ -240,6 +243,20 @@ __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
       const u32 sv = st + Sm::v_off + warp * Sm::chunk_bytes;
       const bool both = n0 < nfar && n0 + CHUNK > nfar;  // straddles d = w: K2 in the x slot
       const bool far_only = n0 + CHUNK <= nfar;
+      if constexpr (ROT != 0) {  // raw keys (kvparams.cuh): rotate the rows this warp reads
+        auto at = [&](u32 chunk) {  // 16-byte group g of row r of a swizzled chunk
+          return [&, chunk](int r, int g) {
+            return reinterpret_cast<u16*>(smem + (swz(chunk, r, g) - base));
+          };
+        };
+        const int g1 = (int)p.rot_group1, g2 = (int)p.rot_group2;
+        kv_rotate_rows<T, D, ROT>(at(sk), n0, L, p, lane,
+                                  [&](int) { return far_only ? g2 : g1; });  // K2 or K1
+        if (both)  // the straddling chunk's K2
+          kv_rotate_rows<T, D, ROT>(at(base + Sm::x_off), n0, L, p, lane,
+                                    [&](int) { return g2; });
+        __syncwarp();
+      }
       float sc[2][4];
       zero_n<8>(&sc[0][0]);
       if (both) {
@@ -304,8 +321,9 @@ __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
         Elem<T>::mma(acc[2 * dp], pa, bv[0], bv[1]);
         Elem<T>::mma(acc[2 * dp + 1], pa, bv[2], bv[3]);
       }
-      // the zeros above were generic-proxy writes into a stage TMA will refill
-      if (tail) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      // the zeros above (and ROT's rotated rows) were generic-proxy writes into a stage TMA
+      // will refill
+      if (tail || ROT != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
     __syncwarp();
     if (lane == 0) pw90::mbar_arrive(empty(s));
