@@ -280,3 +280,21 @@ def test_apply_rotary_matches_complex_rotation_and_refuses_bad_tables():
                                    rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="apply_rotary"):
         cpw.apply_rotary(x, cos[:, :5], sin[:, :5], pos)
+
+
+def test_the_gpu_tests_host_code_runs_on_numpy():
+    """tests/test_kvcache_rotary_gpu.py's reference and stale-row tests, dry-run with NumPy
+    standing in for CuPy (scripts/dry_run_gpu_tests.py): their inputs, paging, yardstick and
+    tolerance calls run here, so a mistake in the tests themselves shows before a device
+    call. The kernels are not involved (the calls take the NumPy reference path)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run(
+        [sys.executable, "scripts/dry_run_gpu_tests.py", "tests/test_kvcache_rotary_gpu.py",
+         "-k", "matches_reference or never_reads"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "110 passed" in run.stdout, run.stdout[-1000:]
