@@ -7,9 +7,10 @@
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
 # probes (not in all): the Hopper forward and backward probes (scripts/hopper_probe.py,
 # scripts/hopper_bwd_probe.py), about 4 minutes each, logs in logs/hopper_*.txt.
-# rotary (not in all): the rotary-inside KV-cache kernel's first validation: its GPU tests,
-# memcheck and racecheck on its sanitizer cases (SANITIZE_SKIP leaves the rest out), and the
-# decode bench's quick shapes with --rotary, under CUPY_PIECEWISE_ROTARY_GPU=1; about 4 min.
+# rotary (not in all): the rotary-inside KV-cache kernels' first validation: their GPU tests
+# and GPU fuzz (FUZZ_EXAMPLES, default 120: 60 rotary examples), memcheck and racecheck on
+# their sanitizer cases (SANITIZE_SKIP leaves the rest out), and the decode bench's quick
+# shapes with --rotary, under CUPY_PIECEWISE_ROTARY_GPU=1; about 5-6 min.
 # kvprobe (not in all): scripts/kvdecode_probe.py, the Hopper decode's A/B probe, configs from
 # KVPROBE_CONFIGS (default "base;pdl=0 pdld=0"), about 1-2 minutes per macro set.
 # mma_probes (not in all): the mma.sync backward against SDPA flash (scripts/mma_bwd_probe.py,
@@ -225,7 +226,8 @@ if asked kvprobe; then
 fi
 if asked rotary; then
   export CUPY_PIECEWISE_ROTARY_GPU=1
-  timeout 400 python3 -m pytest -q -ra -m gpu -p no:cacheprovider tests/test_kvcache_rotary_gpu.py \
+  CUPY_PIECEWISE_FUZZ_GPU_EXAMPLES=${FUZZ_EXAMPLES:-120} timeout 420 python3 -m pytest -q -ra -m gpu \
+    -p no:cacheprovider tests/test_kvcache_rotary_gpu.py tests/test_fuzz_kvcache.py -k "rotary" \
     2>&1 | tee "$logs/pytest_rotary.log" | tail -8
   status=$((status | ${PIPESTATUS[0]}))
   for tool in memcheck racecheck; do

@@ -15,6 +15,12 @@ distance to beyond every one.
   and the caches bitwise: exactly the appended rows changed.
   ``CUPY_PIECEWISE_FUZZ_GPU_EXAMPLES`` examples (default 200), random unless
   ``CUPY_PIECEWISE_FUZZ_RANDOM=0``; failures are saved as test_fuzz_cpu.fuzz_settings says.
+
+``attention_with_rotary_kvcache`` is fuzzed the same way on the same cases, with one raw
+key cache, a layout (halves or interleaved) and two group sizes (None, 1, 2, 3, 8, 64): on
+the CPU its reference against the dense implementation on keys rotated here by complex
+multiplication (40 examples by default), on the GPU the rotary kernels (half the GPU
+example count).
 """
 from __future__ import annotations
 
@@ -184,4 +190,143 @@ def test_kvcache_gpu_fuzz(case):
                          1 / np.sqrt(case.D), case.dtype)
     for name, g, r, lw in zip(("o", "lse"), (cupy.asnumpy(o), cupy.asnumpy(lse)), ref, low):
         verdict = tolerance.compare(name, np.asarray(g, np.float64), r, lw, case.dtype)
+        assert verdict.passed, f"{verdict} {case!r}"
+
+
+# ---------------------------------------------------------------------------------------
+# attention_with_rotary_kvcache: the same cases with one raw key cache and a rotary mode
+
+@dataclass(frozen=True)
+class RotCase:
+    """A drawn KV-cache case and its rotation; the repr is valid Python."""
+
+    kv: KVCase
+    interleaved: bool
+    groups: tuple  # (k1, k2) group sizes, None: not rotated
+
+
+@st.composite
+def rot_cases(draw, gpu: bool):
+    kv = draw(kv_cases(gpu))
+    g = st.sampled_from([None, 1, 1, 2, 3, 8, 64])
+    return RotCase(kv, draw(st.booleans()), (draw(g), draw(g)))
+
+
+def _tables(positions, D):
+    ang = np.arange(positions)[:, None] * 10000.0 ** (-np.arange(D // 2) / (D // 2))
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def _rot_inputs(case: RotCase, round_to=lambda x: x):
+    """q1, q2, the raw key and value caches, their new rows, and the tables."""
+    q1, q2, caches, new = _host_inputs(case.kv, round_to)
+    return q1, q2, [caches[0], caches[2]], [new[0], new[2]], _tables(case.kv.capacity, case.kv.D)
+
+
+def _rotate_by_tables(x, cos, sin, pos, interleaved):
+    """x (..., n, D) with pair i of row j multiplied, as a complex number, by
+    cos[pos[j], i] + i sin[pos[j], i] (written apart from kvcache_rotary.apply_rotary)."""
+    x = np.asarray(x, np.float64)
+    h = x.shape[-1] // 2
+    z = (x[..., 0::2] + 1j * x[..., 1::2]) if interleaved else (x[..., :h] + 1j * x[..., h:])
+    z = z * (cos[pos].astype(np.float64) + 1j * sin[pos].astype(np.float64))
+    out = np.empty_like(x)
+    if interleaved:
+        out[..., 0::2], out[..., 1::2] = z.real, z.imag
+    else:
+        out[..., :h], out[..., h:] = z.real, z.imag
+    return out
+
+
+def _rot_kwargs(case: RotCase):
+    return dict(k1_group_size=case.groups[0], k2_group_size=case.groups[1],
+                interleaved=case.interleaved, causal=case.kv.causal)
+
+
+@fz.fuzz_settings(int(os.environ.get("CUPY_PIECEWISE_FUZZ_EXAMPLES", "0")) or 40,
+                  random=fz.CPU_RANDOM)
+@given(case=rot_cases(gpu=False))
+def test_rotary_kvcache_reference_fuzz(case):
+    """The rotary reference against the dense implementation on key caches rotated here by
+    complex multiplication with the tables' entries, the append included."""
+    from cupy_piecewise import kvcache_rotary
+
+    kv = case.kv
+    q1, q2, caches, new, (cos, sin) = _rot_inputs(case)
+    work, table = _layout(kv, caches, np.random.default_rng(kv.seed + 1), lambda x: x.copy())
+    seq = np.array(kv.seqlens, np.int32)
+    app = dict(k_new=new[0], v_new=new[1]) if kv.appended else {}
+    o, lse = kvcache_rotary.reference_with_rotary_kvcache(
+        q1, q2, *work, kv.w, cos, sin, seq, block_table=table, **app, **_rot_kwargs(case))
+    full = _after_append(kv, caches, new)  # the raw keys and the values
+    for got, want in zip(_read_back(kv, work, table), full):
+        np.testing.assert_array_equal(got, want)
+    n = np.arange(kv.capacity)
+    k12 = [full[0] if g is None else _rotate_by_tables(full[0], cos, sin, n // g,
+                                                       case.interleaved) for g in case.groups]
+    o_d, lse_d = kc.dense(q1, q2, k12[0], k12[1], full[1], max(-10 ** 6, min(10 ** 6, kv.w)),
+                          seq, kv.M if kv.appended else 0, kv.causal, 1 / np.sqrt(kv.D))
+    np.testing.assert_allclose(o, o_d, rtol=1e-11, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_d))
+    fin = np.isfinite(lse_d)
+    np.testing.assert_allclose(lse[fin], lse_d[fin], rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.gpu
+@fz.fuzz_settings(int(os.environ.get("CUPY_PIECEWISE_FUZZ_GPU_EXAMPLES", "200")) // 2,
+                  random=fz.env_flag("CUPY_PIECEWISE_FUZZ_RANDOM", True))
+@given(case=rot_cases(gpu=True))
+def test_rotary_kvcache_gpu_fuzz(case):
+    """The rotary-inside kernels (both decode kernels for one token on an H200, as the
+    shape picks) against the float64 reference and the yardstick that rotates in float32
+    and rounds the keys to the dtype (tests/test_kvcache_rotary_gpu.py), NaN-filled
+    outputs, and the caches bitwise: exactly the appended raw rows changed."""
+    import cupy
+
+    from cupy_piecewise import kvcache_rotary, tolerance
+    from cupy_piecewise.gpu_arrays import _np_dtype, poisoned, round_to
+    from test_kvcache_rotary_gpu import _lowp
+
+    kv = case.kv
+    nd = _np_dtype(kv.dtype)
+    q1, q2, caches, new, (cos, sin) = _rot_inputs(case, lambda x: round_to(x, kv.dtype))
+    work, table = _layout(kv, caches, np.random.default_rng(kv.seed + 1),
+                          lambda x: cupy.asarray(x.astype(nd)))
+    seq = np.array(kv.seqlens, np.int32)
+    app = {}
+    if kv.appended:
+        app = {k: cupy.asarray(n.astype(nd)) for k, n in zip(("k_new", "v_new"), new)}
+
+    def empty(shape, dtype):
+        return poisoned(shape, "float32" if np.dtype(dtype) == np.float32 else kv.dtype)
+
+    real, kvcache._empty = kvcache._empty, empty
+    gate = os.environ.get(kvcache_rotary.GPU_ENV)
+    os.environ[kvcache_rotary.GPU_ENV] = "1"
+    try:
+        o, lse = kvcache_rotary.attention_with_rotary_kvcache(
+            cupy.asarray(q1.astype(nd)), cupy.asarray(q2.astype(nd)), *work, kv.w,
+            cos=cupy.asarray(cos), sin=cupy.asarray(sin), cache_seqlens=cupy.asarray(seq),
+            block_table=None if table is None else cupy.asarray(table), return_lse=True,
+            **app, **_rot_kwargs(case))
+    finally:
+        kvcache._empty = real
+        if gate is None:
+            os.environ.pop(kvcache_rotary.GPU_ENV)
+        else:
+            os.environ[kvcache_rotary.GPU_ENV] = gate
+    full = _after_append(kv, caches, new)
+    for got, want in zip(_read_back(kv, work, table), full):
+        np.testing.assert_array_equal(got, want)  # the appended raw rows and nothing else
+    w = max(-10 ** 6, min(10 ** 6, kv.w))
+    lengths = seq + (kv.M if kv.appended else 0)
+    f32 = [c.astype(np.float32) for c in full]  # dtype values, as the kernels read them
+    ref = kvcache_rotary.reference_with_rotary_kvcache(
+        q1.astype(np.float32), q2.astype(np.float32), *f32, w, cos, sin, lengths,
+        sm_scale=1 / np.sqrt(kv.D), **_rot_kwargs(case))
+    low = _lowp(q1.astype(np.float32), q2.astype(np.float32), *f32, cos, sin,
+                [g or 0 for g in case.groups], case.interleaved, w, lengths, kv.M, kv.causal,
+                1 / np.sqrt(kv.D), kv.dtype)
+    for name, g, r, lw in zip(("o", "lse"), (cupy.asnumpy(o), cupy.asnumpy(lse)), ref, low):
+        verdict = tolerance.compare(name, np.asarray(g, np.float64), r, lw, kv.dtype)
         assert verdict.passed, f"{verdict} {case!r}"
