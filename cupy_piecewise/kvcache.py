@@ -199,6 +199,36 @@ def _append(cache, b, pos, rows, block_table):
             cache[int(block_table[b, n // bs]), :, n % bs] = rows[:, t]
 
 
+def host_lengths(a: KVArgs, cache_seqlens) -> np.ndarray:
+    """``cache_seqlens`` (host values: NumPy, or a CPU tensor's ``.numpy()``) as int64, after
+    checking that every sequence's length plus the appended rows fits the cache.
+
+    Raises:
+        ValueError: a negative length, or one that the append would take past the capacity.
+    """
+    seq = np.asarray(cache_seqlens, np.int64)
+    extra = a.M if a.appended else 0
+    if (seq < 0).any() or (seq + extra > a.capacity).any():
+        raise ValueError(f"cache_seqlens {seq.tolist()} plus {extra} appended rows must lie in "
+                         f"[0, {a.capacity}] (the cache's capacity)")
+    return seq
+
+
+def by_library(library: str, args, q1, return_lse: bool, reference_fn, torch_fn, cupy_fn):
+    """The entry points' dispatch: NumPy runs ``reference_fn(*args)`` (results cast to q1's
+    dtype, lse to float32), torch ``torch_fn(*args)``, CuPy ``cupy_fn(*args)``; returns
+    ``o`` or ``(o, lse)``."""
+    if library == "numpy":
+        o, lse = reference_fn(*args)
+        o = o.astype(q1.dtype)
+        lse = lse.astype(np.float32)
+    elif library == "torch":
+        o, lse = torch_fn(*args)
+    else:
+        o, lse = cupy_fn(*args)
+    return (o, lse) if return_lse else o
+
+
 def reference_with_kvcache(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cache_seqlens,
                            k1_new=None, k2_new=None, v_new=None, block_table=None, causal=True,
                            sm_scale=None):
@@ -217,11 +247,8 @@ def reference_with_kvcache(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, 
     """
     a = check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cache_seqlens,
                            k1_new, k2_new, v_new, block_table, causal, sm_scale)
-    seq = np.asarray(cache_seqlens, np.int64)
+    seq = host_lengths(a, cache_seqlens)
     extra = a.M if a.appended else 0
-    if (seq < 0).any() or (seq + extra > a.capacity).any():
-        raise ValueError(f"cache_seqlens {seq.tolist()} plus {extra} appended rows must lie in "
-                         f"[0, {a.capacity}] (the cache's capacity)")
     o = np.zeros((a.B, a.H, a.M, a.D))
     lse = np.full((a.B, a.H, a.M), -np.inf)
     for b in range(a.B):
@@ -285,17 +312,13 @@ def attention_with_kvcache(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, 
     library = validate.library_of(q1, "q1")
     args = (q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cache_seqlens, k1_new, k2_new,
             v_new, block_table, causal, sm_scale)
-    if library == "numpy":
-        o, lse = reference_with_kvcache(*args)
-        o = o.astype(q1.dtype)
-        lse = lse.astype(np.float32)
-    elif library == "torch":
+
+    def on_torch(*a):
         from . import kvcache_torch
 
-        o, lse = kvcache_torch.attention_with_kvcache(*args)
-    else:
-        o, lse = _cupy_call(*args)
-    return (o, lse) if return_lse else o
+        return kvcache_torch.attention_with_kvcache(*a)
+
+    return by_library(library, args, q1, return_lse, reference_with_kvcache, on_torch, _cupy_call)
 
 
 #: allocator of the CuPy path's outputs (``(shape, dtype) -> array``; None: cupy.empty).

@@ -226,11 +226,8 @@ def reference_with_rotary_kvcache(q1, q2, k_cache, v_cache, dist_threshold, cos,
                           k_new, v_new, block_table, k1_group_size, k2_group_size, interleaved,
                           causal, sm_scale)
     a = r.kv
-    seq = np.asarray(cache_seqlens, np.int64)
+    seq = kvcache.host_lengths(a, cache_seqlens)
     extra = a.M if a.appended else 0
-    if (seq < 0).any() or (seq + extra > a.capacity).any():
-        raise ValueError(f"cache_seqlens {seq.tolist()} plus {extra} appended rows must lie in "
-                         f"[0, {a.capacity}] (the cache's capacity)")
     o = np.zeros((a.B, a.H, a.M, a.D))
     lse = np.full((a.B, a.H, a.M), -np.inf)
     for b in range(a.B):
@@ -317,17 +314,14 @@ def attention_with_rotary_kvcache(q1, q2, k_cache, v_cache, dist_threshold, *, c
     library = validate.library_of(q1, "q1")
     args = (q1, q2, k_cache, v_cache, dist_threshold, cos, sin, cache_seqlens, k_new, v_new,
             block_table, k1_group_size, k2_group_size, interleaved, causal, sm_scale)
-    if library == "numpy":
-        o, lse = reference_with_rotary_kvcache(*args)
-        o = o.astype(q1.dtype)
-        lse = lse.astype(np.float32)
-    elif library == "torch":
+
+    def on_torch(*a):
         from . import kvcache_torch
 
-        o, lse = kvcache_torch.attention_with_rotary_kvcache(*args)
-    else:
-        o, lse = _cupy_call(*args)
-    return (o, lse) if return_lse else o
+        return kvcache_torch.attention_with_rotary_kvcache(*a)
+
+    return kvcache.by_library(library, args, q1, return_lse, reference_with_rotary_kvcache,
+                              on_torch, _cupy_call)
 
 
 def _cupy_call(*args):

@@ -38,6 +38,20 @@ def _cuda(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new, k2_new,
     return o, lse
 
 
+def _append_on_host(a, cache_seqlens, block_table, caches, news):
+    """The CPU paths' append: checks the lengths (kvcache.host_lengths), writes ``news`` into
+    ``caches`` (CPU tensors, in place) when the call appends, and returns the attended
+    lengths (int32 NumPy) and the block table as NumPy (or None)."""
+    seq = kvcache.host_lengths(a, cache_seqlens.numpy())
+    table = block_table.numpy() if block_table is not None else None
+    if a.appended:
+        with torch.no_grad():
+            for cache, new in zip(caches, news):
+                for b in range(a.B):
+                    kvcache._append(cache, b, int(seq[b]), new[b], table)
+    return (seq + (a.M if a.appended else 0)).astype(np.int32), table
+
+
 def _f64(x):
     return None if x is None else x.detach().to("cpu", torch.float64).numpy()
 
@@ -48,18 +62,8 @@ def _cpu(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens, k1_new, k2_new, 
     is in place for the caller), then the attention in float64."""
     a = kvcache.check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens,
                                    k1_new, k2_new, v_new, block_table, causal, sm_scale)
-    seq = cache_seqlens.to(torch.int64)
-    extra = a.M if a.appended else 0
-    if bool((seq < 0).any()) or bool((seq + extra > a.capacity).any()):
-        raise ValueError(f"cache_seqlens {seq.tolist()} plus {extra} appended rows must lie in "
-                         f"[0, {a.capacity}] (the cache's capacity)")
-    table = block_table.numpy() if block_table is not None else None
-    if a.appended:
-        with torch.no_grad():
-            for cache, new in zip((k1_cache, k2_cache, v_cache), (k1_new, k2_new, v_new)):
-                for b in range(a.B):
-                    kvcache._append(cache, b, int(seq[b]), new[b], table)
-    lengths = (seq + extra).to(torch.int32).numpy()
+    lengths, table = _append_on_host(a, cache_seqlens, block_table, (k1_cache, k2_cache, v_cache),
+                                     (k1_new, k2_new, v_new))
     o, lse = kvcache.reference_with_kvcache(
         _f64(q1), _f64(q2), _f64(k1_cache), _f64(k2_cache), _f64(v_cache), a.w, lengths,
         block_table=table, causal=a.causal, sm_scale=a.sm_scale)
@@ -148,18 +152,8 @@ def _rotary_cpu(q1, q2, k_cache, v_cache, w, cos, sin, cache_seqlens, k_new, v_n
     r = _rotary_args(q1, q2, k_cache, v_cache, w, cos, sin, cache_seqlens, k_new, v_new,
                      block_table, g1, g2, interleaved, causal, sm_scale)
     a = r.kv
-    seq = cache_seqlens.to(torch.int64)
-    extra = a.M if a.appended else 0
-    if bool((seq < 0).any()) or bool((seq + extra > a.capacity).any()):
-        raise ValueError(f"cache_seqlens {seq.tolist()} plus {extra} appended rows must lie in "
-                         f"[0, {a.capacity}] (the cache's capacity)")
-    table = block_table.numpy() if block_table is not None else None
-    if a.appended:
-        with torch.no_grad():
-            for cache, new in ((k_cache, k_new), (v_cache, v_new)):
-                for b in range(a.B):
-                    kvcache._append(cache, b, int(seq[b]), new[b], table)
-    lengths = (seq + extra).to(torch.int32).numpy()
+    lengths, table = _append_on_host(a, cache_seqlens, block_table, (k_cache, v_cache),
+                                     (k_new, v_new))
     o, lse = kvcache_rotary.reference_with_rotary_kvcache(
         _f64(q1), _f64(q2), _f64(k_cache), _f64(v_cache), a.w, _f64(cos), _f64(sin), lengths,
         block_table=table, k1_group_size=g1 or None, k2_group_size=g2 or None,

@@ -226,16 +226,10 @@ def _rot_inputs(case: RotCase, round_to=lambda x: x):
 def _rotate_by_tables(x, cos, sin, pos, interleaved):
     """x (..., n, D) with pair i of row j multiplied, as a complex number, by
     cos[pos[j], i] + i sin[pos[j], i] (written apart from kvcache_rotary.apply_rotary)."""
-    x = np.asarray(x, np.float64)
-    h = x.shape[-1] // 2
-    z = (x[..., 0::2] + 1j * x[..., 1::2]) if interleaved else (x[..., :h] + 1j * x[..., h:])
-    z = z * (cos[pos].astype(np.float64) + 1j * sin[pos].astype(np.float64))
-    out = np.empty_like(x)
-    if interleaved:
-        out[..., 0::2], out[..., 1::2] = z.real, z.imag
-    else:
-        out[..., :h], out[..., h:] = z.real, z.imag
-    return out
+    from test_kvcache_rotary_cpu import _rotate_complex
+
+    return _rotate_complex(x, None, interleaved, factor=cos[pos].astype(np.float64)
+                           + 1j * sin[pos].astype(np.float64))
 
 
 def _rot_kwargs(case: RotCase):

@@ -27,13 +27,14 @@ def _tables(positions, D, dtype=np.float64):
     return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
 
 
-def _rotate_complex(x, angles, interleaved):
+def _rotate_complex(x, angles, interleaved, factor=None):
     """x (..., n, D) rotated by ``angles`` (n, D/2) radians, pair i by angle i, through
-    complex numbers: the pair (a, b) is a + ib, times e^{i angle}."""
+    complex numbers: the pair (a, b) is a + ib, times e^{i angle} (or times ``factor``,
+    (n, D/2) complex, when given: e.g. a table's cos + i sin)."""
     x = np.asarray(x, np.float64)
     h = x.shape[-1] // 2
     z = (x[..., 0::2] + 1j * x[..., 1::2]) if interleaved else (x[..., :h] + 1j * x[..., h:])
-    z = z * np.exp(1j * angles)
+    z = z * (np.exp(1j * angles) if factor is None else factor)
     out = np.empty_like(x)
     if interleaved:
         out[..., 0::2], out[..., 1::2] = z.real, z.imag
