@@ -299,3 +299,25 @@ def test_the_gpu_tests_host_code_runs_on_numpy():
         cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "110 passed" in run.stdout, run.stdout[-1000:]
+
+
+def test_torch_compile_runs_through_the_fake_and_large_w_is_clamped():
+    """torch.compile(fullgraph=True) traces the rotary call through the operator's fake
+    implementation with eager's result, and a w beyond int64 reaches the operator clamped
+    (the largest useful w's result)."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(2)
+    B, H, Hkv, M, D, N = 2, 4, 2, 1, 16, 32
+    q1, q2 = (torch.randn(B, H, M, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    cos, sin = (torch.from_numpy(t) for t in _tables(N, D))
+    seq = torch.tensor([5, 30], dtype=torch.int32)
+    kw = dict(cos=cos, sin=sin, cache_seqlens=seq, k2_group_size=4)
+    huge = cpw.attention_with_rotary_kvcache(q1, q2, k, v, 2 ** 70, **kw)
+    far = cpw.attention_with_rotary_kvcache(q1, q2, k, v, N + 5, **kw)
+    assert torch.equal(huge, far)
+    fn = torch.compile(lambda *a: cpw.attention_with_rotary_kvcache(*a, 3, return_lse=True, **kw),
+                       fullgraph=True, backend="eager")
+    o_c, lse_c = fn(q1, q2, k, v)
+    o_e, lse_e = cpw.attention_with_rotary_kvcache(q1, q2, k, v, 3, return_lse=True, **kw)
+    assert torch.equal(o_c, o_e) and torch.equal(lse_c, lse_e)
