@@ -160,13 +160,13 @@ __global__ void __launch_bounds__(WARPS * 32) pw_kvcache(const KVParams p) {
       auto at_row = [](u16* slot) { return [slot](int r, int g) { return slot + r * PITCH + g * 8; }; };
       const int g1 = (int)p.rot_group1, g2 = (int)p.rot_group2;
       if (PER_KEY) {  // one slot, each row from the projection its distance picks
-        kv_rotate_rows<T, D, ROT>(at_row(mine), n0, L, p, lane,
+        kv_rotate_rows<T, D, ROT, 1>(at_row(mine), n0, L, p, lane,
                                   [&](int n) { return P - n >= p.w ? g2 : g1; });
       } else {
         if (mode & 1)
-          kv_rotate_rows<T, D, ROT>(at_row(mine), n0, L, p, lane, [&](int) { return g1; });
+          kv_rotate_rows<T, D, ROT, 1>(at_row(mine), n0, L, p, lane, [&](int) { return g1; });
         if (mode & 2)
-          kv_rotate_rows<T, D, ROT>(at_row(mine + K2_SLOT), n0, L, p, lane,
+          kv_rotate_rows<T, D, ROT, 1>(at_row(mine + K2_SLOT), n0, L, p, lane,
                                     [&](int) { return g2; });
       }
       __syncwarp();

@@ -174,10 +174,11 @@ PW_DEVICE float rot_second(float a, float b, float c, float s) {
 // whatever the tile's layout (padded or swizzled). Key n = n0 + r is rotated at position
 // n / group_of(n); group_of(n) = 0 leaves it as it is, and so do rows at n >= L (past the
 // sequence: their scores are masked). p.rot_cos and p.rot_sin are (positions, D / 2)
-// float32 tables, rows 16-byte aligned. Pairs are rotated in float32 (rot_first,
-// rot_second) and rounded once to T, as a float32 rotation of the keys before caching them
-// would. The caller syncs the warp before other lanes read the rows.
-template <typename T, int D, int ROT, class At, class GroupOf>
+// float32 tables, rows 16-byte aligned; UNROLL: work items per lane in flight (1 or 2).
+// Pairs are rotated in float32 (rot_first, rot_second) and rounded once to T, as a float32
+// rotation of the keys before caching them would. The caller syncs the warp before other
+// lanes read the rows.
+template <typename T, int D, int ROT, int UNROLL, class At, class GroupOf>
 PW_DEVICE void kv_rotate_rows(At at, int n0, int L, const KVParams& p, int lane,
                               GroupOf group_of) {
   static_assert(ROT == 1 || ROT == 2, "halves (1) or interleaved pairs (2)");
@@ -186,10 +187,12 @@ PW_DEVICE void kv_rotate_rows(At at, int n0, int L, const KVParams& p, int lane,
   // table (pairs 8c .. 8c + 7): ROT 1 pairs group c with group c + D / 16 (the same columns
   // of the second half), ROT 2 takes groups 2c and 2c + 1, four neighbour pairs each.
   constexpr int PER_ROW = D / 16;
-  // Two items in flight per lane: fully unrolled, ptxas hoisted every table load and took
-  // 160 registers in pw90_kvdecode at D = 128 (128 without the rotation), which would cost
-  // that kernel its third block per SM; unrolled by two it stays at 128.
-#pragma unroll 2
+  // UNROLL items in flight per lane. Fully unrolled, ptxas hoisted every table load and
+  // took 160 registers in pw90_kvdecode at D = 128 (128 without the rotation), which would
+  // cost that kernel its third block per SM; by two it stays at 128. pw_kvcache takes one:
+  // by two, its D = 64 kvcache non-causal interleaved form spilled 4 bytes on sm_90, and
+  // its rotation overlaps the next tile's copies anyway.
+#pragma unroll (UNROLL)
   for (int i = lane; i < 16 * PER_ROW; i += 32) {  // 16 rows: one warp's keys
     const int r = i / PER_ROW, c = i % PER_ROW, n = n0 + r;
     const int g = n < L ? group_of(n) : 0;

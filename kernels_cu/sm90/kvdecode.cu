@@ -250,10 +250,10 @@ __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
           };
         };
         const int g1 = (int)p.rot_group1, g2 = (int)p.rot_group2;
-        kv_rotate_rows<T, D, ROT>(at(sk), n0, L, p, lane,
+        kv_rotate_rows<T, D, ROT, 2>(at(sk), n0, L, p, lane,
                                   [&](int) { return far_only ? g2 : g1; });  // K2 or K1
         if (both)  // the straddling chunk's K2
-          kv_rotate_rows<T, D, ROT>(at(base + Sm::x_off), n0, L, p, lane,
+          kv_rotate_rows<T, D, ROT, 2>(at(base + Sm::x_off), n0, L, p, lane,
                                     [&](int) { return g2; });
         __syncwarp();
       }
