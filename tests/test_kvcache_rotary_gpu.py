@@ -198,6 +198,53 @@ def test_rotary_decode_never_reads_rows_past_the_lengths(dtype, D, H, Hkv, layou
             assert verdict.passed, f"w={w}: {verdict} (input seed {seed})"
 
 
+BITWISE_CASES = [(dt, D, M, inter, path) for dt in ("bfloat16", "float16") for D in (16, 64, 128)
+                 for M, path in ((1, "auto"), (1, "mma"), (5, "auto")) for inter in (False, True)]
+
+
+@pytest.mark.parametrize("dtype,D,M,interleaved,path", BITWISE_CASES,
+                         ids=[f"{c[0]}-D{c[1]}-M{c[2]}-{'inter' if c[3] else 'half'}-{c[4]}"
+                              for c in BITWISE_CASES])
+def test_rotary_kernel_equals_two_cache_kernel_bitwise(dtype, D, M, interleaved, path, allowed,
+                                                       monkeypatch):
+    """The rotation is the only difference between a rotary call and a two-cache call whose
+    caches were rotated on the host in float32 (each product and sum rounded, as the kernel
+    does) and rounded to the dtype: the same plan runs the same kernel with ROT = 0, so o and
+    lse must agree bit for bit. This catches a rotation error on a few keys (one straddling
+    chunk, one position off) that the tolerance rule could let through. Several w per case
+    put the rotated near keys, the rotated far keys (k2 group 3) and the straddle in play."""
+    import cupy
+
+    from cupy_piecewise import capability
+
+    monkeypatch.setenv(capability.PATH_VAR, path)
+    capability.refresh_env_override()
+    rng = np.random.default_rng(fresh_seed())
+    B, H, Hkv, N = 3, 8, 2, 384
+    nd = _np_dtype(dtype)
+    seq = np.array([0, 77, N], np.int32)
+    cos, sin = _tables(N, D)
+    q1, q2 = (round_to(rng.standard_normal((B, H, M, D)).astype(np.float32), dtype)
+              for _ in range(2))
+    keys, vals = (round_to(rng.standard_normal((B, Hkv, N, D)).astype(np.float32), dtype)
+                  for _ in range(2))
+    n = np.arange(N)
+    k1 = round_to(_rotate32(keys, cos, sin, n, interleaved), dtype)
+    k2 = round_to(_rotate32(keys, cos, sin, n // 3, interleaved), dtype)
+    dq1, dq2 = cupy.asarray(q1.astype(nd)), cupy.asarray(q2.astype(nd))
+    dk, dv, d1, d2 = (cupy.asarray(x.astype(nd)) for x in (keys, vals, k1, k2))
+    for w in (1, 40, 100, N + 5):
+        kw = dict(cache_seqlens=cupy.asarray(seq), return_lse=True)
+        o_r, l_r = kr.attention_with_rotary_kvcache(dq1, dq2, dk, dv, w, cos=cupy.asarray(cos),
+                                                    sin=cupy.asarray(sin), k2_group_size=3,
+                                                    interleaved=interleaved, **kw)
+        o_2, l_2 = kvcache.attention_with_kvcache(dq1, dq2, d1, d2, dv, w, **kw)
+        assert cupy.array_equal(o_r.view(cupy.uint16), o_2.view(cupy.uint16)), f"o, w={w}"
+        assert cupy.array_equal(l_r, l_2) or bool(cupy.all((l_r == l_2) | (cupy.isnan(l_r)
+                                                                            & cupy.isnan(l_2)))), \
+            f"lse, w={w}"
+
+
 def test_the_gpu_path_refuses_to_run_until_validated(monkeypatch):
     import cupy
 
