@@ -8,7 +8,7 @@
 # probes (not in all): the Hopper forward and backward probes (scripts/hopper_probe.py,
 # scripts/hopper_bwd_probe.py), about 4 minutes each, logs in logs/hopper_*.txt.
 # rotary (not in all): the rotary-inside KV-cache kernels' first validation: their GPU tests
-# and GPU fuzz (FUZZ_EXAMPLES, default 120: 60 rotary examples), memcheck and racecheck on
+# and GPU fuzz (FUZZ_EXAMPLES, default 120: 60 rotary examples), memcheck, racecheck and synccheck on
 # their sanitizer cases (SANITIZE_SKIP leaves the rest out), and the decode bench's quick
 # shapes with --rotary, under CUPY_PIECEWISE_ROTARY_GPU=1; about 5-6 min.
 # kvprobe (not in all): scripts/kvdecode_probe.py, the Hopper decode's A/B probe, configs from
@@ -230,13 +230,14 @@ if asked rotary; then
     -p no:cacheprovider tests/test_kvcache_rotary_gpu.py tests/test_fuzz_kvcache.py -k "rotary" \
     2>&1 | tee "$logs/pytest_rotary.log" | tail -8
   status=$((status | ${PIPESTATUS[0]}))
-  for tool in memcheck racecheck; do
+  # synccheck too: the TMA decode's rotary form writes into mbarrier-guarded stages
+  for tool in memcheck racecheck synccheck; do
     extra=""; [[ $tool == memcheck ]] && extra="--report-api-errors no"
     SANITIZE_SKIP=dense,kvcache,varlen,torch timeout 400 compute-sanitizer --tool $tool $extra \
       --error-exitcode 9 python3 scripts/sanitize_cases.py > "$logs/sanitize_rotary_$tool.log" 2>&1 &
   done
-  for tool in memcheck racecheck; do wait -n; rc=$?; status=$((status | rc)); done
-  for tool in memcheck racecheck; do
+  for tool in memcheck racecheck synccheck; do wait -n; rc=$?; status=$((status | rc)); done
+  for tool in memcheck racecheck synccheck; do
     echo "compute-sanitizer $tool (rotary):"; grep -E "ERROR SUMMARY|ok rotary|Error|Traceback" "$logs/sanitize_rotary_$tool.log" | tail -4
   done
   timeout 300 python3 bench/kvcache_decode.py --quick --paged "" --rotary \
