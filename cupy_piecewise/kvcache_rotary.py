@@ -29,11 +29,11 @@ On the GPU a rotary call runs the kernel a two-cache call of its shape runs (the
 with ``ROT``: each warp rotates the key rows it is about to read in shared memory
 (``kv_rotate_rows``, kernels_cu/kvparams.cuh), in float32 (products and sums rounded
 separately, no FMA), and rounds the result once to the cache dtype, as a float32 rotation
-before caching would. Both kernels are compiled and build-checked for every architecture
-but have not yet run on a GPU (no device was lent in the session that wrote them), so the
-GPU path refuses to run unless :data:`GPU_ENV` is set to ``1`` (bench/NOTES.md, "Rotary
-inside the KV-cache kernel"). The NumPy and torch CPU paths (the float64 reference) have
-no such gate.
+before caching would. Both kernels pass their GPU tests and compute-sanitizer (H200,
+2026-12-05), but they run at 0.39-0.82x SDPA cuDNN's decode bandwidth where the two-cache
+call runs at 0.95-1.00x (bench/results/2026-12-05-h200-rotary-first-run). Until they are
+competitive the GPU path runs only with :data:`GPU_ENV` set to ``1``. The NumPy and torch
+CPU paths (the float64 reference) have no such gate.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ from .compile import ROTARY_LAYOUTS
 __all__ = ["attention_with_rotary_kvcache", "reference_with_rotary_kvcache", "apply_rotary",
            "check_rotary_args", "RotaryArgs", "GPU_ENV"]
 
-#: Set to ``1`` to run the rotary-inside kernel on the GPU before its first GPU validation.
+#: Set to ``1`` to run the rotary-inside kernels on the GPU (opt-in while they are slow).
 GPU_ENV = "CUPY_PIECEWISE_ROTARY_GPU"
 
 #: Table dtypes by path: the kernel reads float32 tables; the reference takes any float.
@@ -254,10 +254,10 @@ def require_gpu_allowed() -> None:
     """Raise NotImplementedError naming :data:`GPU_ENV` unless it is set."""
     if not gpu_allowed():
         raise NotImplementedError(
-            "attention_with_rotary_kvcache on the GPU: the rotary-inside kernel is built for "
-            "every architecture but has not yet been run against the reference on a GPU; set "
-            f"{GPU_ENV}=1 to run it anyway, or call it with NumPy arrays or torch CPU tensors "
-            "(the float64 reference)")
+            "attention_with_rotary_kvcache on the GPU is opt-in: its kernels pass their GPU "
+            "tests but decode at 0.39-0.82x SDPA cuDNN's bandwidth, below the two-cache "
+            f"attention_with_kvcache; set {GPU_ENV}=1 to use them, or call it with NumPy "
+            "arrays or torch CPU tensors (the float64 reference)")
 
 
 def attention_with_rotary_kvcache(q1, q2, k_cache, v_cache, dist_threshold, *, cos, sin,
@@ -299,7 +299,7 @@ def attention_with_rotary_kvcache(q1, q2, k_cache, v_cache, dist_threshold, *, c
     torch CPU (reference, the append done on the tensors), CuPy or torch CUDA
     (bfloat16/float16, head dims 16, 32, 64, 128; the KV-cache kernels of
     :func:`~cupy_piecewise.attention_with_kvcache` built with the rotation; gated by
-    :data:`GPU_ENV` until their first GPU validation). On the GPU nothing synchronises with
+    :data:`GPU_ENV` while they are slow). On the GPU nothing synchronises with
     the host, so the torch call captures in a CUDA graph.
 
     Returns:

@@ -160,8 +160,8 @@ def decode_with_raw_key_cache(layer: ReRoPEAttention, x: torch.Tensor, steps: in
     """Prefill the raw keys and values of all but the last ``steps`` tokens into a cache,
     then decode those tokens one at a time with attention_with_rotary_kvcache (queries
     rotated here, keys in the kernel); the rows must match the layer's own attention.
-    CUDA runs only with CUPY_PIECEWISE_ROTARY_GPU=1 (the kernel's first GPU validation is
-    pending); returns the largest difference, or None when it did not run."""
+    CUDA runs only with CUPY_PIECEWISE_ROTARY_GPU=1 (the GPU path is opt-in while it is
+    slow); returns the largest difference, or None when it did not run."""
     from cupy_piecewise import kvcache_rotary
 
     if x.is_cuda and not kvcache_rotary.gpu_allowed():
