@@ -9,8 +9,10 @@ decode kernel (passed as -D options), ``pdl=0|1`` (the split merge as a programm
 dependent launch, capability.KV90_PDL), ``pdld=0|1`` (the decode itself, KV90_PDL_DECODE),
 ``l2=128|256`` (the L2 promotion of the caches' tensor maps), ``s=N`` (ring stages,
 KV90_TILES), ``c=N`` (most splits merged in a cluster, KV90_MAX_CLUSTER) and ``m=N`` (fewest
-key tiles per split, KV90_MIN_TILES), the last three for the shape's head dim; ``base`` is
-the package's defaults. Configs with the same macros share one
+key tiles per split, KV90_MIN_TILES), the last three for the shape's head dim; ``rot=G``
+times attention_with_rotary_kvcache instead (one raw key cache, halves layout, k1 rotated at
+n, k2 at n // G; ``rot=1`` is ReRoPE's raw k2, ``rot=8`` SelfExtend with G = 8), and
+``wp=P`` sets w to P% of N (default 25); ``base`` is the package's defaults. Configs with the same macros share one
 worker process (a fresh process per macro set and round, so each build is compiled once and
 cached by CuPy); within a worker the configs are timed back to back per shape, in an order
 rotated every round, after SDPA cuDNN on the same shape. Rounds interleave the workers, and the table gives each cell's
@@ -35,7 +37,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: host-side knobs a config may set (everything else is a -D macro of the kernel)
-TOGGLES = ("pdl", "pdld", "l2", "s", "c", "m")
+TOGGLES = ("pdl", "pdld", "l2", "s", "c", "m", "rot", "wp")
 SHAPES = [(1, 32, 32, 4096), (1, 32, 32, 32768), (1, 32, 32, 131072), (8, 32, 32, 4096),
           (8, 32, 32, 32768), (4, 32, 8, 32768)]
 
@@ -67,6 +69,26 @@ def reference(q1, q2, k1, k2, v, w, scale):
     far = (N - 1 - torch.arange(N, device=q1.device)) >= w
     s = torch.where(far, s2, s1) * scale
     return torch.einsum("bhmn,bhnd->bhmd", torch.softmax(s, dim=-1), f(v))
+
+
+def rope_tables(N, D):
+    """(N, D / 2) float32 cos and sin tables of the usual rotary frequencies (base 10000)."""
+    import torch
+
+    ang = torch.arange(N, device="cuda", dtype=torch.float32)[:, None] * 10000.0 ** (
+        -torch.arange(D // 2, device="cuda", dtype=torch.float32) / (D // 2))
+    return ang.cos(), ang.sin()
+
+
+def rotate_halves(k, cos, sin, group):
+    """Keys (B, Hkv, N, D) rotated (rotate_half layout) at positions n // group, in float32."""
+    import torch
+
+    pos = torch.arange(k.shape[2], device=k.device) // group
+    c, s = cos[pos], sin[pos]
+    x = k.float()
+    a, b = x[..., : k.shape[-1] // 2], x[..., k.shape[-1] // 2:]
+    return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
 
 
 def settings(toggles, head_dim):
@@ -111,8 +133,7 @@ def worker(macros, configs, dims, dtypes, seed):
                 k1, k2, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=gen)
                              for _ in range(3))
                 seq = torch.full((B,), N, dtype=torch.int32, device="cuda")
-                w = N // 4
-                ref = reference(q1, q2, k1, k2, v, w, D ** -0.5)
+                refs = {}
                 nbytes = decode_bytes(B, H, Hkv, 1, N, D, q1.element_size(), 2)
                 gqa = dict(enable_gqa=True) if H != Hkv else {}
 
@@ -122,10 +143,30 @@ def worker(macros, configs, dims, dtypes, seed):
                 ms_c = graph_ms(cudnn)
                 cb = decode_bytes(B, H, Hkv, 1, N, D, q1.element_size(), 1) / (ms_c * 1e-3) / 1e9
                 for text in configs:
-                    with settings(parse_config(text)[1], D):
-                        def ours():
-                            return cupy_piecewise.attention_with_kvcache(q1, q2, k1, k2, v, w,
-                                                                         cache_seqlens=seq)
+                    knobs = parse_config(text)[1]
+                    w = N * (25 if knobs["wp"] is None else knobs["wp"]) // 100
+                    rot = knobs["rot"]
+                    if (rot, w) not in refs:
+                        refs.clear()  # one reference alive at a time
+                        if rot:
+                            cos, sin = rope_tables(N, D)
+                            r1 = rotate_halves(k1, cos, sin, 1)
+                            r2 = rotate_halves(k1, cos, sin, rot) if rot > 1 else k1
+                            refs[rot, w] = reference(q1, q2, r1, r2, v, w, D ** -0.5)
+                            r1 = r2 = None
+                        else:
+                            refs[rot, w] = reference(q1, q2, k1, k2, v, w, D ** -0.5)
+                    ref = refs[rot, w]
+                    with settings(knobs, D):
+                        if rot:
+                            def ours():
+                                return cupy_piecewise.attention_with_rotary_kvcache(
+                                    q1, q2, k1, v, w, cos=cos, sin=sin, cache_seqlens=seq,
+                                    k2_group_size=rot if rot > 1 else None)
+                        else:
+                            def ours():
+                                return cupy_piecewise.attention_with_kvcache(
+                                    q1, q2, k1, k2, v, w, cache_seqlens=seq)
                         o = ours()
                         torch.cuda.synchronize()
                         err = float((o.float() - ref).abs().max() / ref.abs().max())
@@ -135,7 +176,7 @@ def worker(macros, configs, dims, dtypes, seed):
                                     ms=ms, gbps=nbytes / (ms * 1e-3) / 1e9, cudnn_gbps=cb,
                                     err=err, ok=err < 2e-2, nsplit=plan.nsplit,
                                     cluster=plan.cluster, programmatic=list(plan.programmatic)))
-                q1 = q2 = k1 = k2 = v = ref = None  # free the caches before the next shape
+                q1 = q2 = k1 = k2 = v = ref = refs = None  # free the caches before the next shape
                 torch.cuda.empty_cache()
     print("RESULT " + json.dumps(out), flush=True)
 

@@ -30,6 +30,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--decode", action="store_true", help="KV-cache decode instead")
     ap.add_argument("--batch", type=int, default=1, help="--decode: sequences (B)")
+    ap.add_argument("--rotary", type=int, default=None, metavar="G2",
+                    help="--decode: attention_with_rotary_kvcache instead, keys rotated at n "
+                         "(k1) and at n // G2 (k2; 0: ReRoPE's raw k2), halves layout")
+    ap.add_argument("--w-frac", type=float, default=0.25, help="--decode: w = L * this")
     a = ap.parse_args()
     if a.decode:
         dt = getattr(torch, a.dtype)
@@ -37,10 +41,23 @@ def main() -> None:
         q1, q2 = (torch.randn(B, 32, 1, a.D, device="cuda", dtype=dt) for _ in range(2))
         caches = [torch.randn(B, 32, a.L, a.D, device="cuda", dtype=dt) for _ in range(3)]
         seq = torch.full((B,), a.L, dtype=torch.int32, device="cuda")
+        w = int(a.L * a.w_frac)
+        if a.rotary is None:
+            def step():
+                cupy_piecewise.attention_with_kvcache(q1, q2, *caches, w, cache_seqlens=seq)
+        else:  # the first cache holds the raw keys
+            ang = torch.arange(a.L, device="cuda")[:, None] * 10000.0 ** (
+                -torch.arange(a.D // 2, device="cuda") / (a.D // 2))
+            cos, sin = ang.cos().float(), ang.sin().float()
+
+            def step():
+                cupy_piecewise.attention_with_rotary_kvcache(
+                    q1, q2, caches[0], caches[2], w, cos=cos, sin=sin, cache_seqlens=seq,
+                    k2_group_size=a.rotary or None)
         for _ in range(a.iters):
-            cupy_piecewise.attention_with_kvcache(q1, q2, *caches, a.L // 4, cache_seqlens=seq)
+            step()
         torch.cuda.synchronize()
-        print(f"done: decode H=32 L={a.L} D={a.D} {a.dtype}")
+        print(f"done: decode H=32 L={a.L} D={a.D} {a.dtype} w={w} rotary={a.rotary}")
         return
     B, H, dt = max(1, 16384 // a.L), max(1, 2048 // a.D), getattr(torch, a.dtype)
     ins = [torch.randn(B, H, a.L, a.D, device="cuda", dtype=dt).requires_grad_() for _ in range(5)]
