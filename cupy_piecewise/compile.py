@@ -132,8 +132,10 @@ class Variant:
         elem = _ELEM[self.dtype]
         if self.phase == "kvdecode_sm90":  # common.cuh's element tags; ring depth, warps
             t = self.tiles
-            rot = f", {self.rotary}" if self.rotary else ""
-            return (f"{_TEMPLATE[self.phase]}<{_ELEM[self.dtype]}, {self.head_dim}, {t.stages}, "
+            # the rotary forms are a kernel of their own (their register cap, kvdecode.cu)
+            name, rot = ((_TEMPLATE[self.phase] + "_rot", f", {self.rotary}") if self.rotary
+                         else (_TEMPLATE[self.phase], ""))
+            return (f"{name}<{_ELEM[self.dtype]}, {self.head_dim}, {t.stages}, "
                     f"{self.cluster}, {t.num_warps}{rot}>")
         if self.phase in HOPPER_KERNELS:
             elem = _ELEM90[self.dtype]

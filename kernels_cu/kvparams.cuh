@@ -167,69 +167,117 @@ PW_DEVICE float rot_second(float a, float b, float c, float s) {
   return __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
 }
 
-// Rotary embedding of one warp's 16 key rows in shared memory, in place (the KV-cache
-// kernels' ROT: pw_kvcache, pw90_kvdecode): ROT = 1 rotates the two halves of a row against
-// each other (GPT-NeoX and Llama's rotate_half), ROT = 2 interleaved pairs (2i, 2i + 1)
-// (GPT-J). `at(r, g)` is the address of the 16-byte group g (columns 8g .. 8g + 7) of row r,
-// whatever the tile's layout (padded or swizzled). Key n = n0 + r is rotated at position
-// n / group_of(n); group_of(n) = 0 leaves it as it is, and so do rows at n >= L (past the
-// sequence: their scores are masked). p.rot_cos and p.rot_sin are (positions, D / 2)
-// float32 tables, rows 16-byte aligned; UNROLL: work items per lane in flight (1 or 2).
-// Pairs are rotated in float32 (rot_first, rot_second) and rounded once to T, as a float32
-// rotation of the keys before caching them would. The caller syncs the warp before other
-// lanes read the rows.
+// Rotary embedding of key rows in shared memory, in place (the KV-cache kernels' ROT:
+// pw_kvcache, pw90_kvdecode): ROT = 1 rotates the two halves of a row against each other
+// (GPT-NeoX and Llama's rotate_half), ROT = 2 interleaved pairs (2i, 2i + 1) (GPT-J).
+// A work item is 8 pairs of a row, two 16-byte groups x and y, and 8 entries of each table
+// (pairs 8c .. 8c + 7): ROT 1 pairs group c with group c + D / 16 (the same columns of the
+// second half), ROT 2 takes groups 2c and 2c + 1, four neighbour pairs each. A warp's 16
+// rows are 16 * D / 16 items, item i = lane + 32 k: row i / (D / 16), c = i % (D / 16).
+// p.rot_cos and p.rot_sin are (positions, D / 2) float32 tables, rows 16-byte aligned.
+template <int D> struct KvRotItem {
+  static constexpr int PER_ROW = D / 16;
+  static constexpr int PER_LANE = 16 * PER_ROW / 32;  // items per lane for 16 rows (D >= 32)
+};
+
+// The table entries of item column c of position `pos`: 8 cos and 8 sin, two float4 each.
+template <int D>
+PW_DEVICE void kv_rot_load(const KVParams& p, int pos, int c, float4 (&cs)[2], float4 (&sn)[2]) {
+  const i64 base = (i64)pos * (D / 2) + c * 8;
+  const float4* cp = reinterpret_cast<const float4*>(p.rot_cos + base);
+  const float4* sp = reinterpret_cast<const float4*>(p.rot_sin + base);
+  cs[0] = __ldg(cp);
+  cs[1] = __ldg(cp + 1);
+  sn[0] = __ldg(sp);
+  sn[1] = __ldg(sp + 1);
+}
+
+// Rotates item column c of the row whose 16-byte groups `at(g)` gives, by the entries of
+// kv_rot_load. Pairs are rotated in float32 (rot_first, rot_second) and rounded once to T, as
+// a float32 rotation of the keys before caching them would.
+template <typename T, int D, int ROT, class AtRow>
+PW_DEVICE void kv_rot_apply(AtRow at, int c, const float4 (&c4)[2], const float4 (&s4)[2]) {
+  static_assert(ROT == 1 || ROT == 2, "halves (1) or interleaved pairs (2)");
+  u16* x = at(ROT == 1 ? c : 2 * c);
+  u16* y = at(ROT == 1 ? c + D / 16 : 2 * c + 1);
+  uint4 a = *reinterpret_cast<const uint4*>(x), b = *reinterpret_cast<const uint4*>(y);
+  const float cs[8] = {c4[0].x, c4[0].y, c4[0].z, c4[0].w, c4[1].x, c4[1].y, c4[1].z, c4[1].w};
+  const float sn[8] = {s4[0].x, s4[0].y, s4[0].z, s4[0].w, s4[1].x, s4[1].y, s4[1].z, s4[1].w};
+  u32* au = reinterpret_cast<u32*>(&a);
+  u32* bu = reinterpret_cast<u32*>(&b);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {  // 32-bit word j of each group: columns 2j, 2j + 1
+    if constexpr (ROT == 1) {  // column 2j + h of x pairs with the same column of y
+      float u[2], v[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float x1 = Elem<T>::to_float((u16)(au[j] >> (16 * h)));
+        const float x2 = Elem<T>::to_float((u16)(bu[j] >> (16 * h)));
+        u[h] = rot_first(x1, x2, cs[2 * j + h], sn[2 * j + h]);
+        v[h] = rot_second(x1, x2, cs[2 * j + h], sn[2 * j + h]);
+      }
+      au[j] = Elem<T>::pack(u[0], u[1]);
+      bu[j] = Elem<T>::pack(v[0], v[1]);
+    } else {  // the word is one pair: pair j of x, pair 4 + j of y
+      const float e = Elem<T>::to_float((u16)au[j]), o = Elem<T>::to_float((u16)(au[j] >> 16));
+      au[j] = Elem<T>::pack(rot_first(e, o, cs[j], sn[j]), rot_second(e, o, cs[j], sn[j]));
+      const float f = Elem<T>::to_float((u16)bu[j]), q = Elem<T>::to_float((u16)(bu[j] >> 16));
+      bu[j] = Elem<T>::pack(rot_first(f, q, cs[4 + j], sn[4 + j]),
+                            rot_second(f, q, cs[4 + j], sn[4 + j]));
+    }
+  }
+  *reinterpret_cast<uint4*>(x) = a;
+  *reinterpret_cast<uint4*>(y) = b;
+}
+
+// One warp's 16 key rows rotated in place: `at(r, g)` is the address of the 16-byte group g
+// (columns 8g .. 8g + 7) of row r, whatever the tile's layout (padded or swizzled). Key
+// n = n0 + r is rotated at position n / group_of(n); group_of(n) = 0 leaves it as it is, and
+// so do rows at n >= L (past the sequence: their scores are masked). UNROLL: work items per
+// lane in flight (1 or 2). The caller syncs the warp before other lanes read the rows.
 template <typename T, int D, int ROT, int UNROLL, class At, class GroupOf>
 PW_DEVICE void kv_rotate_rows(At at, int n0, int L, const KVParams& p, int lane,
                               GroupOf group_of) {
-  static_assert(ROT == 1 || ROT == 2, "halves (1) or interleaved pairs (2)");
-  constexpr int HALF = D / 2;
-  // A work item is 8 pairs of a row, two 16-byte groups x and y, and 8 entries of each
-  // table (pairs 8c .. 8c + 7): ROT 1 pairs group c with group c + D / 16 (the same columns
-  // of the second half), ROT 2 takes groups 2c and 2c + 1, four neighbour pairs each.
-  constexpr int PER_ROW = D / 16;
+  constexpr int PER_ROW = KvRotItem<D>::PER_ROW;
   // UNROLL items in flight per lane. Fully unrolled, ptxas hoisted every table load and
-  // took 160 registers in pw90_kvdecode at D = 128 (128 without the rotation), which would
-  // cost that kernel its third block per SM; by two it stays at 128. pw_kvcache takes one:
-  // by two, its D = 64 kvcache non-causal interleaved form spilled 4 bytes on sm_90, and
-  // its rotation overlaps the next tile's copies anyway.
+  // took 160 registers in pw90_kvdecode at D = 128 (128 without the rotation); pw_kvcache
+  // takes one: by two, its D = 64 kvcache non-causal interleaved form spilled 4 bytes on
+  // sm_90, and its rotation overlaps the next tile's copies anyway.
 #pragma unroll (UNROLL)
   for (int i = lane; i < 16 * PER_ROW; i += 32) {  // 16 rows: one warp's keys
     const int r = i / PER_ROW, c = i % PER_ROW, n = n0 + r;
     const int g = n < L ? group_of(n) : 0;
     if (g == 0) continue;
-    const i64 base = (i64)(n / g) * HALF + c * 8;
-    u16* x = at(r, ROT == 1 ? c : 2 * c);
-    u16* y = at(r, ROT == 1 ? c + D / 16 : 2 * c + 1);
-    uint4 a = *reinterpret_cast<const uint4*>(x), b = *reinterpret_cast<const uint4*>(y);
-    const float4* cp = reinterpret_cast<const float4*>(p.rot_cos + base);
-    const float4* sp = reinterpret_cast<const float4*>(p.rot_sin + base);
-    const float4 c0 = __ldg(cp), c1 = __ldg(cp + 1), s0 = __ldg(sp), s1 = __ldg(sp + 1);
-    const float cs[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-    const float sn[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
-    u32* au = reinterpret_cast<u32*>(&a);
-    u32* bu = reinterpret_cast<u32*>(&b);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {  // 32-bit word j of each group: columns 2j, 2j + 1
-      if constexpr (ROT == 1) {  // column 2j + h of x pairs with the same column of y
-        float u[2], v[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float x1 = Elem<T>::to_float((u16)(au[j] >> (16 * h)));
-          const float x2 = Elem<T>::to_float((u16)(bu[j] >> (16 * h)));
-          u[h] = rot_first(x1, x2, cs[2 * j + h], sn[2 * j + h]);
-          v[h] = rot_second(x1, x2, cs[2 * j + h], sn[2 * j + h]);
-        }
-        au[j] = Elem<T>::pack(u[0], u[1]);
-        bu[j] = Elem<T>::pack(v[0], v[1]);
-      } else {  // the word is one pair: pair j of x, pair 4 + j of y
-        const float e = Elem<T>::to_float((u16)au[j]), o = Elem<T>::to_float((u16)(au[j] >> 16));
-        au[j] = Elem<T>::pack(rot_first(e, o, cs[j], sn[j]), rot_second(e, o, cs[j], sn[j]));
-        const float f = Elem<T>::to_float((u16)bu[j]), q = Elem<T>::to_float((u16)(bu[j] >> 16));
-        bu[j] = Elem<T>::pack(rot_first(f, q, cs[4 + j], sn[4 + j]),
-                              rot_second(f, q, cs[4 + j], sn[4 + j]));
-      }
-    }
-    *reinterpret_cast<uint4*>(x) = a;
-    *reinterpret_cast<uint4*>(y) = b;
+    float4 cs[2], sn[2];
+    kv_rot_load<D>(p, n / g, c, cs, sn);
+    kv_rot_apply<T, D, ROT>([&](int gg) { return at(r, gg); }, c, cs, sn);
   }
 }
+
+// The table entries of one warp's 16 rows held in registers, so that they can be loaded a
+// chunk ahead of the rotation (pw90_kvdecode: the loads' L2 latency then overlaps the
+// current chunk's products instead of stalling the rotation). Every row of the chunk uses
+// one group size g (0: nothing loaded, nothing rotated).
+template <typename T, int D, int ROT> struct KvRotAhead {
+  static constexpr int PER_ROW = KvRotItem<D>::PER_ROW, ITEMS = KvRotItem<D>::PER_LANE;
+  static_assert(16 * PER_ROW % 32 == 0, "whole items per lane");
+  float4 cs[ITEMS][2], sn[ITEMS][2];
+
+  PW_DEVICE void load(const KVParams& p, int n0, int L, int g, int lane) {
+    if (g == 0) return;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int i = lane + 32 * k, n = n0 + i / PER_ROW;
+      if (n < L) kv_rot_load<D>(p, n / g, i % PER_ROW, cs[k], sn[k]);
+    }
+  }
+  template <class At> PW_DEVICE void apply(At at, int n0, int L, int g, int lane) const {
+    if (g == 0) return;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int i = lane + 32 * k, r = i / PER_ROW;
+      if (n0 + r < L)
+        kv_rot_apply<T, D, ROT>([&](int gg) { return at(r, gg); }, i % PER_ROW, cs[k], sn[k]);
+    }
+  }
+};

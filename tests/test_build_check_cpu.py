@@ -129,7 +129,7 @@ def test_hopper_kernels_build_for_sm90a(capsys, nvrtc):
     assert build_check.main(["--arch", "sm_90a"]) == 0
     out = capsys.readouterr().out
     assert "232 variants compiled for sm_90a" in out
-    assert "pw90_kvdecode<bf16_t, 128, 3, 4, 4, 2>" in out and "pw90_kvdecode<half_t, 64, 6, 1, 4>" in out
+    assert "pw90_kvdecode_rot<bf16_t, 128, 3, 4, 4, 2>" in out and "pw90_kvdecode<half_t, 64, 6, 1, 4>" in out
     for name in ("pw90_forward<pw90::f16, 256, true, true>", "pw90_forward<pw90::bf16, 128, false, false, 96>",
                  "pw90_bwd<pw90::f16, 128, true, true, true, 80>", "pw90_bwd_prep<pw90::bf16, 128, false, 96>",
                  "pw90_bwd_dq_convert<pw90::f16, 128, true, 80>"):

@@ -38,6 +38,20 @@
 #include "kvparams.cuh"
 #include "sm90/hopper.cuh"
 
+// A/B switches (scripts/kvdecode_probe.py; bench/NOTES.md, twenty-ninth section):
+// KV90_SPLIT_STRIDE 0: each key split takes a contiguous range of tiles; 1: split s takes
+// tiles s, s + nsplit, ...; 2 (default): 1 for the rotary forms, 0 otherwise.
+#ifndef KV90_SPLIT_STRIDE
+#define KV90_SPLIT_STRIDE 2
+#endif
+// KV90_ROT_AHEAD: where the rotary forms load a chunk's table entries. 0: at the rotation
+// (kv_rotate_rows); 2: into registers a chunk ahead (KvRotAhead), while the current chunk is
+// computed; 1 (default): 2 at D = 64 (32 registers per lane: 0.96-1.27x there), 0 at D = 128
+// (64 registers: 0.57-0.78x, 200 registers a thread against 151; H200, bench/NOTES.md).
+#ifndef KV90_ROT_AHEAD
+#define KV90_ROT_AHEAD 1
+#endif
+
 namespace pw90kv {
 
 constexpr int BN = 64;           // keys per tile
@@ -104,10 +118,11 @@ PW_DEVICE float ld_cluster(const float* local, int rank) {
 
 }  // namespace pw90kv
 
-template <typename T, int D, int STAGES, int CLUSTER, int CW, int ROT = 0>
-__global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
-    pw90_kvdecode(const __grid_constant__ pw90::TmaDesc tk1, const __grid_constant__ pw90::TmaDesc tk2,
-                  const __grid_constant__ pw90::TmaDesc tv, const KVParams p) {
+// The kernels' body (pw90_kvdecode, pw90_kvdecode_rot below): the tensor maps are the
+// kernels' __grid_constant__ parameters, passed by reference.
+template <typename T, int D, int STAGES, int CLUSTER, int CW, int ROT>
+PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc& tk2,
+                                  const pw90::TmaDesc& tv, const KVParams& p) {
   using namespace pw90kv;
   using Sm = Smem<D, STAGES>;
   static_assert(CW == CHUNKS, "a consumer warp per 16-key chunk of a tile");
@@ -161,17 +176,30 @@ __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
   const int nfar = (int)clamp64((i64)P - p.w + 1, 0, L);
 
   const int ntiles_all = (L + BN - 1) / BN;
-  const int per = (int)((ntiles_all + p.nsplit - 1) / p.nsplit);
-  const int t_begin = (int)min((i64)ntiles_all, split * per);
-  const int t_end = min(ntiles_all, t_begin + per);
+  // The rotary forms rotate only some chunks (ReRoPE: the near keys, at the end of the
+  // sequence), so contiguous ranges would leave the last splits with all the rotation and
+  // the others waiting: split s takes tiles s, s + nsplit, ... instead (1.8x at B = 1,
+  // N = 32768 on an H200). The plain kernel keeps contiguous ranges (strided: 0.98-1.01x).
+  constexpr bool STRIDE = KV90_SPLIT_STRIDE == 1 || (KV90_SPLIT_STRIDE == 2 && ROT != 0);
+  int t_begin, t_end, t_step;  // tiles t_begin, t_begin + t_step, ... below t_end
+  if constexpr (STRIDE) {
+    t_step = (int)p.nsplit;
+    t_begin = (int)split;
+    t_end = ntiles_all;
+  } else {
+    const int per = (int)((ntiles_all + p.nsplit - 1) / p.nsplit);
+    t_step = 1;
+    t_begin = (int)min((i64)ntiles_all, split * per);
+    t_end = min(ntiles_all, t_begin + per);
+  }
 
   if (warp == CW) {  // ------------------------------------------------ producer
     // lane c < CHUNKS loads chunk c of each tile; its page is looked up a tile ahead
     int page = 0, prow = 0;
     if (lane < CHUNKS && t_begin < t_end && t_begin * BN + lane * CHUNK < L)
       chunk_place(p, b, t_begin * BN + lane * CHUNK, page, prow);
-    for (int tile = t_begin; tile < t_end; ++tile) {
-      const int i = tile - t_begin, s = i % STAGES;
+    for (int tile = t_begin; tile < t_end; tile += t_step) {
+      const int i = (tile - t_begin) / t_step, s = i % STAGES;
       const int n = tile * BN + lane * CHUNK;
       const bool load = lane < CHUNKS && n < L;
       const bool both = load && n < nfar && n + CHUNK > nfar;  // straddles d = w
@@ -194,8 +222,8 @@ __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
                               full(s));
         }
       }
-      const int nn = n + BN;  // the next tile's chunk
-      if (lane < CHUNKS && tile + 1 < t_end && nn < L) chunk_place(p, b, nn, page, prow);
+      const int nn = n + t_step * BN;  // the next tile's chunk
+      if (lane < CHUNKS && tile + t_step < t_end && nn < L) chunk_place(p, b, nn, page, prow);
     }
     __syncwarp();
     if constexpr (CLUSTER > 1) {  // the producer warp takes part in the cluster's barriers
@@ -233,8 +261,18 @@ __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
   // against 0.95-0.98x; bench/NOTES.md.)
   const int kr = (lane % 8) + (lane / 16) * 8, kg = (lane / 8) % 2;  // K fragment rows, cols
   const int vr = (lane % 8) + ((lane / 8) % 2) * 8, vg = lane / 16;  // V (transposed)
-  for (int tile = t_begin; tile < t_end; ++tile) {
-    const int i = tile - t_begin, s = i % STAGES;
+  // ROT: the group size of this warp's chunk at n0 (K2's for chunks wholly at d >= w)
+  auto chunk_group = [&](int n0) {
+    return n0 + CHUNK <= nfar ? (int)p.rot_group2 : (int)p.rot_group1;
+  };
+  constexpr bool AHEAD = ROT != 0 && (KV90_ROT_AHEAD == 2 || (KV90_ROT_AHEAD == 1 && D <= 64));
+  KvRotAhead<T, D, ROT == 0 ? 1 : ROT> ahead;  // AHEAD: the next chunk's table entries
+  if constexpr (AHEAD) {
+    const int n0 = t_begin * BN + warp * CHUNK;
+    if (t_begin < t_end && n0 < L) ahead.load(p, n0, L, chunk_group(n0), lane);
+  }
+  for (int tile = t_begin; tile < t_end; tile += t_step) {
+    const int i = (tile - t_begin) / t_step, s = i % STAGES;
     const int n0 = tile * BN + warp * CHUNK;  // this warp's 16 keys
     pw90::mbar_wait(full(s), (i / STAGES) & 1);
     if (n0 < L) {  // chunks past the length were not loaded
@@ -243,19 +281,27 @@ __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
       const u32 sv = st + Sm::v_off + warp * Sm::chunk_bytes;
       const bool both = n0 < nfar && n0 + CHUNK > nfar;  // straddles d = w: K2 in the x slot
       const bool far_only = n0 + CHUNK <= nfar;
+      bool wrote = false;  // ROT: rows of a stage rewritten (generic proxy) by this warp
       if constexpr (ROT != 0) {  // raw keys (kvparams.cuh): rotate the rows this warp reads
         auto at = [&](u32 chunk) {  // 16-byte group g of row r of a swizzled chunk
           return [&, chunk](int r, int g) {
             return reinterpret_cast<u16*>(smem + (swz(chunk, r, g) - base));
           };
         };
-        const int g1 = (int)p.rot_group1, g2 = (int)p.rot_group2;
-        kv_rotate_rows<T, D, ROT, 2>(at(sk), n0, L, p, lane,
-                                  [&](int) { return far_only ? g2 : g1; });  // K2 or K1
-        if (both)  // the straddling chunk's K2
+        // a group of 0 leaves the keys raw (ReRoPE's K2): nothing to rotate, sync or fence
+        const int g2 = (int)p.rot_group2, gk = chunk_group(n0);  // K2 or K1
+        if constexpr (AHEAD) {
+          ahead.apply(at(sk), n0, L, gk, lane);  // loaded for this chunk (group gk)
+          const int nn = n0 + t_step * BN;  // the next chunk's entries, in flight meanwhile
+          ahead.load(p, nn, L, tile + t_step < t_end && nn < L ? chunk_group(nn) : 0, lane);
+        } else if (gk != 0) {
+          kv_rotate_rows<T, D, ROT, 2>(at(sk), n0, L, p, lane, [&](int) { return gk; });
+        }
+        if (both && g2 != 0)  // the straddling chunk's K2 (once per sequence)
           kv_rotate_rows<T, D, ROT, 2>(at(base + Sm::x_off), n0, L, p, lane,
                                     [&](int) { return g2; });
-        __syncwarp();
+        wrote = gk != 0 || (both && g2 != 0);
+        if (wrote) __syncwarp();
       }
       float sc[2][4];
       zero_n<8>(&sc[0][0]);
@@ -323,7 +369,7 @@ __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
       }
       // the zeros above (and ROT's rotated rows) were generic-proxy writes into a stage TMA
       // will refill
-      if (tail || ROT != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      if (tail || wrote) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
     __syncwarp();
     if (lane == 0) pw90::mbar_arrive(empty(s));
@@ -374,4 +420,30 @@ __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
     }
     cluster_sync();  // no block leaves while another still reads its shared memory
   }
+}
+
+template <typename T, int D, int STAGES, int CLUSTER, int CW>
+__global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
+    pw90_kvdecode(const __grid_constant__ pw90::TmaDesc tk1, const __grid_constant__ pw90::TmaDesc tk2,
+                  const __grid_constant__ pw90::TmaDesc tv, const KVParams p) {
+  pw90_kvdecode_body<T, D, STAGES, CLUSTER, CW, 0>(tk1, tk2, tv, p);
+}
+
+// The rotary forms (ROT 1: halves, 2: interleaved pairs), a kernel of their own for their
+// register cap: with the table entries held a chunk ahead at D = 128 (KV90_ROT_AHEAD=2:
+// 64 registers per lane) ptxas took 214 registers, which fits one block per SM; 200 keeps
+// the two that shared memory allows (65536 / (2 x 160 threads) = 204, in steps of 8) without
+// spills. (__launch_bounds__ with 2 blocks per SM capped it at 168 and spilled about 100
+// bytes; __maxnreg__ and __launch_bounds__ exclude each other.) The default forms use
+// 128-165 registers under the cap, and were timed under it.
+#ifndef KV90_ROT_MAXNREG
+#define KV90_ROT_MAXNREG 200
+#endif
+template <typename T, int D, int STAGES, int CLUSTER, int CW, int ROT>
+__global__ void __cluster_dims__(1, CLUSTER, 1) __maxnreg__(KV90_ROT_MAXNREG)
+    pw90_kvdecode_rot(const __grid_constant__ pw90::TmaDesc tk1,
+                      const __grid_constant__ pw90::TmaDesc tk2,
+                      const __grid_constant__ pw90::TmaDesc tv, const KVParams p) {
+  static_assert(ROT == 1 || ROT == 2, "rotary forms only");
+  pw90_kvdecode_body<T, D, STAGES, CLUSTER, CW, ROT>(tk1, tk2, tv, p);
 }
