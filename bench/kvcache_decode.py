@@ -12,8 +12,7 @@ same call with ``CUPY_PIECEWISE_PATH=mma``: the cp.async decode kernel, which an
 replaces with the TMA one (kernels_cu/sm90/kvdecode.cu); ``--variants`` adds rows under
 tuning settings of the latter. ``--rotary`` adds ``attention_with_rotary_kvcache`` rows
 (one cache of raw keys rotated in the kernel: ReRoPE, and SelfExtend with groups of 8; the
-same effective bytes, the float32 cos/sin reads not counted; on both decode kernels), run
-with ``CUPY_PIECEWISE_ROTARY_GPU=1``.
+same effective bytes, the float32 cos/sin reads not counted; on both decode kernels).
 
     PYTHONPATH=$PWD python3 bench/kvcache_decode.py --out bench/results/DIR/kvcache_decode.json
 """
@@ -159,27 +158,17 @@ def run_case(dtype, D, B, H, Hkv, N, block_sizes, w_frac=0.25, variants=(), rota
                            max_cluster=knobs.get("c")):
             add(f"piecewise_kvcache_{name}", ours, 2, f"Hopper decode {name}")
     if rotary:  # k1 serves as the raw key cache; tables of N positions
-        from cupy_piecewise import kvcache_rotary
-
         ang = torch.arange(N, device=dev, dtype=torch.float32)[:, None] * 10000.0 ** (
             -torch.arange(D // 2, device=dev, dtype=torch.float32) / (D // 2))
         cos, sin = ang.cos(), ang.sin()
-        saved = os.environ.get(kvcache_rotary.GPU_ENV)
-        os.environ[kvcache_rotary.GPU_ENV] = "1"
-        try:
-            for name, g2 in (("rerope", None), ("selfextend", 8)):
-                def rot(g2=g2):
-                    return cupy_piecewise.attention_with_rotary_kvcache(
-                        q1, q2, k1, v, w, cos=cos, sin=sin, cache_seqlens=seq, k2_group_size=g2)
-                add(f"piecewise_rotary_{name}", rot, 2, "rotary inside")
-                with kernel_choice(path="mma"):
-                    add(f"piecewise_rotary_{name}_mma", rot, 2,
-                        "rotary inside, CUPY_PIECEWISE_PATH=mma")
-        finally:
-            if saved is None:
-                os.environ.pop(kvcache_rotary.GPU_ENV)
-            else:
-                os.environ[kvcache_rotary.GPU_ENV] = saved
+        for name, g2 in (("rerope", None), ("selfextend", 8)):
+            def rot(g2=g2):
+                return cupy_piecewise.attention_with_rotary_kvcache(
+                    q1, q2, k1, v, w, cos=cos, sin=sin, cache_seqlens=seq, k2_group_size=g2)
+            add(f"piecewise_rotary_{name}", rot, 2, "rotary inside")
+            with kernel_choice(path="mma"):
+                add(f"piecewise_rotary_{name}_mma", rot, 2,
+                    "rotary inside, CUPY_PIECEWISE_PATH=mma")
     for bs in block_sizes:
         # one shuffled page order for the three caches, as a paged allocator hands them out
         table = torch.randperm(B * (N // bs), device=dev).view(B, N // bs).to(torch.int32)

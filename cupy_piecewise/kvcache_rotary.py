@@ -30,14 +30,13 @@ with ``ROT``: each warp rotates the key rows it is about to read in shared memor
 (``kv_rotate_rows``, kernels_cu/kvparams.cuh), in float32 (products and sums rounded
 separately, no FMA), and rounds the result once to the cache dtype, as a float32 rotation
 before caching would. Both kernels pass their GPU tests and compute-sanitizer (H200,
-2026-12-05), but they run at 0.39-0.82x SDPA cuDNN's decode bandwidth where the two-cache
-call runs at 0.95-1.00x (bench/results/2026-12-05-h200-rotary-first-run). Until they are
-competitive the GPU path runs only with :data:`GPU_ENV` set to ``1``. The NumPy and torch
-CPU paths (the float64 reference) have no such gate.
+2026-12-05). The rotation costs time: on an H200 (bf16, one token, w = N / 4) a ReRoPE
+decode runs at 0.72-0.82x SDPA cuDNN's bandwidth and a SelfExtend one (every key rotated)
+at 0.44-0.60x, where the two-cache call runs at 0.98-1.01x
+(bench/results/2026-12-05-h200-rotary-decode-speed): the price of a third less KV memory.
 """
 from __future__ import annotations
 
-import os
 import re
 from typing import NamedTuple
 
@@ -47,10 +46,7 @@ from . import kvcache, reference, validate
 from .compile import ROTARY_LAYOUTS
 
 __all__ = ["attention_with_rotary_kvcache", "reference_with_rotary_kvcache", "apply_rotary",
-           "check_rotary_args", "RotaryArgs", "GPU_ENV"]
-
-#: Set to ``1`` to run the rotary-inside kernels on the GPU (opt-in while they are slow).
-GPU_ENV = "CUPY_PIECEWISE_ROTARY_GPU"
+           "check_rotary_args", "RotaryArgs"]
 
 #: Table dtypes by path: the kernel reads float32 tables; the reference takes any float.
 _GPU_TABLE_DTYPE = "float32"
@@ -244,22 +240,6 @@ def reference_with_rotary_kvcache(q1, q2, k_cache, v_cache, dist_threshold, cos,
     return o, lse
 
 
-def gpu_allowed() -> bool:
-    """True when :data:`GPU_ENV` is ``1``: the rotary-inside kernel may run before its first
-    GPU validation."""
-    return os.environ.get(GPU_ENV) == "1"
-
-
-def require_gpu_allowed() -> None:
-    """Raise NotImplementedError naming :data:`GPU_ENV` unless it is set."""
-    if not gpu_allowed():
-        raise NotImplementedError(
-            "attention_with_rotary_kvcache on the GPU is opt-in: its kernels pass their GPU "
-            "tests but decode at 0.39-0.82x SDPA cuDNN's bandwidth, below the two-cache "
-            f"attention_with_kvcache; set {GPU_ENV}=1 to use them, or call it with NumPy "
-            "arrays or torch CPU tensors (the float64 reference)")
-
-
 def attention_with_rotary_kvcache(q1, q2, k_cache, v_cache, dist_threshold, *, cos, sin,
                                   cache_seqlens, k_new=None, v_new=None, block_table=None,
                                   k1_group_size=1, k2_group_size=None, interleaved=False,
@@ -298,9 +278,8 @@ def attention_with_rotary_kvcache(q1, q2, k_cache, v_cache, dist_threshold, *, c
     Arrays come from one library: NumPy (float64 reference, results in the input dtype),
     torch CPU (reference, the append done on the tensors), CuPy or torch CUDA
     (bfloat16/float16, head dims 16, 32, 64, 128; the KV-cache kernels of
-    :func:`~cupy_piecewise.attention_with_kvcache` built with the rotation; gated by
-    :data:`GPU_ENV` while they are slow). On the GPU nothing synchronises with
-    the host, so the torch call captures in a CUDA graph.
+    :func:`~cupy_piecewise.attention_with_kvcache` built with the rotation). On the GPU
+    nothing synchronises with the host, so the torch call captures in a CUDA graph.
 
     Returns:
         ``o`` (B, H, M, D) in the input dtype, or ``(o, lse)`` with ``lse`` (B, H, M)
@@ -309,7 +288,6 @@ def attention_with_rotary_kvcache(q1, q2, k_cache, v_cache, dist_threshold, *, c
     Raises:
         TypeError, ValueError: as :func:`check_rotary_args`; on NumPy and torch CPU also a
             length beyond the capacity.
-        NotImplementedError: CuPy or torch CUDA arrays while :data:`GPU_ENV` is not ``1``.
     """
     library = validate.library_of(q1, "q1")
     args = (q1, q2, k_cache, v_cache, dist_threshold, cos, sin, cache_seqlens, k_new, v_new,
@@ -336,7 +314,6 @@ def _cupy_call(*args):
         lse = empty((a.B, a.H, a.M), cupy.float32)
         if a.M == 0 or a.B == 0 or (a.H == 0 and not a.appended):
             return o, lse
-        require_gpu_allowed()
         from .adapters import cupy as ad
 
         run_rotary_on_gpu(ad.OPS, r, args, o, lse, cos, sin)

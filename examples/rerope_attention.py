@@ -141,11 +141,10 @@ def check(device: str, dtype: torch.dtype, atol: float) -> None:
     # 3. serving: decode the last tokens against one cache of raw keys, rotated inside the
     #    kernel (attention_with_rotary_kvcache), equals the layer's attention rows.
     err3 = decode_with_raw_key_cache(layer, x.detach(), steps=4)
-    if err3 is not None:
-        assert err3 <= atol, f"{device} {dtype}: decode differs from the layer by {err3:.3e}"
+    assert err3 <= atol, f"{device} {dtype}: decode differs from the layer by {err3:.3e}"
     print(f"{device:5s} {str(dtype):15s} |y - rotary sdpa| {err:.2e}  |dx diff| {gerr:.2e}  "
           f"|y - clipped definition| {err2:.2e}  |decode - layer| "
-          f"{'skipped (CUPY_PIECEWISE_ROTARY_GPU unset)' if err3 is None else f'{err3:.2e}'}  ok")
+          f"{err3:.2e}  ok")
 
 
 def rope_tables(positions: int, D: int, device, dtype, base: float = 10000.0):
@@ -160,12 +159,7 @@ def decode_with_raw_key_cache(layer: ReRoPEAttention, x: torch.Tensor, steps: in
     """Prefill the raw keys and values of all but the last ``steps`` tokens into a cache,
     then decode those tokens one at a time with attention_with_rotary_kvcache (queries
     rotated here, keys in the kernel); the rows must match the layer's own attention.
-    CUDA runs only with CUPY_PIECEWISE_ROTARY_GPU=1 (the GPU path is opt-in while it is
-    slow); returns the largest difference, or None when it did not run."""
-    from cupy_piecewise import kvcache_rotary
-
-    if x.is_cuda and not kvcache_rotary.gpu_allowed():
-        return None
+    Returns the largest difference."""
     B, L, _ = x.shape
     with torch.no_grad():
         q1, _, q2, _, v = layer.projections(x)

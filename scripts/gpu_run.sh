@@ -10,7 +10,7 @@
 # rotary (not in all): the rotary-inside KV-cache kernels' first validation: their GPU tests
 # and GPU fuzz (FUZZ_EXAMPLES, default 120: 60 rotary examples), memcheck, racecheck and synccheck on
 # their sanitizer cases (SANITIZE_SKIP leaves the rest out), and the decode bench's quick
-# shapes with --rotary, under CUPY_PIECEWISE_ROTARY_GPU=1; about 5-6 min.
+# shapes with --rotary; about 5-6 min.
 # kvprobe (not in all): scripts/kvdecode_probe.py, the Hopper decode's A/B probe, configs from
 # KVPROBE_CONFIGS (default "base;pdl=0 pdld=0"), about 1-2 minutes per macro set.
 # mma_probes (not in all): the mma.sync backward against SDPA flash (scripts/mma_bwd_probe.py,
@@ -225,7 +225,6 @@ if asked kvprobe; then
   status=$((status | rc))
 fi
 if asked rotary; then
-  export CUPY_PIECEWISE_ROTARY_GPU=1
   CUPY_PIECEWISE_FUZZ_GPU_EXAMPLES=${FUZZ_EXAMPLES:-120} timeout 420 python3 -m pytest -q -ra -m gpu \
     -p no:cacheprovider tests/test_kvcache_rotary_gpu.py tests/test_fuzz_kvcache.py -k "rotary" \
     2>&1 | tee "$logs/pytest_rotary.log" | tail -8

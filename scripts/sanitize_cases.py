@@ -163,7 +163,6 @@ from test_kvcache_rotary_gpu import _lowp, _tables  # noqa: E402
 
 from cupy_piecewise import kvcache_rotary  # noqa: E402
 
-os.environ[kvcache_rotary.GPU_ENV] = "1"
 for D in _dims(kvcache.KV_HEAD_DIMS) if "rotary" not in _skip else ():
     for dtype in ("float16", "bfloat16"):
         # every (phase, layout, causal flag): the build check compiles each of them

@@ -295,8 +295,6 @@ def test_rotary_kvcache_gpu_fuzz(case):
         return poisoned(shape, "float32" if np.dtype(dtype) == np.float32 else kv.dtype)
 
     real, kvcache._empty = kvcache._empty, empty
-    gate = os.environ.get(kvcache_rotary.GPU_ENV)
-    os.environ[kvcache_rotary.GPU_ENV] = "1"
     try:
         o, lse = kvcache_rotary.attention_with_rotary_kvcache(
             cupy.asarray(q1.astype(nd)), cupy.asarray(q2.astype(nd)), *work, kv.w,
@@ -305,10 +303,6 @@ def test_rotary_kvcache_gpu_fuzz(case):
             **app, **_rot_kwargs(case))
     finally:
         kvcache._empty = real
-        if gate is None:
-            os.environ.pop(kvcache_rotary.GPU_ENV)
-        else:
-            os.environ[kvcache_rotary.GPU_ENV] = gate
     full = _after_append(kv, caches, new)
     for got, want in zip(_read_back(kv, work, table), full):
         np.testing.assert_array_equal(got, want)  # the appended raw rows and nothing else

@@ -262,14 +262,6 @@ def test_mixed_libraries_are_refused():
         cpw.attention_with_rotary_kvcache(*args, **kw)
 
 
-def test_gpu_path_is_gated_until_validated(monkeypatch):
-    monkeypatch.delenv(kr.GPU_ENV, raising=False)
-    with pytest.raises(NotImplementedError, match=kr.GPU_ENV):
-        kr.require_gpu_allowed()
-    monkeypatch.setenv(kr.GPU_ENV, "1")
-    kr.require_gpu_allowed()
-
-
 def test_apply_rotary_matches_complex_rotation_and_refuses_bad_tables():
     rng = np.random.default_rng(20)
     x = rng.standard_normal((2, 5, 12))

@@ -23,11 +23,6 @@ from cupy_piecewise.gpu_arrays import _np_dtype, poisoned, round_to  # noqa: E40
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def allowed(monkeypatch):
-    monkeypatch.setenv(kr.GPU_ENV, "1")
-
-
 def _tables(positions, D):
     ang = np.arange(positions)[:, None] * 10000.0 ** (-np.arange(D // 2) / (D // 2))
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
@@ -79,7 +74,7 @@ CASES = [  # (dtype, D, M, layout, groups, paged block size or 0, causal, append
     f"{c[0]}-D{c[1]}-M{c[2]}-{c[3]}-g{c[4][0]}_{c[4][1]}-{'paged' + str(c[5]) if c[5] else 'contig'}"
     f"-{'causal' if c[6] else 'full'}-{'append' if c[7] else 'cached'}-{c[8]}" for c in CASES])
 def test_rotary_kvcache_matches_reference(dtype, D, M, layout, groups, bs, causal, appended,
-                                          path, allowed, monkeypatch):
+                                          path, monkeypatch):
     import cupy
 
     from cupy_piecewise import capability
@@ -150,7 +145,7 @@ STALE_CASES = [("bfloat16", 128, 8, 2, "contig"), ("float16", 64, 20, 1, "paged6
 @pytest.mark.parametrize("dtype,D,H,Hkv,layout", STALE_CASES,
                          ids=[f"{c[0]}-D{c[1]}-H{c[2]}-Hkv{c[3]}-{c[4]}" for c in STALE_CASES])
 def test_rotary_decode_never_reads_rows_past_the_lengths(dtype, D, H, Hkv, layout,
-                                                         interleaved, path, allowed,
+                                                         interleaved, path,
                                                          monkeypatch):
     """M = 1 on both decode kernels with every cache row past a sequence's length (and every
     unused page) NaN: the rotation must leave those rows alone and the kernels mask them.
@@ -205,7 +200,7 @@ BITWISE_CASES = [(dt, D, M, inter, path) for dt in ("bfloat16", "float16") for D
 @pytest.mark.parametrize("dtype,D,M,interleaved,path", BITWISE_CASES,
                          ids=[f"{c[0]}-D{c[1]}-M{c[2]}-{'inter' if c[3] else 'half'}-{c[4]}"
                               for c in BITWISE_CASES])
-def test_rotary_kernel_equals_two_cache_kernel_bitwise(dtype, D, M, interleaved, path, allowed,
+def test_rotary_kernel_equals_two_cache_kernel_bitwise(dtype, D, M, interleaved, path,
                                                        monkeypatch):
     """The rotation is the only difference between a rotary call and a two-cache call whose
     caches were rotated on the host in float32 (each product and sum rounded, as the kernel
@@ -245,19 +240,7 @@ def test_rotary_kernel_equals_two_cache_kernel_bitwise(dtype, D, M, interleaved,
             f"lse, w={w}"
 
 
-def test_the_gpu_path_refuses_to_run_until_validated(monkeypatch):
-    import cupy
-
-    monkeypatch.delenv(kr.GPU_ENV, raising=False)
-    q = cupy.zeros((1, 2, 1, 64), cupy.float16)
-    cache = cupy.zeros((1, 2, 64, 64), cupy.float16)
-    cos, sin = (cupy.asarray(t) for t in _tables(64, 64))
-    with pytest.raises(NotImplementedError, match=kr.GPU_ENV):
-        kr.attention_with_rotary_kvcache(q, q, cache, cache, 4, cos=cos, sin=sin,
-                                         cache_seqlens=cupy.ones(1, cupy.int32))
-
-
-def test_torch_rotary_decode_in_a_cuda_graph_matches_eager(allowed):
+def test_torch_rotary_decode_in_a_cuda_graph_matches_eager():
     """A rotary decode step (append one raw key, attend) captured once and replayed with the
     lengths advanced on the device gives the eager results and the same caches."""
     torch = pytest.importorskip("torch")
