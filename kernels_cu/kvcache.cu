@@ -61,25 +61,16 @@ __global__ void __launch_bounds__(WARPS * 32) pw_kvcache(const KVParams p) {
   }
 
   // This split's key tiles, from the sequence's own length (known only on the device).
-  // The rotary forms rotate only some tiles (ReRoPE: the near keys, at the end of the
-  // sequence): split s takes tiles s, s + nsplit, ... so that every split gets its share
-  // (pw90_kvdecode: 1.8x on an H200 at B = 1, N = 32768); the plain kernel keeps
-  // contiguous ranges.
+  // tiles t_begin, t_begin + t_step, ... below t_end: strided for the rotary forms from
+  // D = 64 (at D = 16 and 32 the strided loop's registers spilled on sm_80/86/89 in one
+  // form or another at the 80 registers ptxas gives these kernels)
+  constexpr bool STRIDE = ROT != 0 && D >= 64;
   const int ntiles_all = (L + BN - 1) / BN;
-  int t_begin, t_end, t_step;  // tiles t_begin, t_begin + t_step, ... below t_end
-  if constexpr (ROT != 0) {
-    t_step = (int)p.nsplit;
-    t_begin = (int)split;
-    t_end = ntiles_all;
-  } else {
-    const int per = (int)((ntiles_all + p.nsplit - 1) / p.nsplit);
-    t_step = 1;
-    t_begin = (int)min((i64)ntiles_all, split * per);
-    t_end = min(ntiles_all, t_begin + per);
-  }
+  const KvSplitTiles<STRIDE> range(ntiles_all, split, p.nsplit);
+  const int t_begin = range.t_begin, t_end = range.t_end, t_step = range.t_step;
   // ring stage of the tile `j` tiles after t_begin, which is `tile` (a division-free form
   // for the strided split: the division cost the rotary D = 32 form a spill on sm_86)
-  auto stage_of = [&](int tile, int j) { return (ROT != 0 ? j : tile - t_begin) % STAGES; };
+  auto stage_of = [&](int tile, int j) { return (STRIDE ? j : tile - t_begin) % STAGES; };
 
   // Tokens of the block's rows span at most [0, M): tile modes use that range.
   const int tlo = 0, tn = (int)min(M, (i64)1 << 30);

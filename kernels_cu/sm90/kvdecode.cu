@@ -176,22 +176,10 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
   const int nfar = (int)clamp64((i64)P - p.w + 1, 0, L);
 
   const int ntiles_all = (L + BN - 1) / BN;
-  // The rotary forms rotate only some chunks (ReRoPE: the near keys, at the end of the
-  // sequence), so contiguous ranges would leave the last splits with all the rotation and
-  // the others waiting: split s takes tiles s, s + nsplit, ... instead (1.8x at B = 1,
-  // N = 32768 on an H200). The plain kernel keeps contiguous ranges (strided: 0.98-1.01x).
+  // tiles t_begin, t_begin + t_step, ... below t_end (strided for the rotary forms)
   constexpr bool STRIDE = KV90_SPLIT_STRIDE == 1 || (KV90_SPLIT_STRIDE == 2 && ROT != 0);
-  int t_begin, t_end, t_step;  // tiles t_begin, t_begin + t_step, ... below t_end
-  if constexpr (STRIDE) {
-    t_step = (int)p.nsplit;
-    t_begin = (int)split;
-    t_end = ntiles_all;
-  } else {
-    const int per = (int)((ntiles_all + p.nsplit - 1) / p.nsplit);
-    t_step = 1;
-    t_begin = (int)min((i64)ntiles_all, split * per);
-    t_end = min(ntiles_all, t_begin + per);
-  }
+  const KvSplitTiles<STRIDE> range(ntiles_all, split, p.nsplit);
+  const int t_begin = range.t_begin, t_end = range.t_end, t_step = range.t_step;
 
   if (warp == CW) {  // ------------------------------------------------ producer
     // lane c < CHUNKS loads chunk c of each tile; its page is looked up a tile ahead
