@@ -43,8 +43,6 @@ PW_DEVICE i64 cache_offset(const KVParams& p, const CacheView& c, i64 b, int n) 
   return page * c.sp + (i64)(n - blk * (int)p.block_size) * c.sr;
 }
 
-// Keys sequence b attends: its cached ones plus the M appended in this call, if any (never
-// beyond the cache's capacity: the appended rows that do not fit were not written).
 // The key tiles of split `split` of `nsplit` over `ntiles` tiles: t_begin, t_begin + t_step,
 // ... below t_end. STRIDE: split s takes tiles s, s + nsplit, ... (the rotary forms, which
 // rotate only some tiles: ReRoPE's near keys are the sequence's last ones, and contiguous
@@ -67,6 +65,8 @@ template <bool STRIDE> struct KvSplitTiles {
   }
 };
 
+// Keys sequence b attends: its cached ones plus the M appended in this call, if any (never
+// beyond the cache's capacity: the appended rows that do not fit were not written).
 PW_DEVICE int kv_length(const KVParams& p, i64 b) {
   const i64 L = (i64)p.seqlens[b] + (p.k1n.ptr != nullptr ? p.M : 0);
   return (int)clamp64(L, 0, p.capacity);

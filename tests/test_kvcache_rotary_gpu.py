@@ -3,8 +3,8 @@ pw_kvcache against the float64 reference by the tolerance rule (outputs NaN-pois
 low-precision yardstick rotates in float32 and rounds the keys to the input dtype, as
 rotating before caching would), both layouts, ReRoPE and SelfExtend position maps,
 contiguous and paged caches, M in {1, 4, 17}, GQA, cache lengths from 0 to full, the raw
-keys appended in place, a torch decode step replayed in a CUDA graph, and the gate that
-keeps the kernel off until it has been validated."""
+keys appended in place, a torch decode step replayed in a CUDA graph, and the rotary call
+bitwise equal to a two-cache call on host-rotated caches."""
 from __future__ import annotations
 
 import os

@@ -427,8 +427,16 @@ __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
 #ifndef KV90_ROT_MAXNREG
 #define KV90_ROT_MAXNREG 200
 #endif
+// __maxnreg__ came with CUDA 12.4; older NVRTC builds the rotary forms with the plain bounds
+// (the default forms fit them: 128-165 registers)
+#if defined(__CUDACC_VER_MAJOR__) && \
+    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
+#define KV90_ROT_BOUNDS(threads) __maxnreg__(KV90_ROT_MAXNREG)
+#else
+#define KV90_ROT_BOUNDS(threads) __launch_bounds__(threads)
+#endif
 template <typename T, int D, int STAGES, int CLUSTER, int CW, int ROT>
-__global__ void __cluster_dims__(1, CLUSTER, 1) __maxnreg__(KV90_ROT_MAXNREG)
+__global__ void __cluster_dims__(1, CLUSTER, 1) KV90_ROT_BOUNDS((CW + 1) * 32)
     pw90_kvdecode_rot(const __grid_constant__ pw90::TmaDesc tk1,
                       const __grid_constant__ pw90::TmaDesc tk2,
                       const __grid_constant__ pw90::TmaDesc tv, const KVParams p) {
