@@ -159,7 +159,7 @@ for D in _dims(kvcache.KV_HEAD_DIMS) if "kvcache" not in _skip else ():
 
 # Rotary inside the KV-cache kernel (ROT = 1 halves, 2 interleaved): raw keys rotated in
 # shared memory, appended, contiguous and paged, one token (kvdecode) and three (kvcache)
-from test_kvcache_rotary_gpu import _lowp, _tables  # noqa: E402
+from test_kvcache_rotary_gpu import _lowp, _tables, long_cache_case  # noqa: E402
 
 from cupy_piecewise import kvcache_rotary  # noqa: E402
 
@@ -214,6 +214,13 @@ for D in _dims(kvcache.KV_HEAD_DIMS) if "rotary" not in _skip else ():
             capability.refresh_env_override()
             print(f"ok rotary kvcache {dtype} D={D} M={M} interleaved={interleaved} "
                   f"causal={causal} (contiguous, paged)", flush=True)
+    # a long cache the planner splits (more splits than a Hopper cluster holds at D = 128:
+    # merged by pw_forward_combine), the rotary forms' strided key splits
+    if D in (64, 128):
+        inter = D == 64
+        nsplit = long_cache_case(D, inter, (1, 8) if inter else (1, None), int(rng.integers(1 << 30)))
+        print(f"ok rotary kvcache long cache D={D} interleaved={inter} nsplit={nsplit}",
+              flush=True)
 
 # Packed variable-length batches (the VARLEN kernels): empty sequences, tile edges, every
 # head dim, dtype and causal flag, forward and backward with a gradient into lse

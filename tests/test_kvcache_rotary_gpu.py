@@ -207,10 +207,19 @@ def test_rotary_kernel_equals_two_cache_kernel_bitwise(dtype, D, M, interleaved,
     does) and rounded to the dtype: the same plan runs the same kernel with ROT = 0, so o and
     lse must agree bit for bit. This catches a rotation error on a few keys (one straddling
     chunk, one position off) that the tolerance rule could let through. Several w per case
-    put the rotated near keys, the rotated far keys (k2 group 3) and the straddle in play."""
+    put the rotated near keys, the rotated far keys (k2 group 3) and the straddle in play.
+
+    The key splits are pinned (kvcache_launch.split_count): the rotary forms split the key
+    tiles strided and the plain ones contiguously, which sum in different orders unless
+    each split holds at most one tile. So each case runs unsplit, one split per tile (on the
+    Hopper decode: a cluster merge) and twice that (empty splits; merged by
+    pw_forward_combine), whatever the GPU's SM count would pick."""
+    import math
+
     import cupy
 
-    from cupy_piecewise import capability
+    from cupy_piecewise import capability, kvcache_launch
+    from cupy_piecewise.core.memo import Memo
 
     monkeypatch.setenv(capability.PATH_VAR, path)
     capability.refresh_env_override()
@@ -228,16 +237,88 @@ def test_rotary_kernel_equals_two_cache_kernel_bitwise(dtype, D, M, interleaved,
     k2 = round_to(_rotate32(keys, cos, sin, n // 3, interleaved), dtype)
     dq1, dq2 = cupy.asarray(q1.astype(nd)), cupy.asarray(q2.astype(nd))
     dk, dv, d1, d2 = (cupy.asarray(x.astype(nd)) for x in (keys, vals, k1, k2))
-    for w in (1, 40, 100, N + 5):
-        kw = dict(cache_seqlens=cupy.asarray(seq), return_lse=True)
-        o_r, l_r = kr.attention_with_rotary_kvcache(dq1, dq2, dk, dv, w, cos=cupy.asarray(cos),
-                                                    sin=cupy.asarray(sin), k2_group_size=3,
-                                                    interleaved=interleaved, **kw)
-        o_2, l_2 = kvcache.attention_with_kvcache(dq1, dq2, d1, d2, dv, w, **kw)
-        assert cupy.array_equal(o_r.view(cupy.uint16), o_2.view(cupy.uint16)), f"o, w={w}"
-        assert cupy.array_equal(l_r, l_2) or bool(cupy.all((l_r == l_2) | (cupy.isnan(l_r)
-                                                                            & cupy.isnan(l_2)))), \
-            f"lse, w={w}"
+    planned = []
+    for per_tile in (0, 1, 2):  # nsplit = 1, the tile count, twice the tile count
+        def pinned(shape, tiles, *_args, **_kw):
+            count = max(1, per_tile * math.ceil(shape.capacity / tiles.block_n))
+            planned.append(count)
+            return count
+
+        monkeypatch.setattr(kvcache_launch, "split_count", pinned)
+        monkeypatch.setattr(kvcache_launch, "_plans", Memo())  # plans made with the pin
+        for w in (1, 40, 100, N + 5):
+            kw = dict(cache_seqlens=cupy.asarray(seq), return_lse=True)
+            o_r, l_r = kr.attention_with_rotary_kvcache(
+                dq1, dq2, dk, dv, w, cos=cupy.asarray(cos), sin=cupy.asarray(sin),
+                k2_group_size=3, interleaved=interleaved, **kw)
+            o_2, l_2 = kvcache.attention_with_kvcache(dq1, dq2, d1, d2, dv, w, **kw)
+            where = f"w={w}, nsplit={planned[-1]}"
+            assert cupy.array_equal(o_r.view(cupy.uint16), o_2.view(cupy.uint16)), f"o, {where}"
+            assert bool(cupy.all((l_r == l_2) | (cupy.isnan(l_r) & cupy.isnan(l_2)))), \
+                f"lse, {where}"
+    assert len(set(planned)) == 3, f"the pinned split counts were not all planned: {planned}"
+
+
+def long_cache_case(D, interleaved, groups, seed, N=12288):
+    """One rotary decode of a long cache (one sequence, one key head, eight query heads, bf16,
+    w = N / 4) checked against the reference by the tolerance rule; returns the key splits
+    the planner chose (0 when no kernel ran). With N = 12288 an H200 splits the keys (on the
+    Hopper decode more than a cluster holds, so pw_forward_combine merges them), and
+    ReRoPE's rotated keys, the last quarter, reach most of the strided splits.
+    scripts/sanitize_cases.py runs it too."""
+    import cupy
+
+    from cupy_piecewise import kvcache_launch
+    from cupy_piecewise.core.memo import Memo
+
+    planned = []
+    real, plans = kvcache_launch.split_count, kvcache_launch._plans
+
+    def recorded(*args, **kw):
+        planned.append(real(*args, **kw))
+        return planned[-1]
+
+    kvcache_launch.split_count, kvcache_launch._plans = recorded, Memo()  # plan afresh
+    try:
+        rng = np.random.default_rng(seed)
+        dtype, B, H, Hkv = "bfloat16", 1, 8, 1
+        nd = _np_dtype(dtype)
+        cos, sin = _tables(N, D)
+        seq = np.array([N - 5], np.int32)
+        q1, q2 = (round_to(rng.standard_normal((B, H, 1, D)).astype(np.float32) * 1.5, dtype)
+                  for _ in range(2))
+        keys, vals = (round_to(rng.standard_normal((B, Hkv, N, D)).astype(np.float32), dtype)
+                      for _ in range(2))
+        w = N // 4
+        kw = dict(k1_group_size=groups[0], k2_group_size=groups[1], interleaved=interleaved,
+                  causal=True, sm_scale=1 / np.sqrt(D))
+        ref = kr.reference_with_rotary_kvcache(q1, q2, keys, vals, w, cos, sin, seq, **kw)
+        low = _lowp(q1, q2, keys, vals, cos, sin, [g or 0 for g in groups], interleaved, w,
+                    seq, 1, True, 1 / np.sqrt(D), dtype)
+        o, lse = kr.attention_with_rotary_kvcache(
+            cupy.asarray(q1.astype(nd)), cupy.asarray(q2.astype(nd)),
+            cupy.asarray(keys.astype(nd)), cupy.asarray(vals.astype(nd)), w,
+            cos=cupy.asarray(cos), sin=cupy.asarray(sin), cache_seqlens=cupy.asarray(seq),
+            return_lse=True, **kw)
+        nsplit = planned[-1] if planned else 0
+        for name, g, r, lw in zip(("o", "lse"), (cupy.asnumpy(o), cupy.asnumpy(lse)), ref, low):
+            verdict = tolerance.compare(name, np.asarray(g, np.float64), r, lw, dtype)
+            assert verdict.passed, f"D={D}, nsplit={nsplit}: {verdict} (input seed {seed})"
+    finally:
+        kvcache_launch.split_count, kvcache_launch._plans = real, plans
+    return nsplit
+
+
+LONG_CASES = [(128, False, (1, None)), (64, True, (1, 8))]  # ReRoPE halves, SelfExtend pairs
+
+
+@pytest.mark.parametrize("D,interleaved,groups", LONG_CASES,
+                         ids=[f"D{c[0]}-{'inter' if c[1] else 'half'}-g{c[2][1]}" for c in LONG_CASES])
+def test_rotary_long_cache_splits_and_merges(D, interleaved, groups):
+    """long_cache_case: the planner's own split count (more than one) on a long cache, with
+    the strided splits of the rotary forms, gives the reference."""
+    nsplit = long_cache_case(D, interleaved, groups, fresh_seed())
+    assert nsplit > 1, f"D={D}: the planner did not split the keys"
 
 
 def test_torch_rotary_decode_in_a_cuda_graph_matches_eager():
