@@ -397,12 +397,13 @@ def fused_ds_bytes(cfg: TileConfig) -> int:
     return 2 * cfg.block_n * (cfg.block_m + 8)
 
 
-#: Host mirror of the kernels' -DPW_FWD_Q_ROTATE (kernels_cu/traits.cuh; an A/B build, off by
-#: default): one-key-slot forward tiles with BM == 2 * BN keep three rotating slots of one Q
-#: tile each (:func:`fwd_q_rotate`). Only :func:`apply_kernel_macros` sets it, beside the -D
-#: option that builds the matching kernels; :data:`MACRO_TABLE` holds the entry it is staged
-#: for.
-FWD_Q_ROTATE = False
+#: Host mirror of the kernels' -DPW_FWD_Q_ROTATE (kernels_cu/traits.cuh; on by default since
+#: 2026-12-05): one-key-slot forward tiles with BM == 2 * BN keep three rotating slots of one
+#: Q tile each (:func:`fwd_q_rotate`), as TABLE's sm_90 D = 128 forward entry, 128x64x4, does.
+#: Only :func:`apply_kernel_macros` changes it, beside the -D option that builds the matching
+#: kernels: ``PW_FWD_Q_ROTATE=0`` (an A/B build of the earlier four-slot layout) turns it
+#: off, and 128x64x4 at D = 128 then needs 139264 bytes (one block per SM) instead of 104448.
+FWD_Q_ROTATE = True
 
 #: kernel macro -> this module's mirror of it (the launch's shared-memory size depends on it)
 _MACRO_MIRRORS = {"PW_FWD_Q_ROTATE": "FWD_Q_ROTATE"}
@@ -528,9 +529,10 @@ _SM86_89 = {
 # (and of the sm_90 row, which later runs refined) that fits, and the build check proves it
 # compiles without spills for that architecture. The H200 ran one block per SM at D = 128
 # and two at 64 in the shapes those rows were taken from, so those figures did not depend on
-# occupancy the smaller GPUs cannot reach. (Since 2026-12-04 the sm_90 D = 128 forward runs
-# two blocks of 128x32x4 per SM with one key slot, 104 KB each; an A100 fits one, and one
-# block of 128x32x4 ran no faster than 128x64x8 on the H200, so sm_80 keeps 64x64x4.)
+# occupancy the smaller GPUs cannot reach. (From 2026-12-04 the sm_90 D = 128 forward ran
+# two blocks of 128x32x4 per SM with one key slot, 104 KB each, and since 2026-12-05 two of
+# 128x64x4 in three rotating slots, 104 KB each too; an A100 fits one, and one block of
+# 128x32x4 ran no faster than 128x64x8 on the H200, so sm_80 keeps 64x64x4.)
 # The bwd_fused entries take the one-kernel backward for the variants where it won on the
 # H200 (the sm_90 row), in shapes that fit.
 # sm_86 and sm_89 share one row on purpose: every quantity the choice depends on is the same
@@ -576,12 +578,17 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
         # 96 need fewer registers and less shared memory); 256 takes 16-key steps and one
         # 16-row block per warp (a D-wide accumulator is 128 registers; the build check
         # finds these at 247-255 without spills). Not yet timed.
-        # 128: 128x32x4 with one key slot per stage (fwd_one_key_slot), two blocks per SM:
-        # 1.12-1.21x the 128x64x8 entry before it on an H200 (2026-12-04, bf16 and fp16,
-        # L 2048 and 8192, causal and not; bench/results/2026-12-04-h200-fwd-one-key-slot).
+        # 128: 128x64x4 in three rotating Q-sized slots (fwd_q_rotate, kernels_cu/traits.cuh
+        # PW_FWD_Q_ROTATE; 104 KB), two blocks per SM: 1.11-1.16x the 128x32x4 entry before
+        # it on an H200 (2026-12-05, scripts/mma_fwd_probe.py, bf16 and fp16, L 2048-16384,
+        # causal and not; 0.85-0.89x SDPA flash at L 2048, 0.96-0.99x at 8192-16384). That
+        # 128x32x4 kept one key slot per stage (fwd_one_key_slot), two blocks per SM at
+        # 104 KB: 1.12-1.21x the 128x64x8 entry before it (2026-12-04,
+        # bench/results/2026-12-04-h200-fwd-one-key-slot). Built with -DPW_FWD_Q_ROTATE=0,
+        # 128x64x4 keeps four slots (139264 bytes: one block per SM, which still fits).
         # 96 and 80: 128x32x4 fits two blocks per SM with both key slots (93 and 79 KB):
         # 1.16x (96) and 1.04-1.12x (80) the 128x64x8 entry there (one bf16 round, L 8192).
-        "fwd": {256: _T(64, 16, 4), 128: _T(128, 32, 4), 96: _T(128, 32, 4), 80: _T(128, 32, 4),
+        "fwd": {256: _T(64, 16, 4), 128: _T(128, 64, 4), 96: _T(128, 32, 4), 80: _T(128, 32, 4),
                 64: _T(128, 64, 4), 32: _T(128, 128, 8), 16: _T(128, 64, 4)},
         "fwd_decode": {256: _T(16, 16, 1), 128: _T(16, 32, 1), 96: _T(16, 32, 1), 80: _T(16, 32, 1),
                        64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
@@ -625,7 +632,8 @@ VARLEN_TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
     },
     (9, 0): {
         # 128, 96, 80: the dense entries before 128x32x4 (which spills 20-28 bytes at 128
-        # and 8 at 96 with the packed batch's registers; 80 not timed packed)
+        # and 8 at 96 with the packed batch's registers; 80 not timed packed); 128 also not
+        # the dense 128x64x4 (its packed rotating-slot form spills 88-100 bytes, NVRTC 13.5)
         "fwd": {128: _T(128, 64, 8), 96: _T(128, 64, 8), 80: _T(128, 64, 8), 64: _T(64, 64, 4)},
         "bwd_dkv": {
             128: {(None, True): _T(16, 64, 4), (None, None): _T(16, 64, 4)},
@@ -685,15 +693,10 @@ TF32_TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
 #: mirror is on (:func:`apply_kernel_macros`, which tests/conftest.py's ``PW_TEST_MACROS`` and
 #: the probes call), these replace TABLE's for dense 16-bit variants, so that the GPU suite
 #: runs the macro's kernels at the shapes they are staged for before the macro becomes the
-#: default (then the entry moves into TABLE). Same layout as TABLE.
-MACRO_TABLE: dict[str, dict[tuple[int, int], dict[str, dict[int, object]]]] = {
-    # PW_FWD_Q_ROTATE: the D = 128 forward at 128x64x4 in three rotating slots (fwd_q_rotate,
-    # 104 KB: two blocks per SM), whose dense forms build without spills (NVRTC 13.5). An
-    # older build of the rotation, which spilled, ran 1.03-1.10x the table's 128x32x4 on an
-    # H200 (2026-12-04, bench/results/2026-12-04-h200-rotation; bench/NOTES.md,
-    # twenty-seventh section). Packed batches keep VARLEN_TABLE's entry.
-    "FWD_Q_ROTATE": {(9, 0): {"fwd": {128: _T(128, 64, 4)}}},
-}
+#: default (then the entry moves into TABLE). Same layout as TABLE. It holds nothing now:
+#: PW_FWD_Q_ROTATE's entry (sm_90 fwd D = 128, 128x64x4) moved into TABLE when the macro
+#: became the default (2026-12-05).
+MACRO_TABLE: dict[str, dict[tuple[int, int], dict[str, dict[int, object]]]] = {}
 
 del _T, _SM86_89_TF32
 

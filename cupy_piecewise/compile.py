@@ -77,7 +77,7 @@ def apply_test_macros() -> tuple[str, ...]:
     """Builds every kernel this process compiles with the -D options named in
     ``PW_TEST_MACROS`` (space-separated ``NAME=VALUE``) and sets their host mirrors
     (:func:`cupy_piecewise.capability.apply_kernel_macros`, which also makes
-    ``capability.MACRO_TABLE``'s staged tiles selectable), so an A/B build of kernels_cu/
+    ``capability.MACRO_TABLE``'s staged tiles selectable, if any), so an A/B build of kernels_cu/
     can run the GPU suite and the sanitizers before it becomes the default. Returns the -D
     options added (empty when the variable is unset). For test runs; the package never calls
     it. Raises ValueError for a mirrored macro whose value is not an integer."""

@@ -64,19 +64,6 @@ template <typename T, bool CAUSAL, bool ONE_K> struct VisitPairs {
 #ifndef PW_FWD_RAW_MAX
 #define PW_FWD_RAW_MAX 2
 #endif
-// PW_FWD_VISIT_RELOAD (A/B build; 0, the default: off): the visits body re-reads threadIdx.x
-// per tile (tid_reload, common.cuh), so ptxas recomputes the lane-derived ldmatrix addresses
-// there instead of holding them across the key loop (at D = 128 eight V offsets, one per 16
-// columns, each in its own register). The rotating-slot visit (PW_FWD_Q_ROTATE) does this
-// always. Offline (NVRTC 13.5, sm_90, bf16, causal, the table's tiles): the unmasked loop's
-// instructions fall 990 -> 889 at D = 128 (non-causal 1009 -> 906), 1032 -> 980 at 64,
-// 796 -> 720 at 96, 736 -> 671 at 80, 621 -> 504 at 256, 790 -> 756 at 32, 760 -> 736 at
-// 16, all without spills. Untimed (bench/NOTES.md, twenty-seventh section); the backward's
-// same change (PW_BWD_TID_RELOAD=1) ran 0.6-2.3% slower on the H200 with 1-8% shorter loops,
-// so shorter is not known to be faster here either.
-#ifndef PW_FWD_VISIT_RELOAD
-#define PW_FWD_VISIT_RELOAD 0
-#endif
 // RAW: s holds raw scores and scale is scale_log2 (PW_FWD_RAW_MAX); otherwise s is in the
 // log2 domain already and scale is unused.
 template <int D, int BN, int MW, bool RAW = false>
@@ -305,12 +292,11 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   } else {
     // One visit per projection pair a tile needs (two on a straddling tile), each one
     // product (score_pair). Tiles that need no mask take a copy of the product without
-    // any mask code.
+    // any mask code. (Re-reading threadIdx.x per tile here, as the rotating-slot visit
+    // does, shortened the loop offline but timed 0.96-1.03x on an H200, 2026-12-05: noise,
+    // so that A/B build, PW_FWD_VISIT_RELOAD, was removed.)
     constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
     pipelined_tiles(t_begin, ntiles, issue, [&](int t, int stage) {
-#if PW_FWD_VISIT_RELOAD
-      const int lane = tid_reload() % 32;  // (0 keeps this text out: the default's PTX)
-#endif
       const i64 n0 = (i64)t * BN;
       const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
       const bool masked =

@@ -89,20 +89,25 @@ struct FwdTraits : TileTraitsBase<D, BM, WARPS> {
 __host__ __device__ constexpr bool fwd_one_key_slot(int width, int D, int BM, int WARPS) {
   return width == 1 && D >= 128 && BM == 2 * PW_MMA_ROWS * WARPS;
 }
-// PW_FWD_Q_ROTATE (A/B build; 0, the default: off): a one-key-slot forward tile whose key
-// stage (k and v of BN keys) is as large as one Q tile (BM == 2 * BN) keeps three such slots
-// instead of four (q1, q2, two stages), and their roles rotate as the block sweeps its key
-// tiles in order. Far tiles (every pair d >= w: q2·k2 only) come first: [q2 | stage | stage];
-// the straddling tiles (both products; about (BM + BN) / BN of them) run single-buffered
-// with q1 loaded into the third slot: [q2 | stage | q1]; near tiles (q1·k1 only) reuse q2's
-// slot: [stage | stage | q1]. That takes 128x64x4 at D = 128, FlashAttention-2's D = 128
-// shape on sm_90 (32 rows x 64 keys per warp: 16 score accumulators, twice 128x32x4's),
-// from 139 KB to 104 KB (139264 and 104448 bytes), so two blocks share an SM. On an H200 its
-// first build ran 1.03-1.10x the table's 128x32x4 (bench/NOTES.md, twenty-seventh section);
-// its dense forms build without spills, and capability.MACRO_TABLE stages that entry. The
+// PW_FWD_Q_ROTATE (1, the default since 2026-12-05; 0 builds the earlier four-slot layout,
+// kept for A/B builds): a one-key-slot forward tile whose key stage (k and v of BN keys) is
+// as large as one Q tile (BM == 2 * BN) keeps three such slots instead of four (q1, q2, two
+// stages), and their roles rotate as the block sweeps its key tiles in order. Far tiles
+// (every pair d >= w: q2·k2 only) come first: [q2 | stage | stage]; the straddling tiles
+// (both products; about (BM + BN) / BN of them) run single-buffered with q1 loaded into the
+// third slot: [q2 | stage | q1]; near tiles (q1·k1 only) reuse q2's slot: [stage | stage | q1].
+// That takes 128x64x4 at D = 128, FlashAttention-2's D = 128 shape on sm_90 (32 rows x 64
+// keys per warp: 16 score accumulators, twice 128x32x4's), from 139 KB to 104 KB (139264
+// and 104448 bytes), so two blocks share an SM; its dense forms build without spills. It
+// became the default, with 128x64x4 as the sm_90 D = 128 forward entry (capability.TABLE),
+// on an H200 measurement (2026-12-05, scripts/mma_fwd_probe.py, 36/36 reference checks per
+// build): 1.11-1.16x the table's 128x32x4 before on all 12 rows (bf16/fp16, causal and not,
+// L 2048/8192/16384), 0.85-0.89x SDPA flash at L 2048 and 0.96-0.99x at L 8192-16384. (Its
+// first build, which spilled, ran 1.03-1.10x: bench/NOTES.md, twenty-seventh section.) With
+// 0, 128x64x4 at D = 128 keeps q1, q2 and two stages (139264 bytes: one block per SM). The
 // host mirrors the macro in capability.FWD_Q_ROTATE (capability.apply_kernel_macros).
 #ifndef PW_FWD_Q_ROTATE
-#define PW_FWD_Q_ROTATE 0
+#define PW_FWD_Q_ROTATE 1
 #endif
 __host__ __device__ constexpr bool fwd_q_rotate(int width, int D, int BM, int BN, int WARPS) {
   return PW_FWD_Q_ROTATE && fwd_one_key_slot(width, D, BM, WARPS) && BM == 2 * BN;

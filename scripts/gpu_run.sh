@@ -21,14 +21,13 @@
 # that shows the probe's noise), and the earlier default of the float16 causal
 # D = 128 one-kernel backward (-DPW_BWD_P_FIXED_EXEMPT=1 with -DPW_BWD_TID_RELOAD=0: the
 # per-row P scale, kernels_cu/backward.cu) against the default (scripts/mma_bwd_ab.py,
-# backward alone); last, two staged forward builds against the default, L 2048-16384, with a
-# control build (bench/NOTES.md, twenty-seventh section): -DPW_FWD_Q_ROTATE=1
-# (kernels_cu/traits.cuh: 128x64x4 at D = 128 in three rotating Q-sized slots, two blocks per
-# SM; one block without the macro; against the table's 128x32x4) and -DPW_FWD_VISIT_RELOAD=1
-# (forward.cu: the visits body re-reads threadIdx.x per tile; D = 128 at 128x32x4, D = 64 at
-# 128x64x4, whose causal rows visit). Their GPU suite run: PW_TEST_MACROS="PW_FWD_Q_ROTATE=1
-# PW_FWD_VISIT_RELOAD=1" with CUPY_PIECEWISE_PATH=mma (capability.MACRO_TABLE then selects
-# 128x64x4 at D = 128).
+# backward alone); last, the D = 128 forward's earlier four-slot layout,
+# -DPW_FWD_Q_ROTATE=0 (kernels_cu/traits.cuh; the default, 1 since 2026-12-05, keeps 128x64x4
+# in three rotating Q-sized slots, two blocks per SM; with 0 the same tile keeps q1, q2 and
+# two stages, one block per SM), against the default at the table's 128x64x4 and at
+# 128x32x4, the entry before it (which the macro does not change: those rows are a second
+# control), L 2048-16384, with a control build. Its GPU suite run:
+# PW_TEST_MACROS="PW_FWD_Q_ROTATE=0" with CUPY_PIECEWISE_PATH=mma.
 # About 2-4 minutes each, logs in logs/mma_*.txt. Earlier A/Bs and their
 # figures: bench/NOTES.md, bench/results/2026-12-04-h200-fit-headroom,
 # 2026-12-04-h200-mma-vs-flag-attn and 2026-12-04-h200-staged-defaults.
@@ -170,7 +169,7 @@ if asked mma_probes; then
   for args in "mma_bwd_probe --dtypes bf16,fp16" \
               "mma_fwd_probe --variants PW_FWD_RAW_MAX=0;PW_FWD_RAW_MAX=1 --tiles 128:128x32x4;64:128x64x4 --lengths 8192,16384 --dtypes bf16,fp16 --rounds 3 --reps 40 --control" \
               "mma_bwd_ab --modes default --dtypes fp16,bf16 --dims 128 --variants PW_BWD_P_FIXED_EXEMPT=1,PW_BWD_TID_RELOAD=0" \
-              "mma_fwd_probe --variants PW_FWD_Q_ROTATE=1;PW_FWD_VISIT_RELOAD=1 --tiles 128:128x32x4,128x64x4;64:128x64x4 --lengths 2048,8192,16384 --dtypes bf16,fp16 --rounds 3 --reps 30 --control"; do
+              "mma_fwd_probe --variants PW_FWD_Q_ROTATE=0 --tiles 128:128x64x4,128x32x4 --lengths 2048,8192,16384 --dtypes bf16,fp16 --rounds 3 --reps 30 --control"; do
     name=$(echo "$args" | tr ' =,;:' '_____' | tr -d '-' | tr -s '_' | cut -c1-60)
     read -r -a argv <<< "$args"  # the script, then its options
     timeout 300 python3 "scripts/${argv[0]}.py" "${argv[@]:1}" --out "$logs/$name.txt" > "$logs/$name.log" 2>&1
@@ -205,9 +204,10 @@ if asked ncu_mma; then
     grep -E "pw_backward|Duration|Executed Ipc|Issue Slots|Stall" "$logs/ncu_mma_bwd_$dt.txt" | head -24
     status=$((status | rc))
   done
-  # the mma.sync forward at D = 128 (128x32x4, one key slot), bfloat16, L 8192, non-causal,
-  # where it is furthest from FlashAttention-2 (0.81-0.87x): executed instructions and the
-  # source counters' hot spots (which SASS lines issue most), to set against the static loop
+  # the mma.sync forward at D = 128 (the table's 128x64x4 in three rotating slots since
+  # 2026-12-05, 0.96-0.99x FlashAttention-2 at L 8192-16384; its 128x32x4 before was
+  # 0.81-0.87x), bfloat16, L 8192, non-causal: executed instructions and the source
+  # counters' hot spots (which SASS lines issue most), to set against the static loop
   CUPY_PIECEWISE_PATH=mma timeout 240 ncu --clock-control none -k "regex:^pw_forward$" \
     --launch-skip 2 --launch-count 1 --section SpeedOfLight --section InstructionStats \
     --section WarpStateStats --section SchedulerStats --section SourceCounters \

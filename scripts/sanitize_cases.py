@@ -19,8 +19,9 @@ from test_kernels_gpu import run_case  # noqa: E402
 
 from cupy_piecewise import build_check, capability, compile as comp, launch  # noqa: E402
 
-# PW_TEST_MACROS: an A/B build's kernels (and its MACRO_TABLE tiles) under the sanitizers,
-# as tests/conftest.py does for the suite
+# PW_TEST_MACROS: an A/B build's kernels (with its host mirrors, e.g. PW_FWD_Q_ROTATE=0's
+# shared-memory size, and its MACRO_TABLE tiles if it has any; none now) under the
+# sanitizers, as tests/conftest.py does for the suite
 print("PW_TEST_MACROS:", " ".join(comp.apply_test_macros()) or "(none: the default kernels)",
       flush=True)
 

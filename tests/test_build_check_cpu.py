@@ -321,14 +321,15 @@ def test_float16_ds_fit_ab_builds_compile(nvrtc, monkeypatch, macro):
 
 
 def test_q_rotate_forward_builds(nvrtc, monkeypatch):
-    """The A/B build -DPW_FWD_Q_ROTATE=1 (kernels_cu/forward.cu: three rotating Q-sized
-    slots) builds the D = 128 forward at 128x64x4 in both dtypes, causal and not, dense and
-    packed. The dense forms, the entry it is staged for (capability.MACRO_TABLE), build
+    """The default build (kernels_cu/traits.cuh PW_FWD_Q_ROTATE 1 since 2026-12-05:
+    forward.cu's three rotating Q-sized slots) builds the D = 128 forward at 128x64x4 in both
+    dtypes, causal and not, dense and packed. The dense forms, TABLE's sm_90 entry, build
     without spills at 255 registers; packed batches spill 88-100/116 bytes (stores/loads;
     NVRTC 13.5, 2026-12-04) and keep another entry (VARLEN_TABLE); the bound catches a
-    change that makes them worse. Some report must differ from the same variants built
-    without the macro (whose dense non-causal forms spill 56 bytes), so the macro is known
-    to have reached NVRTC."""
+    change that makes them worse. Some report must differ from the same variants built with
+    -DPW_FWD_Q_ROTATE=0 (the earlier four-slot layout, whose dense non-causal forms spill 56
+    bytes), so the macro is known to reach NVRTC and the default is known to be the
+    rotation."""
     from cupy_piecewise import compile as comp
 
     t = capability.TileConfig(128, 64, 4, 2)
@@ -336,44 +337,20 @@ def test_q_rotate_forward_builds(nvrtc, monkeypatch):
           for dt in capability.HALF_DTYPES for c in (False, True)]
     base = comp.arch_options
 
-    def options(value):  # the macro as given here, whatever PW_TEST_MACROS set
+    def options(*extra):  # the macro as given here (none: the default), whatever PW_TEST_MACROS set
         return lambda cc, hopper=False: tuple(
-            o for o in base(cc, hopper) if not o.startswith("-DPW_FWD_Q_ROTATE")) + (
-            f"-DPW_FWD_Q_ROTATE={value}",)
+            o for o in base(cc, hopper) if not o.startswith("-DPW_FWD_Q_ROTATE")) + extra
 
-    monkeypatch.setattr(comp, "arch_options", options(0))
-    plain = {r.variant: (r.registers, r.stack_bytes, r.spill_stores, r.spill_loads)
-             for r in compile_offline(SM90, vs)}
-    monkeypatch.setattr(comp, "arch_options", options(1))
+    monkeypatch.setattr(comp, "arch_options", options("-DPW_FWD_Q_ROTATE=0"))
+    four_slots = {r.variant: (r.registers, r.stack_bytes, r.spill_stores, r.spill_loads)
+                  for r in compile_offline(SM90, vs)}
+    monkeypatch.setattr(comp, "arch_options", options())
     changed = []
     for r in compile_offline(SM90, vs):
         assert r.ok and r.registers, (r.variant, r.log)
         bound = 192 if r.variant.varlen else 0
         assert (r.spill_stores or 0) <= bound and (r.spill_loads or 0) <= bound, (r.variant, r.log)
-        changed.append((r.registers, r.stack_bytes, r.spill_stores, r.spill_loads) != plain[r.variant])
+        changed.append((r.registers, r.stack_bytes, r.spill_stores, r.spill_loads)
+                       != four_slots[r.variant])
     # one NVRTC program with one option list: a report that moved shows the macro reached it
-    assert any(changed), "no report differs from the build without -DPW_FWD_Q_ROTATE"
-
-
-@pytest.mark.parametrize("cc", [SM90, (8, 0), (8, 6)])
-def test_visit_reload_forward_builds_without_spills(nvrtc, monkeypatch, cc):
-    """The A/B build -DPW_FWD_VISIT_RELOAD=1 (kernels_cu/forward.cu: the visits body re-reads
-    threadIdx.x per tile) builds every forward entry the table can select on the
-    architecture, dense and packed, 16-bit and float32, without spills; on sm_90 it moves
-    the registers of some (so the macro reached NVRTC)."""
-    from cupy_piecewise import compile as comp
-
-    vs = sorted({Variant("fwd", dt, d, t, c, varlen=vl)
-                 for vl in (False, True)
-                 for phase, d, dt, c, t in capability.selectable_configs(cc, varlen=vl)
-                 if phase == "fwd"}, key=str)
-    base = comp.arch_options
-    plain = {r.variant: r.registers for r in compile_offline(cc, vs)} if cc == SM90 else {}
-    monkeypatch.setattr(comp, "arch_options", lambda c, hopper=False: base(c, hopper) + (
-        "-DPW_FWD_VISIT_RELOAD=1",))
-    moved = 0
-    for r in compile_offline(cc, vs):
-        assert r.ok and r.registers, (r.variant, r.log)
-        assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
-        moved += plain.get(r.variant, r.registers) != r.registers
-    assert moved or not plain, "no variant's registers moved with -DPW_FWD_VISIT_RELOAD=1"
+    assert any(changed), "no report differs from the build with -DPW_FWD_Q_ROTATE=0"

@@ -94,7 +94,7 @@ def test_shared_bytes_formula():
 
 def test_table_lookups_and_refinement():
     # sm_90 entries come from bench/tiles.py measurements; others from ptxas budgets.
-    assert lookup((9, 0), "fwd", 128, "bfloat16", False) == TileConfig(128, 32, 4)
+    assert lookup((9, 0), "fwd", 128, "bfloat16", False) == TileConfig(128, 64, 4)
     assert lookup((9, 0), "fwd", 64, "float16", True) == TileConfig(128, 64, 4)
     # refinement by causal
     assert lookup((9, 0), "bwd_dkv", 64, "float16", True) == TileConfig(32, 128, 4)
@@ -105,31 +105,49 @@ def test_table_lookups_and_refinement():
 
 
 def test_macro_table_entries_follow_their_mirror(monkeypatch):
-    """capability.MACRO_TABLE: a staged macro's entries replace TABLE's for dense 16-bit
-    variants only while its mirror is on (PW_TEST_MACROS runs the GPU suite that way), and
-    each one is a shape its macro changes the layout of: the rotation's 128x64x4 at D = 128
-    gets three slots (104448 bytes, two blocks per SM)."""
-    monkeypatch.setattr(cap, "FWD_Q_ROTATE", False)
-    assert lookup((9, 0), "fwd", 128, "bfloat16", False) == TileConfig(128, 32, 4)
-    monkeypatch.setattr(cap, "FWD_Q_ROTATE", True)
+    """The sm_90 D = 128 forward entry is 128x64x4 in three rotating slots (fwd_q_rotate:
+    104448 bytes, two blocks per SM) while the mirror FWD_Q_ROTATE is on, its default since
+    PW_FWD_Q_ROTATE became the kernels' default (2026-12-05); turned off (an A/B build with
+    -DPW_FWD_Q_ROTATE=0) the same entry keeps four slots, 139264 bytes, which still fits.
+    capability.MACRO_TABLE (empty now): a staged macro's entries replace TABLE's for dense
+    16-bit variants only while its mirror is on (PW_TEST_MACROS runs the GPU suite that
+    way)."""
+    assert cap.FWD_Q_ROTATE and cap._MIRROR_DEFAULTS == {"FWD_Q_ROTATE": True}
+    assert cap.MACRO_TABLE == {}
     for dtype in DTYPES:
         got = lookup((9, 0), "fwd", 128, dtype, False)
-        assert got == TileConfig(128, 64, 4) and cap.fwd_q_rotate(128, got)
+        assert got == TileConfig(128, 64, 4) == TABLE[(9, 0)]["fwd"][128]
+        assert cap.fwd_q_rotate(128, got)
         assert shared_bytes("fwd", 128, got) == 104448
+        assert 2 * (shared_bytes("fwd", 128, got) + 1024) <= 233472  # two blocks per SM
         assert lookup((9, 0), "fwd", 128, dtype, True) == got
-        # packed batches keep VARLEN_TABLE's entry; other head dims and architectures TABLE's
+        # packed batches keep VARLEN_TABLE's entry
         assert lookup((9, 0), "fwd", 128, dtype, False, varlen=True) == TileConfig(128, 64, 8)
-        assert lookup((9, 0), "fwd", 64, dtype, False) == TABLE[(9, 0)]["fwd"][64]
-        assert lookup((8, 0), "fwd", 128, dtype, False) == TABLE[(8, 0)]["fwd"][128]
-    assert lookup((9, 0), "fwd", 128, "float32", False) == cap.TF32_TABLE[(9, 0)]["fwd"][128]
     assert ("fwd", 128, "bfloat16", False, TileConfig(128, 64, 4)) in selectable_configs((9, 0))
+    # float32 takes TF32_TABLE's entry, which does not rotate (4-byte elements)
+    got = lookup((9, 0), "fwd", 128, "float32", False)
+    assert got == cap.TF32_TABLE[(9, 0)]["fwd"][128] and not cap.fwd_q_rotate(128, got, 4)
+    # the mirror off: the same entry, four slots (one block per SM), within sm_90's limit
+    monkeypatch.setattr(cap, "FWD_Q_ROTATE", False)
+    got = lookup((9, 0), "fwd", 128, "bfloat16", False)
+    assert got == TileConfig(128, 64, 4) and not cap.fwd_q_rotate(128, got)
+    assert shared_bytes("fwd", 128, got) == 139264 == (2 * 128 + 2 * 2 * 64) * 272
+    assert cap.check_config("fwd", 128, got, (9, 0)) == []
+    assert 139264 + 1024 <= 233472 < 2 * (139264 + 1024)
+    # the mechanism: a staged entry applies while its mirror is on, for dense 16-bit variants
+    # only (not float32, also where TF32_TABLE has none: D = 32 takes TABLE's)
+    monkeypatch.setitem(cap.MACRO_TABLE, "FWD_Q_ROTATE", {(9, 0): {"fwd": {32: TileConfig(64, 64, 4)}}})
+    assert lookup((9, 0), "fwd", 32, "bfloat16", False) == TABLE[(9, 0)]["fwd"][32]  # mirror off
+    monkeypatch.setattr(cap, "FWD_Q_ROTATE", True)
+    assert lookup((9, 0), "fwd", 32, "bfloat16", False) == TileConfig(64, 64, 4)
+    assert lookup((9, 0), "fwd", 32, "bfloat16", False, varlen=True) == TABLE[(9, 0)]["fwd"][32]
+    assert lookup((9, 0), "fwd", 32, "float32", False) == TABLE[(9, 0)]["fwd"][32]
+    assert lookup((9, 0), "fwd", 64, "bfloat16", False) == TABLE[(9, 0)]["fwd"][64]
+    assert lookup((8, 0), "fwd", 32, "bfloat16", False) == TABLE[(8, 0)]["fwd"][32]
+    assert ("fwd", 32, "bfloat16", False, TileConfig(64, 64, 4)) in selectable_configs((9, 0))
     for mirror, rows in cap.MACRO_TABLE.items():
         assert hasattr(cap, mirror) and mirror in cap._MACRO_MIRRORS.values(), mirror
         assert set(rows) <= set(LISTED_ARCHS)
-    # float32 never takes a staged entry, also where TF32_TABLE has none (D = 32: TABLE's)
-    monkeypatch.setitem(cap.MACRO_TABLE, "FWD_Q_ROTATE", {(9, 0): {"fwd": {32: TileConfig(64, 64, 4)}}})
-    assert lookup((9, 0), "fwd", 32, "bfloat16", False) == TileConfig(64, 64, 4)
-    assert lookup((9, 0), "fwd", 32, "float32", False) == TABLE[(9, 0)]["fwd"][32]
 
 
 @pytest.mark.parametrize("cc", LISTED_ARCHS)

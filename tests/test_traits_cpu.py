@@ -42,7 +42,8 @@ def _checks(cc) -> dict[str, dict[tuple[str, int], list[str]]]:
         # fused backward: the dk/dv layout with its dS tile (FUSED); the forward: its key
         # slots by the kernel's own rule (traits.cuh fwd_one_key_slot), so a disagreement
         # with capability.fwd_one_key_slot fails the size check
-        # (and its three rotating slots by fwd_q_rotate, with -DPW_FWD_Q_ROTATE: FwdLayoutBytes)
+        # (and its three rotating slots by fwd_q_rotate, PW_FWD_Q_ROTATE on by default:
+        # FwdLayoutBytes)
         one_k = (f", fwd_one_key_slot({width}, {head_dim}, {t.block_m}, {t.num_warps}), "
                  f"fwd_q_rotate({width}, {head_dim}, {t.block_m}, {t.block_n}, {t.num_warps})")
         stages = {"kvcache": f", {t.stages}, 2", "kvdecode": f", {t.stages}, 1",
@@ -288,30 +289,45 @@ def test_q_rotate_phases_follow_their_definitions(nvrtc):
 
 
 def test_q_rotate_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
-    """-DPW_FWD_Q_ROTATE=1 (kernels_cu/traits.cuh): a one-key-slot forward tile with
-    BM == 2 * BN keeps three Q-sized slots; capability.apply_kernel_macros sets the mirror so
-    shared_bytes gives 3 * BM padded rows (128x64x4 at D = 128: 104448 bytes, two blocks per
-    sm_90 SM, against 139264 without). Other tiles do not change."""
+    """PW_FWD_Q_ROTATE (kernels_cu/traits.cuh; 1, the default since 2026-12-05): a
+    one-key-slot forward tile with BM == 2 * BN keeps three Q-sized slots, and the host
+    mirror capability.FWD_Q_ROTATE is on by default, so shared_bytes gives 3 * BM padded rows
+    (128x64x4 at D = 128: 104448 bytes, two blocks per sm_90 SM). With -DPW_FWD_Q_ROTATE=0
+    capability.apply_kernel_macros turns the mirror off and the same tile keeps q1, q2 and two
+    stages (139264 bytes, one block per SM). Other tiles do not change. The kernels' rule and
+    sizes are checked both ways, with the macro unset (the default) and set to 0."""
     t = capability.TileConfig(128, 64, 4, 2)
     others = [(128, capability.TileConfig(128, 32, 4, 2)), (64, capability.TileConfig(128, 64, 4, 2)),
               (128, capability.TileConfig(64, 32, 4, 2))]
-    monkeypatch.setattr(capability, "FWD_Q_ROTATE", False)  # off whatever PW_TEST_MACROS set
-    default = capability.shared_bytes("fwd", 128, t)
-    before = [capability.shared_bytes("fwd", d, c) for d, c in others]
-    capability.apply_kernel_macros(["PW_FWD_Q_ROTATE=1"])
+    assert capability._MIRROR_DEFAULTS["FWD_Q_ROTATE"] is True
+    # the default, whatever PW_TEST_MACROS set
+    monkeypatch.setattr(capability, "FWD_Q_ROTATE", True)
     assert capability.fwd_q_rotate(128, t)
     assert not capability.fwd_q_rotate(128, capability.TileConfig(128, 32, 4, 2))
     assert not capability.fwd_q_rotate(64, capability.TileConfig(128, 64, 4, 2))  # two slots
-    figure = capability.shared_bytes("fwd", 128, t)
-    assert (default, figure) == (139264, 104448)
-    assert 2 * (figure + 1024) <= 228 * 1024
+    assert not capability.fwd_q_rotate(128, t, elem_bytes=4)  # float32: not one key slot
+    default = capability.shared_bytes("fwd", 128, t)
+    before = [capability.shared_bytes("fwd", d, c) for d, c in others]
+    capability.apply_kernel_macros(["PW_FWD_Q_ROTATE=0"])
+    assert not capability.FWD_Q_ROTATE and not capability.fwd_q_rotate(128, t)
+    four_slots = capability.shared_bytes("fwd", 128, t)
+    assert (default, four_slots) == (104448, 139264)
+    assert 2 * (default + 1024) <= 228 * 1024 < 2 * (four_slots + 1024)
     assert [capability.shared_bytes("fwd", d, c) for d, c in others] == before
-    src = ("#define PW_FWD_Q_ROTATE 1\n" + source("forward.cu")
-           + "\nstatic_assert(fwd_q_rotate(1, 128, 128, 64, 4) && !fwd_q_rotate(1, 128, 128, 32, 4)"
-             " && !fwd_q_rotate(2, 128, 128, 64, 4), \"rule\");"
-           + f"\nstatic_assert(FwdTraits<128, 128, 64, 4, true>::q_rotate_smem_bytes == {figure}, "
-             f"\"FwdTraits != capability.shared_bytes with PW_FWD_Q_ROTATE\");")
-    _compile_front(nvrtc, src)
+    capability.apply_kernel_macros(["PW_FWD_Q_ROTATE=1"])
+    assert capability.FWD_Q_ROTATE and capability.shared_bytes("fwd", 128, t) == default
+    # the kernels' side, with the macro unset (the default) and set to 0: the rule, and the
+    # size the forward carves by it (FwdLayoutBytes, as the size check above instantiates it)
+    for define, figure in (("", default), ("#define PW_FWD_Q_ROTATE 0\n", four_slots)):
+        rule = "" if figure == default else "!"
+        src = (define + source("forward.cu")
+               + f"\nstatic_assert({rule}fwd_q_rotate(1, 128, 128, 64, 4)"
+                 " && !fwd_q_rotate(1, 128, 128, 32, 4) && !fwd_q_rotate(2, 128, 128, 64, 4),"
+                 " \"rule\");"
+               + "\nstatic_assert(FwdLayoutBytes<128, 128, 64, 4, fwd_one_key_slot(1, 128, 128, 4),"
+                 f" fwd_q_rotate(1, 128, 128, 64, 4)>::smem_bytes == {figure},"
+                 " \"FwdLayoutBytes != capability.shared_bytes\");")
+        _compile_front(nvrtc, src)
     with pytest.raises(ValueError, match="PW_FWD_Q_ROTATE=x"):
         capability.apply_kernel_macros(["PW_FWD_Q_ROTATE=x"])
 
@@ -319,19 +335,36 @@ def test_q_rotate_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
 def test_apply_test_macros_reaches_options_and_mirrors(monkeypatch):
     """compile.apply_test_macros (tests/conftest.py and scripts/sanitize_cases.py call it):
     PW_TEST_MACROS's NAME=VALUE words become -D options of every later compile and set the
-    host mirrors, so the staged tiles of capability.MACRO_TABLE become selectable; unset, it
-    changes nothing."""
+    host mirrors (PW_FWD_Q_ROTATE=0: the earlier four-slot forward layout, and its shared-memory
+    size), and the staged tiles of capability.MACRO_TABLE (none now) become selectable; unset,
+    it changes nothing."""
     from cupy_piecewise import compile as comp
 
     monkeypatch.setattr(comp, "BASE_OPTIONS", ("-std=c++17",))
-    monkeypatch.setattr(capability, "FWD_Q_ROTATE", False)
+    monkeypatch.setattr(capability, "FWD_Q_ROTATE", True)
     monkeypatch.delenv("PW_TEST_MACROS", raising=False)
     assert comp.apply_test_macros() == () and comp.BASE_OPTIONS == ("-std=c++17",)
-    monkeypatch.setenv("PW_TEST_MACROS", " PW_FWD_Q_ROTATE=1  PW_FWD_VISIT_RELOAD=1 ")
-    assert comp.apply_test_macros() == ("-DPW_FWD_Q_ROTATE=1", "-DPW_FWD_VISIT_RELOAD=1")
-    assert comp.BASE_OPTIONS == ("-std=c++17", "-DPW_FWD_Q_ROTATE=1", "-DPW_FWD_VISIT_RELOAD=1")
-    assert comp.arch_options((9, 0))[1:3] == ("-DPW_FWD_Q_ROTATE=1", "-DPW_FWD_VISIT_RELOAD=1")
     assert capability.FWD_Q_ROTATE
-    assert capability.lookup((9, 0), "fwd", 128, "bfloat16", False) == capability.TileConfig(128, 64, 4)
+    t = capability.TileConfig(128, 64, 4)
+    assert capability.lookup((9, 0), "fwd", 128, "bfloat16", False) == t
+    assert capability.shared_bytes("fwd", 128, t) == 104448
+    monkeypatch.setenv("PW_TEST_MACROS", " PW_FWD_Q_ROTATE=0  PW_FWD_RAW_MAX=2 ")
+    assert comp.apply_test_macros() == ("-DPW_FWD_Q_ROTATE=0", "-DPW_FWD_RAW_MAX=2")
+    assert comp.BASE_OPTIONS == ("-std=c++17", "-DPW_FWD_Q_ROTATE=0", "-DPW_FWD_RAW_MAX=2")
+    assert comp.arch_options((9, 0))[1:3] == ("-DPW_FWD_Q_ROTATE=0", "-DPW_FWD_RAW_MAX=2")
+    assert not capability.FWD_Q_ROTATE
+    assert capability.lookup((9, 0), "fwd", 128, "bfloat16", False) == t
+    assert capability.shared_bytes("fwd", 128, t) == 139264
     comp.apply_test_macros()  # a second call adds nothing twice
-    assert comp.BASE_OPTIONS.count("-DPW_FWD_Q_ROTATE=1") == 1
+    assert comp.BASE_OPTIONS.count("-DPW_FWD_Q_ROTATE=0") == 1
+    # a staged entry (capability.MACRO_TABLE) becomes selectable with its mirror
+    staged = capability.TileConfig(64, 64, 4)
+    monkeypatch.setitem(capability.MACRO_TABLE, "FWD_Q_ROTATE", {(9, 0): {"fwd": {64: staged}}})
+    assert capability.lookup((9, 0), "fwd", 64, "bfloat16", False) == capability.TABLE[(9, 0)][
+        "fwd"][64] != staged
+    monkeypatch.setattr(comp, "BASE_OPTIONS", ("-std=c++17",))
+    monkeypatch.setenv("PW_TEST_MACROS", "PW_FWD_Q_ROTATE=1")
+    assert comp.apply_test_macros() == ("-DPW_FWD_Q_ROTATE=1",)
+    assert comp.BASE_OPTIONS == ("-std=c++17", "-DPW_FWD_Q_ROTATE=1")
+    assert capability.FWD_Q_ROTATE
+    assert capability.lookup((9, 0), "fwd", 64, "bfloat16", False) == staged
