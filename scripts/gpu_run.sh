@@ -167,7 +167,7 @@ if asked probes; then
 fi
 if asked mma_probes; then
   for args in "mma_bwd_probe --dtypes bf16,fp16" \
-              "mma_fwd_probe --variants PW_FWD_RAW_MAX=0;PW_FWD_RAW_MAX=1 --tiles 128:128x32x4;64:128x64x4 --lengths 8192,16384 --dtypes bf16,fp16 --rounds 3 --reps 40 --control" \
+              "mma_fwd_probe --variants PW_FWD_RAW_MAX=0;PW_FWD_RAW_MAX=1 --tiles 128:128x64x4;64:128x64x4 --lengths 8192,16384 --dtypes bf16,fp16 --rounds 3 --reps 40 --control" \
               "mma_bwd_ab --modes default --dtypes fp16,bf16 --dims 128 --variants PW_BWD_P_FIXED_EXEMPT=1,PW_BWD_TID_RELOAD=0" \
               "mma_fwd_probe --variants PW_FWD_Q_ROTATE=0 --tiles 128:128x64x4,128x32x4 --lengths 2048,8192,16384 --dtypes bf16,fp16 --rounds 3 --reps 30 --control"; do
     name=$(echo "$args" | tr ' =,;:' '_____' | tr -d '-' | tr -s '_' | cut -c1-60)
