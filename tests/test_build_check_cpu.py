@@ -206,8 +206,9 @@ def test_lazy_rescale_ab_builds_compile(nvrtc, monkeypatch, lazy):
     """kernels_cu/forward.cu rescales the output accumulator lazily (only when some row of the
     warp raised its max) at head dim 128 by default; the build check covers that default.
     The A/B builds -DPW_FWD_LAZY_RESCALE=0 (never) and =1 (at every head dim) build the sm_90
-    row's dense 16-bit forward: =0 at D = 64 and 128 without spills (it was the default until
-    2026-12-04), =1 at D = 64 only (at D = 128 it is the default's code, which the build check
+    row's dense 16-bit forward: =0 at D = 64 without spills (it was the default until
+    2026-12-04) and at D = 128 within 192 bytes (the rotating-slot 128x64x4 entry, the default
+    since 2026-12-05, spills 148 bytes with the eager rescale, NVRTC 13.5), =1 at D = 64 only (at D = 128 it is the default's code, which the build check
     compiles). With =1 D = 64's non-causal 128x64x4 entry, at 255 registers, spills 12/16
     bytes (NVRTC 13.5, 2026-12-04): one reason the default leaves D = 64 eager."""
     from cupy_piecewise import compile as comp
@@ -223,7 +224,8 @@ def test_lazy_rescale_ab_builds_compile(nvrtc, monkeypatch, lazy):
     for r in compile_offline(SM90, vs):
         assert r.ok and r.registers, (r.variant, r.log)
         if lazy == 0:
-            assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+            bound = 192 if r.variant.head_dim == 128 else 0
+            assert (r.spill_stores or 0) <= bound and (r.spill_loads or 0) <= bound, (r.variant, r.log)
 
 
 @pytest.mark.parametrize("raw", [0, 1])

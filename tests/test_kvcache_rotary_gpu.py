@@ -211,9 +211,9 @@ def test_rotary_kernel_equals_two_cache_kernel_bitwise(dtype, D, M, interleaved,
 
     The key splits are pinned (kvcache_launch.split_count): the rotary forms split the key
     tiles strided and the plain ones contiguously, which sum in different orders unless
-    each split holds at most one tile. So each case runs unsplit, one split per tile (on the
-    Hopper decode: a cluster merge) and twice that (empty splits; merged by
-    pw_forward_combine), whatever the GPU's SM count would pick."""
+    each split holds at most one tile. So each case runs unsplit, one split per tile and
+    twice that (empty splits); both split counts exceed a Hopper cluster (4), so both merge
+    through pw_forward_combine, whatever the GPU's SM count would pick."""
     import math
 
     import cupy
