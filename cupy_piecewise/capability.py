@@ -579,9 +579,9 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
         # 16-row block per warp (a D-wide accumulator is 128 registers; the build check
         # finds these at 247-255 without spills). Not yet timed.
         # 128: 128x64x4 in three rotating Q-sized slots (fwd_q_rotate, kernels_cu/traits.cuh
-        # PW_FWD_Q_ROTATE; 104 KB), two blocks per SM: 1.11-1.16x the 128x32x4 entry before
+        # PW_FWD_Q_ROTATE; 104 KB), two blocks per SM: 1.08-1.16x the 128x32x4 entry before
         # it on an H200 (2026-12-05, scripts/mma_fwd_probe.py, bf16 and fp16, L 2048-16384,
-        # causal and not; 0.85-0.89x SDPA flash at L 2048, 0.96-0.99x at 8192-16384). That
+        # causal and not; 0.85-0.93x SDPA flash at L 2048, 0.95-0.99x at 8192-16384). That
         # 128x32x4 kept one key slot per stage (fwd_one_key_slot), two blocks per SM at
         # 104 KB: 1.12-1.21x the 128x64x8 entry before it (2026-12-04,
         # bench/results/2026-12-04-h200-fwd-one-key-slot). Built with -DPW_FWD_Q_ROTATE=0,

@@ -101,8 +101,8 @@ __host__ __device__ constexpr bool fwd_one_key_slot(int width, int D, int BM, in
 // and 104448 bytes), so two blocks share an SM; its dense forms build without spills. It
 // became the default, with 128x64x4 as the sm_90 D = 128 forward entry (capability.TABLE),
 // on an H200 measurement (2026-12-05, scripts/mma_fwd_probe.py, 36/36 reference checks per
-// build): 1.11-1.16x the table's 128x32x4 before on all 12 rows (bf16/fp16, causal and not,
-// L 2048/8192/16384), 0.85-0.89x SDPA flash at L 2048 and 0.96-0.99x at L 8192-16384. (Its
+// build): 1.08-1.16x the table's 128x32x4 before on all 12 rows (bf16/fp16, causal and not,
+// L 2048/8192/16384), 0.85-0.93x SDPA flash at L 2048 and 0.95-0.99x at L 8192-16384. (Its
 // first build, which spilled, ran 1.03-1.10x: bench/NOTES.md, twenty-seventh section.) With
 // 0, 128x64x4 at D = 128 keeps q1, q2 and two stages (139264 bytes: one block per SM). The
 // host mirrors the macro in capability.FWD_Q_ROTATE (capability.apply_kernel_macros).

@@ -205,7 +205,7 @@ if asked ncu_mma; then
     status=$((status | rc))
   done
   # the mma.sync forward at D = 128 (the table's 128x64x4 in three rotating slots since
-  # 2026-12-05, 0.96-0.99x FlashAttention-2 at L 8192-16384; its 128x32x4 before was
+  # 2026-12-05, 0.95-0.99x FlashAttention-2 at L 8192-16384; its 128x32x4 before was
   # 0.81-0.87x), bfloat16, L 8192, non-causal: executed instructions and the source
   # counters' hot spots (which SASS lines issue most), to set against the static loop
   CUPY_PIECEWISE_PATH=mma timeout 240 ncu --clock-control none -k "regex:^pw_forward$" \

@@ -206,25 +206,33 @@ def test_lazy_rescale_ab_builds_compile(nvrtc, monkeypatch, lazy):
     """kernels_cu/forward.cu rescales the output accumulator lazily (only when some row of the
     warp raised its max) at head dim 128 by default; the build check covers that default.
     The A/B builds -DPW_FWD_LAZY_RESCALE=0 (never) and =1 (at every head dim) build the sm_90
-    row's dense 16-bit forward: =0 at D = 64 without spills (it was the default until
-    2026-12-04) and at D = 128 within 192 bytes (the rotating-slot 128x64x4 entry, the default
-    since 2026-12-05, spills 148 bytes with the eager rescale, NVRTC 13.5), =1 at D = 64 only (at D = 128 it is the default's code, which the build check
-    compiles). With =1 D = 64's non-causal 128x64x4 entry, at 255 registers, spills 12/16
-    bytes (NVRTC 13.5, 2026-12-04): one reason the default leaves D = 64 eager."""
+    row's dense 16-bit forward. =0 builds without spills at D = 64 (it was the default until
+    2026-12-04) and at D = 128's previous entry, 128x32x4 (one key slot); at D = 128's entry
+    since 2026-12-05, 128x64x4 in three rotating slots, the eager rescale spills 148 bytes
+    (NVRTC 13.5), so there it is bounded at 192 bytes and stays an A/B build only: the lazy
+    rescale is what lets the rotation fit. =1 at D = 64 only (at D = 128 it is the default's
+    code, which the build check compiles). With =1 D = 64's non-causal 128x64x4 entry, at
+    255 registers, spills 12/16 bytes (NVRTC 13.5, 2026-12-04): one reason the default
+    leaves D = 64 eager."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
         f"-DPW_FWD_LAZY_RESCALE={lazy}",))
-    vs = sorted({Variant(phase, dt, d, t, c)
-                 for phase, d, dt, c, t in capability.selectable_configs(SM90)
-                 if phase == "fwd" and d in ((64,) if lazy else (64, 128))
-                 and dt in capability.HALF_DTYPES}, key=str)
+    vs = {Variant(phase, dt, d, t, c)
+          for phase, d, dt, c, t in capability.selectable_configs(SM90)
+          if phase == "fwd" and d in ((64,) if lazy else (64, 128))
+          and dt in capability.HALF_DTYPES}
     assert len(vs) == (4 if lazy else 8)
-    for r in compile_offline(SM90, vs):
+    rotating = {v for v in vs if capability.fwd_q_rotate(v.head_dim, v.tiles)}
+    assert len(rotating) == (0 if lazy else 4)
+    if lazy == 0:  # the entry before the rotation, which =0 must still build without spills
+        vs |= {Variant("fwd", dt, 128, capability.TileConfig(128, 32, 4, 2), c)
+               for dt in capability.HALF_DTYPES for c in (False, True)}
+    for r in compile_offline(SM90, sorted(vs, key=str)):
         assert r.ok and r.registers, (r.variant, r.log)
         if lazy == 0:
-            bound = 192 if r.variant.head_dim == 128 else 0
+            bound = 192 if r.variant in rotating else 0
             assert (r.spill_stores or 0) <= bound and (r.spill_loads or 0) <= bound, (r.variant, r.log)
 
 
