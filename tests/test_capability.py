@@ -109,11 +109,11 @@ def test_macro_table_entries_follow_their_mirror(monkeypatch):
     104448 bytes, two blocks per SM) while the mirror FWD_Q_ROTATE is on, its default since
     PW_FWD_Q_ROTATE became the kernels' default (2026-12-05); turned off (an A/B build with
     -DPW_FWD_Q_ROTATE=0) the same entry keeps four slots, 139264 bytes, which still fits.
-    capability.MACRO_TABLE (empty now): a staged macro's entries replace TABLE's for dense
-    16-bit variants only while its mirror is on (PW_TEST_MACROS runs the GPU suite that
-    way)."""
+    capability.MACRO_TABLE (whatever it stages: test_macro_table_is_well_formed): a staged
+    macro's entries replace TABLE's for dense 16-bit variants only while its mirror is on
+    (PW_TEST_MACROS runs the GPU suite that way); checked here on an entry put in for the
+    test."""
     assert cap.FWD_Q_ROTATE and cap._MIRROR_DEFAULTS == {"FWD_Q_ROTATE": True}
-    assert cap.MACRO_TABLE == {}
     for dtype in DTYPES:
         got = lookup((9, 0), "fwd", 128, dtype, False)
         assert got == TileConfig(128, 64, 4) == TABLE[(9, 0)]["fwd"][128]
@@ -145,9 +145,22 @@ def test_macro_table_entries_follow_their_mirror(monkeypatch):
     assert lookup((9, 0), "fwd", 64, "bfloat16", False) == TABLE[(9, 0)]["fwd"][64]
     assert lookup((8, 0), "fwd", 32, "bfloat16", False) == TABLE[(8, 0)]["fwd"][32]
     assert ("fwd", 32, "bfloat16", False, TileConfig(64, 64, 4)) in selectable_configs((9, 0))
+
+
+def test_macro_table_is_well_formed(monkeypatch):
+    """Every entry capability.MACRO_TABLE stages (none today: PW_FWD_Q_ROTATE, the last, is
+    the default) is keyed by a host mirror of a kernel macro, for listed architectures and
+    phases, and is a valid tile configuration there with its mirror on."""
     for mirror, rows in cap.MACRO_TABLE.items():
         assert hasattr(cap, mirror) and mirror in cap._MACRO_MIRRORS.values(), mirror
-        assert set(rows) <= set(LISTED_ARCHS)
+        assert set(rows) <= set(LISTED_ARCHS), (mirror, sorted(rows))
+        monkeypatch.setattr(cap, mirror, True)  # its entries are sized with the mirror on
+        for cc, phases in rows.items():
+            assert set(phases) <= set(PHASES), (mirror, cc, sorted(phases))
+            for phase, dims in phases.items():
+                for d, cfg in dims.items():
+                    assert isinstance(cfg, TileConfig), (mirror, cc, phase, d, cfg)
+                    assert cap.check_config(phase, d, cfg, cc) == [], (mirror, cc, phase, d)
 
 
 @pytest.mark.parametrize("cc", LISTED_ARCHS)

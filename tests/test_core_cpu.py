@@ -243,6 +243,8 @@ def test_memo_is_bounded_and_thread_safe():
     for t in threads:
         t.join()
     assert 0 < len(memo) <= 64
+    held = memo.values()
+    assert len(held) == len(memo) and all(isinstance(v, int) for v in held)
     memo.clear()
     assert len(memo) == 0
 

@@ -212,8 +212,47 @@ def test_rotary_kernel_equals_two_cache_kernel_bitwise(dtype, D, M, interleaved,
     The key splits are pinned (kvcache_launch.split_count): the rotary forms split the key
     tiles strided and the plain ones contiguously, which sum in different orders unless
     each split holds at most one tile. So each case runs unsplit, one split per tile and
-    twice that (empty splits); both split counts exceed a Hopper cluster (4), so both merge
-    through pw_forward_combine, whatever the GPU's SM count would pick."""
+    twice that (empty splits); with 384 keys both split counts exceed a Hopper cluster (4),
+    so both merge through pw_forward_combine, whatever the GPU's SM count would pick
+    (test_rotary_cluster_merge_equals_two_cache_kernel_bitwise pins the cluster merge)."""
+    _bitwise_rotary_vs_two_cache(dtype, D, M, interleaved, path, 384, (0, 1, 2), monkeypatch)
+
+
+CLUSTER_CASES = [(dt, D, inter) for dt in ("bfloat16", "float16") for D in (64, 128)
+                 for inter in (False, True)]
+
+
+@pytest.mark.parametrize("dtype,D,interleaved", CLUSTER_CASES,
+                         ids=[f"{c[0]}-D{c[1]}-{'inter' if c[2] else 'half'}"
+                              for c in CLUSTER_CASES])
+def test_rotary_cluster_merge_equals_two_cache_kernel_bitwise(dtype, D, interleaved,
+                                                              monkeypatch):
+    """As test_rotary_kernel_equals_two_cache_kernel_bitwise, with split counts a Hopper
+    cluster holds (2 to capability.KV90_MAX_CLUSTER = 4), so that the Hopper decode (one
+    token) merges its splits on chip instead of through pw_forward_combine: 128 keys in 2
+    splits (one tile each) and 4 (two of them empty), 256 keys in 4. On an sm_90 GPU each
+    plan must have taken the cluster merge; elsewhere the cp.async decode runs the same
+    split counts through pw_forward_combine, and the bitwise check still holds."""
+    import cupy
+
+    from cupy_piecewise import capability
+
+    plans = []
+    for N, per_tile in ((128, 1), (128, 2), (256, 1)):
+        plans += _bitwise_rotary_vs_two_cache(dtype, D, 1, interleaved, "auto", N, (per_tile,),
+                                              monkeypatch)
+    if cupy.cuda.Device().compute_capability == "90":
+        got = sorted((p.nsplit, p.cluster) for p in plans)
+        assert all(p.cluster == p.nsplit for p in plans) and {p.nsplit for p in plans} == {2, 4}, \
+            f"(nsplit, cluster) of the plans: {got}"
+        assert max(p.nsplit for p in plans) <= capability.KV90_MAX_CLUSTER
+
+
+def _bitwise_rotary_vs_two_cache(dtype, D, M, interleaved, path, N, per_tiles, monkeypatch):
+    """The bitwise check of the two tests above over a cache of N keys, with the key splits
+    pinned to ``per_tile`` times the key tile count (0: unsplit) for each of ``per_tiles``;
+    three sequences of 0, 77 and N cached keys (three query heads per key head over
+    two key heads). Returns the plans (kvcache_launch.KVPlan) the calls made."""
     import math
 
     import cupy
@@ -224,7 +263,7 @@ def test_rotary_kernel_equals_two_cache_kernel_bitwise(dtype, D, M, interleaved,
     monkeypatch.setenv(capability.PATH_VAR, path)
     capability.refresh_env_override()
     rng = np.random.default_rng(fresh_seed())
-    B, H, Hkv, N = 3, 8, 2, 384
+    B, H, Hkv = 3, 8, 2
     nd = _np_dtype(dtype)
     seq = np.array([0, 77, N], np.int32)
     cos, sin = _tables(N, D)
@@ -237,15 +276,16 @@ def test_rotary_kernel_equals_two_cache_kernel_bitwise(dtype, D, M, interleaved,
     k2 = round_to(_rotate32(keys, cos, sin, n // 3, interleaved), dtype)
     dq1, dq2 = cupy.asarray(q1.astype(nd)), cupy.asarray(q2.astype(nd))
     dk, dv, d1, d2 = (cupy.asarray(x.astype(nd)) for x in (keys, vals, k1, k2))
-    planned = []
-    for per_tile in (0, 1, 2):  # nsplit = 1, the tile count, twice the tile count
+    planned, plans = [], []
+    for per_tile in per_tiles:
         def pinned(shape, tiles, *_args, **_kw):
             count = max(1, per_tile * math.ceil(shape.capacity / tiles.block_n))
             planned.append(count)
             return count
 
+        memo = Memo()  # plans made with the pin
         monkeypatch.setattr(kvcache_launch, "split_count", pinned)
-        monkeypatch.setattr(kvcache_launch, "_plans", Memo())  # plans made with the pin
+        monkeypatch.setattr(kvcache_launch, "_plans", memo)
         for w in (1, 40, 100, N + 5):
             kw = dict(cache_seqlens=cupy.asarray(seq), return_lse=True)
             o_r, l_r = kr.attention_with_rotary_kvcache(
@@ -256,7 +296,10 @@ def test_rotary_kernel_equals_two_cache_kernel_bitwise(dtype, D, M, interleaved,
             assert cupy.array_equal(o_r.view(cupy.uint16), o_2.view(cupy.uint16)), f"o, {where}"
             assert bool(cupy.all((l_r == l_2) | (cupy.isnan(l_r) & cupy.isnan(l_2)))), \
                 f"lse, {where}"
-    assert len(set(planned)) == 3, f"the pinned split counts were not all planned: {planned}"
+        plans += memo.values()
+    assert len(set(planned)) == len(set(per_tiles)), \
+        f"the pinned split counts were not all planned: {planned}"
+    return plans
 
 
 def long_cache_case(D, interleaved, groups, seed, N=12288):

@@ -38,6 +38,10 @@ class Memo:
         with self._lock:
             self._data.clear()
 
+    def values(self) -> list:
+        """The stored values (a snapshot list)."""
+        return list(self._data.values())
+
     def __len__(self) -> int:
         return len(self._data)
 
