@@ -126,15 +126,6 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
   }
 }
 
-// PW_FWD_STRADDLE_PIPE (0, the default; 1: staged for timing): the rotating-slot forward
-// (PW_FWD_Q_ROTATE) runs its straddling tiles single-buffered, each load waited for with no
-// work beside it, twice per tile (k1 and v, then k2). About three tiles per 128-row query
-// tile straddle at BN = 64, a tenth of the key sweep at L = 2048. 1 overlaps each load
-// with the visit before it (see the loop).
-#ifndef PW_FWD_STRADDLE_PIPE
-#define PW_FWD_STRADDLE_PIPE 0
-#endif
-
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   constexpr int DS = D * Elem<T>::width;   // a row in 16-bit units (common.cuh, Elem)
@@ -268,57 +259,6 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     // q1 into slot 2, free now: after a far tile the block barrier that ends its visit;
     // with no far tile slot 2 was never written
     if (tA < ntiles) load_rows<BM, DS, THREADS>(smem_addr(slot2), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
-#if PW_FWD_STRADDLE_PIPE
-    // Straddling tiles, one stage (slot 1), their loads overlapped with the visits: a visit's
-    // k is free once every warp has its scores, so the next k (k2 of this tile, then k1 of
-    // the next) loads during the softmax and P·V; v is free after pair 2's P·V, so the next
-    // tile's v loads during its pair-1 score product. cp.async groups, in commit order:
-    // [q1 + k1(tA)], [v(tA)], then per tile k2(t), k1(t+1), v(t+1) (empty past tC), so
-    // each wait leaves only the latest group in flight where the next step does not read it.
-    auto straddle_visit = [&](int t, auto pc) {
-      constexpr int PAIR = decltype(pc)::value;
-      constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
-      const int lane = tid_reload() % 32;  // shadows the kernel's lane on purpose (above)
-      const i64 n0 = (i64)t * BN;
-      const Geom g = make_geom<false>(row_p, t * BN, 0, p.w, n_keys);
-      // pair 1: its k is the older of [k1(t), v(t)]; pair 2: k2(t) is the only group left
-      if constexpr (PAIR == 1) cp_async_wait<1>(); else cp_async_wait<0>();
-      __syncthreads();
-      float s[MW][BN / 8][4];
-      score_pair_window_after<T, D, BN, MW, CAUSAL>(
-          s, PAIR == 1 ? aQ1r : aQ2r, smem_addr(slot1 + L::k1_in_stage), g, PAIR,
-          RAW ? 1.f : p.scale_log2, lane);
-      __syncthreads();  // every warp has read this visit's k: the next may replace it
-      if constexpr (PAIR == 1)
-        load_rows<BN, DS, THREADS>(smem_addr(slot1 + L::k2_in_stage), k2, p.k2.sr, n0, N);
-      else if (t + 1 < tC)
-        load_rows<BN, DS, THREADS>(smem_addr(slot1 + L::k1_in_stage), k1, p.k1.sr, n0 + BN, N);
-      cp_async_commit();
-      online_softmax<D, BN, MW, RAW>(s, acc, row_max, row_sum, p.scale_log2);
-      if constexpr (PAIR == 1) {  // v(t): the older of [v(t), k2(t)]
-        cp_async_wait<1>();
-        __syncthreads();
-      }
-      mma_xb<T, D, BN, MW>(acc, s, smem_addr(slot1 + L::v_in_stage), lane);
-      if constexpr (PAIR == 2) {
-        __syncthreads();  // every warp has read v(t)
-        if (t + 1 < tC)
-          load_rows<BN, DS, THREADS>(smem_addr(slot1 + L::v_in_stage), vv, p.v.sr, n0 + BN, N);
-        cp_async_commit();
-      }
-    };
-    if (tA < tC) {
-      load_rows<BN, DS, THREADS>(smem_addr(slot1 + L::k1_in_stage), k1, p.k1.sr, (i64)tA * BN, N);
-      cp_async_commit();  // with q1's rows (above)
-      load_rows<BN, DS, THREADS>(smem_addr(slot1 + L::v_in_stage), vv, p.v.sr, (i64)tA * BN, N);
-      cp_async_commit();
-    }
-#pragma unroll 1
-    for (int t = tA; t < tC; ++t) {
-      straddle_visit(t, One{});
-      straddle_visit(t, Two{});  // ends on a barrier: the near tiles' stages may be written
-    }
-#else
     for (int t = tA; t < tC; ++t) {  // straddling tiles, one stage (slot 1)
       issue_at(t, slot1, NotFar{});
       cp_async_commit();
@@ -327,7 +267,6 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       visit(t, slot1, One{}, Two{});
       __syncthreads();
     }
-#endif
     // near tiles: q2 is done with, its slot and slot 1 are the stages
     pipelined_tiles(
         tC, ntiles, [&](int t, int stage) { issue_at(t, slot0 + stage * L::stage_elems, NotFar{}); },

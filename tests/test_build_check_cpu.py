@@ -365,34 +365,3 @@ def test_q_rotate_forward_builds(nvrtc, monkeypatch):
     # one NVRTC program with one option list: a report that moved shows the macro reached it
     assert any(changed), "no report differs from the build with -DPW_FWD_Q_ROTATE=0"
 
-
-def test_straddle_pipe_forward_builds(nvrtc, monkeypatch):
-    """The staged -DPW_FWD_STRADDLE_PIPE=1 (kernels_cu/forward.cu: the rotating-slot forward's
-    straddling tiles with their loads overlapped) builds the D = 128 128x64x4 forward in both
-    dtypes, causal and not, dense and packed, and changes what they compile to (the macro
-    reaches the kernel). It is not a default: its dense forms spill 40-144 bytes (NVRTC 13.5,
-    2026-12-05: two inlined visit bodies at the register limit, bench/NOTES.md thirty-first
-    section), where the build check allows none; the bound catches a change that makes the
-    staged form worse."""
-    from cupy_piecewise import compile as comp
-
-    t = capability.TileConfig(128, 64, 4, 2)
-    vs = [Variant("fwd", dt, 128, t, c, varlen=vl) for vl in (False, True)
-          for dt in capability.HALF_DTYPES for c in (False, True)]
-    base = comp.arch_options
-
-    def options(*extra):
-        return lambda cc, hopper=False: tuple(
-            o for o in base(cc, hopper) if not o.startswith("-DPW_FWD_STRADDLE_PIPE")) + extra
-
-    monkeypatch.setattr(comp, "arch_options", options())
-    default = {r.variant: (r.registers, r.stack_bytes, r.spill_stores, r.spill_loads)
-               for r in compile_offline(SM90, vs)}
-    monkeypatch.setattr(comp, "arch_options", options("-DPW_FWD_STRADDLE_PIPE=1"))
-    changed = []
-    for r in compile_offline(SM90, vs):
-        assert r.ok and r.registers, (r.variant, r.log)
-        assert (r.spill_stores or 0) <= 192 and (r.spill_loads or 0) <= 192, (r.variant, r.log)
-        changed.append((r.registers, r.stack_bytes, r.spill_stores, r.spill_loads)
-                       != default[r.variant])
-    assert any(changed), "no report differs from the default build"
