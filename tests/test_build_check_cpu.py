@@ -364,4 +364,3 @@ def test_q_rotate_forward_builds(nvrtc, monkeypatch):
                        != four_slots[r.variant])
     # one NVRTC program with one option list: a report that moved shows the macro reached it
     assert any(changed), "no report differs from the build with -DPW_FWD_Q_ROTATE=0"
-
