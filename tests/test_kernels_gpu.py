@@ -68,15 +68,15 @@ def run_case(D, dtype, causal, M, N, w, group, transposed, Hkv=1, deterministic=
     over M rows) with the yardstick's own: a comparison of reduction orders, which has
     failed once on each kernel path (bench/NOTES.md, thirtieth session: dk1 1.70e-4 against
     a bound of 1.69e-4, float16, M = 4096; on the mma.sync path 1.87e-4 against 1.67e-4,
-    with correct kernels both times). A random dlse makes
-    dS = dlse there exactly, a real gradient through the same rows and kernels. (float32's
-    TF32 products round v itself, so its one-key case keeps its own branch below.)"""
+    with correct kernels both times). A random dlse makes dS = dlse there exactly, a real
+    gradient through the same rows and kernels. (float32's TF32 products round v itself, so
+    its one-key case keeps its own branch below.)"""
     import cupy
+
+    import cupy_piecewise
 
     if with_dlse is None:
         with_dlse = N == 1 and dtype in ("float16", "bfloat16")
-
-    import cupy_piecewise
 
     H = Hkv * group
     big = max(M, N) >= 2048
