@@ -45,7 +45,7 @@ def variants_for(cc, hopper: bool = False) -> list[Variant]:
             out.add(Variant("kv_append", dtype, head_dim, None, False))
             for rotary in ROTARY_LAYOUTS.values():  # attention_with_rotary_kvcache
                 out.add(Variant(phase, dtype, head_dim, tiles, causal, rotary=rotary))
-        if phase == "bwd_fused":  # its float32 dQ sums to dq1, dq2
+        if phase in ("bwd_fused", "bwd_grid"):  # their float32 dQ sums to dq1, dq2
             out.add(Variant("bwd_dq_convert", dtype, head_dim, None, False))
     for phase, head_dim, dtype, causal, tiles in capability.selectable_configs(cc, varlen=True):
         out.add(Variant(phase, dtype, head_dim, tiles, causal, varlen=True))

@@ -12,9 +12,15 @@ an entry may be refined by dtype and/or causal. Phases:
   per warp).
 - ``bwd_dkv``: backward for dk1/dk2/dv, one block per key tile; ``block_n``
   keys (16 per warp), ``block_m`` queries per step.
-- ``bwd_fused``: the one-kernel backward (the default for float16 and bfloat16;
-  ``bwd_dq`` + ``bwd_dkv`` are the deterministic mode): the ``bwd_dkv`` kernel built to
+- ``bwd_fused``: the one-kernel backward (float16 and bfloat16 where it has an entry and
+  ``bwd_grid`` has none; ``bwd_dq`` + ``bwd_dkv`` are the deterministic mode): the ``bwd_dkv`` kernel built to
   also add each tile's dQ to a float32 accumulator with atomics; same tile fields.
+- ``bwd_grid``: the one-kernel backward on FlashAttention-2's 2-D warp grid
+  (``pw_backward_grid``, float16/bfloat16, dense batches): ``block_n`` keys (32 per warp
+  row, ``block_n == 16 * num_warps``, 4 or 8 warps), ``block_m`` = 64 queries per step;
+  Pᵀ and dSᵀ pass through shared memory. Where the table has an entry it replaces
+  ``bwd_fused`` (:func:`grid_backward_tiles`); the same delta and convert kernels run
+  around it.
 - ``kvcache``: attention against a key/value cache (:mod:`cupy_piecewise.kvcache`):
   ``block_m`` = 16 packed query rows (the heads of a group times the new tokens),
   ``block_n`` keys per tile (16 per warp), ``stages`` deep cp.async ring (2 to 4).
@@ -94,6 +100,8 @@ __all__ = [
     "lookup",
     "selectable_configs",
     "fused_backward_tiles",
+    "grid_backward_tiles",
+    "grid_two_ds_buffers",
     "VARLEN_TABLE",
     "VARLEN_PHASES",
     "parse_override",
@@ -116,12 +124,13 @@ class TileConfig:
         return f"{self.block_m}x{self.block_n}x{self.num_warps}x{self.stages}"
 
 
-PHASES = ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv", "bwd_fused", "kvcache", "kvdecode")
+PHASES = ("fwd", "fwd_decode", "bwd_dq", "bwd_dkv", "bwd_fused", "bwd_grid", "kvcache",
+          "kvdecode")
 #: the KV-cache kernel's phases (kernels_cu/kvcache.cu)
 KV_PHASES = ("kvcache", "kvdecode")
-#: phases built for float16 and bfloat16 only: the KV-cache kernels, and the fused backward
-#: (float32 inputs take the deterministic two-kernel backward)
-HALF_ONLY_PHASES = KV_PHASES + ("bwd_fused",)
+#: phases built for float16 and bfloat16 only: the KV-cache kernels, and the one-kernel
+#: backwards (float32 inputs take the deterministic two-kernel backward)
+HALF_ONLY_PHASES = KV_PHASES + ("bwd_fused", "bwd_grid")
 LISTED_ARCHS = ((8, 0), (8, 6), (8, 9), (9, 0))
 ENV_VAR = "CUPY_PIECEWISE_TILES"
 
@@ -427,6 +436,15 @@ def apply_kernel_macros(macros) -> None:
                 raise ValueError(f"kernel macro {m!r}: expected an integer value") from None
 
 
+def grid_two_ds_buffers(head_dim: int, cfg: TileConfig) -> bool:
+    """Whether the warp-grid backward (phase ``bwd_grid``) keeps Pᵀ and dSᵀ in two buffers
+    (else dSᵀ overwrites Pᵀ after dV's product): head dims up to 64 with 8 warps, where the
+    second buffer fits every listed architecture that can run the entry. The kernel's rule is
+    ``grid_two_ds_buffers`` of kernels_cu/traits.cuh (tests/test_traits_cpu.py compares the
+    layouts)."""
+    return head_dim <= 64 and cfg.num_warps == 8
+
+
 def fwd_one_key_slot(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> bool:
     """Whether the mma.sync forward (phases fwd and fwd_decode) keeps one key slot per
     pipeline stage instead of two: 16-bit inputs (``elem_bytes`` 2), ``head_dim`` >= 128 and
@@ -481,6 +499,13 @@ def shared_bytes(phase: str, head_dim: int, cfg: TileConfig, elem_bytes: int = 2
         return (2 * cfg.block_m + (slots + 1) * cfg.stages * cfg.block_n) * row
     if phase == "bwd_dq":
         return (3 * cfg.block_m + 3 * cfg.stages * cfg.block_n) * row + 8 * cfg.block_m
+    if phase == "bwd_grid":
+        # k1, k2, v of block_n keys; per stage q1, q2, do of block_m queries and their lse
+        # and delta; one or two key-major Pᵀ/dSᵀ buffers (block_n rows, pitch block_m + 8)
+        ds = 2 * cfg.block_n * (cfg.block_m + 8)
+        return ((3 * cfg.block_n + 3 * cfg.stages * cfg.block_m) * row
+                + 8 * cfg.stages * cfg.block_m
+                + ds * (2 if grid_two_ds_buffers(head_dim, cfg) else 1))
     if phase in ("bwd_dkv", "bwd_fused"):
         dkv = (3 * cfg.block_n + 3 * cfg.stages * cfg.block_m) * row + 8 * cfg.stages * cfg.block_m
         return dkv + (fused_ds_bytes(cfg) if phase == "bwd_fused" else 0)
@@ -512,9 +537,12 @@ _SM86_89 = {
     "bwd_dkv": {256: _T(16, 16, 1), 128: _T(16, 64, 4), 96: _T(16, 64, 4), 80: _T(16, 64, 4),
                 64: _T(64, 64, 4), 32: _T(64, 64, 4), 16: _T(64, 64, 4)},
     # where the H200 measured the one-kernel backward faster (note above TABLE), in shapes
-    # that fit 99 KiB: 128 causal 16x64x4 (82 KB), 64 float16 64x64x4 (93 KB)
-    "bwd_fused": {128: {(None, True): _T(16, 64, 4), (None, None): None},
-                  64: {("float16", None): _T(64, 64, 4), (None, None): None}},
+    # that fit 99 KiB: 128 causal 16x64x4 (82 KB); 64 float16 64x64x4 (93 KB) until bwd_grid
+    # replaced it for dense batches (VARLEN_TABLE keeps it for packed ones)
+    "bwd_fused": {128: {(None, True): _T(16, 64, 4), (None, None): None}},
+    # D = 64 as sm_90 (93 KB, one Pᵀ/dSᵀ buffer; it replaced bwd_fused's float16 entry
+    # there); D = 128 has none: 64x64x4 needs 163 KiB
+    "bwd_grid": {64: _T(64, 64, 4)},
     "kvcache": {128: _T(16, 32, 2, 2), 64: _T(16, 64, 4, 2), 32: _T(16, 64, 4, 2),
                 16: _T(16, 64, 4, 2)},
     "kvdecode": {128: _T(16, 64, 4, 2), 64: _T(16, 64, 4, 3), 32: _T(16, 64, 4, 3),
@@ -534,7 +562,8 @@ _SM86_89 = {
 # 128x64x4 in three rotating slots, 104 KB each too; an A100 fits one, and one block of
 # 128x32x4 ran no faster than 128x64x8 on the H200, so sm_80 keeps 64x64x4.)
 # The bwd_fused entries take the one-kernel backward for the variants where it won on the
-# H200 (the sm_90 row), in shapes that fit.
+# H200 (the sm_90 row, before bwd_grid replaced it there), in shapes that fit; bwd_grid's
+# D = 64 entry is the H100's best shape (2026-12-05), which fits all three.
 # sm_86 and sm_89 share one row on purpose: every quantity the choice depends on is the same
 # (99 KiB per block and 100 KiB per SM of shared memory, 64K registers and 1536 threads per
 # SM). What differs, Ada's much larger L2 cache (up to 96 MB against 6 MB), changes how often
@@ -560,8 +589,10 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
                     80: {(None, True): _T(16, 64, 4), (None, None): _T(32, 64, 4)},
                     64: _T(64, 64, 4), 32: _T(128, 64, 4), 16: _T(128, 64, 4)},
         # as sm_86/89 (the note above TABLE): 128 causal keeps bwd_dkv's 16x64x4
-        "bwd_fused": {128: {(None, True): _T(16, 64, 4), (None, None): None},
-                      64: {("float16", None): _T(64, 64, 4), (None, None): None}},
+        "bwd_fused": {128: {(None, True): _T(16, 64, 4), (None, None): None}},
+        # D = 64 as sm_90; D = 128's 64x64x4 fits (166912 bytes, all of it) but spills 12-16
+        # bytes here (NVRTC 13.5) and only tied bwd_fused on the H100
+        "bwd_grid": {64: _T(64, 64, 4)},
         "kvcache": {d: _T(16, 64, 4, 2) for d in (16, 32, 64, 128)},
         "kvdecode": {d: _T(16, 64, 4, 3) for d in (16, 32, 64, 128)},
     },
@@ -604,15 +635,22 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
             32: _T(64, 64, 4),
             16: _T(64, 128, 4),
         },
-        # The one-kernel backward where it beat the two-kernel scheme (2026-12-02,
-        # scripts/mma_bwd_probe.py, L 2048/8192, forward+backward): D = 128 causal 32x64x4
-        # (1.18-1.25x); D = 64 float16 64x64x4 (1.07-1.18x). None: the two-kernel scheme runs
-        # (bfloat16 at D = 64 and non-causal D = 128 measured 0.98-1.01x fused; float16
-        # non-causal D = 128 gained 5-6% only in shapes that spill). Other head dims untimed.
-        "bwd_fused": {
-            128: {(None, True): _T(32, 64, 4), (None, None): None},
-            64: {("float16", None): _T(64, 64, 4), (None, None): None},
-        },
+        # The one-kernel backward pw_backward_dkv (FUSED) keeps its entries for packed
+        # batches only (VARLEN_TABLE; bwd_grid has no packed build): for dense ones bwd_grid
+        # below replaced its two, D = 128 causal 32x64x4 and D = 64 float16 64x64x4 (which
+        # had beaten the two-kernel scheme by 1.18-1.25x and 1.07-1.18x, 2026-12-02), at
+        # 1.12-1.27x and 1.02-1.10x their speed (2026-12-05). A bwd_fused tile override
+        # still runs it on dense batches.
+        "bwd_fused": {},
+        # The warp-grid one-kernel backward (FlashAttention-2's decomposition; replaces
+        # bwd_fused where it has an entry, every dtype and causal flag), measured on an H100
+        # (2026-12-05, scripts/mma_bwd_probe.py, L 2048/8192, bf16/fp16, causal and not,
+        # forward+backward; bench/results/2026-12-05-h100-grid-backward): D = 128 64x128x8
+        # (228352 bytes, one block per SM): 1.23-1.48x the two-kernel scheme, 1.12-1.27x
+        # bwd_fused 32x64x4, 0.82-0.90x SDPA flash (the default before: 0.69-0.75x); D = 64
+        # 64x64x4 (93 KB, two blocks per SM): 1.04-1.17x the two kernels, 0.77-0.84x flash
+        # (64x128x8 there: 0.76-0.80x).
+        "bwd_grid": {128: _T(64, 128, 8), 64: _T(64, 64, 4)},
         # memory-bound: a 3-deep ring of 64-key tiles keeps ~100 KB in flight per block
         "kvcache": {d: _T(16, 64, 4, 3) for d in (16, 32, 64, 128)},
         # two stages measured best on an H200 (2026-12-01, bf16, B*H 32-256, N 4k-128k:
@@ -621,15 +659,24 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
     },
 }
 
+#: the packed-batch one-kernel entries of sm_80, sm_86 and sm_89: D = 64 float16, which their
+#: dense rows gave to bwd_grid (no packed build), and D = 128 causal, as the dense rows
+_PACKED_FUSED_SM8X = {128: {(None, True): _T(16, 64, 4), (None, None): None},
+                      64: {("float16", None): _T(64, 64, 4), (None, None): None}}
+
 #: Packed variable-length batches (``attention_varlen``) run the same kernels built with a
 #: VARLEN flag: per-sequence lengths and offsets held in registers. Where a dense entry sits
 #: at the register limit that tips it into spills, the packed kernel takes the entry here
-#: instead (same layout as TABLE; phases fwd, bwd_dq, bwd_dkv; absent entries: TABLE's).
+#: instead (same layout as TABLE; phases fwd, bwd_dq, bwd_dkv, bwd_fused; absent entries:
+#: TABLE's). bwd_fused also keeps here the entries its dense rows gave to bwd_grid.
 VARLEN_TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
     # the packed D = 128 dk/dv kernel spills at 32x64x4 on sm_80 too (16 bytes, bf16)
     (8, 0): {
         "bwd_dkv": {128: _T(16, 64, 4), 96: _T(16, 64, 4), 80: _T(16, 64, 4)},
+        "bwd_fused": _PACKED_FUSED_SM8X,
     },
+    (8, 6): {"bwd_fused": _PACKED_FUSED_SM8X},
+    (8, 9): {"bwd_fused": _PACKED_FUSED_SM8X},
     (9, 0): {
         # 128, 96, 80: the dense entries before 128x32x4 (which spills 20-28 bytes at 128
         # and 8 at 96 with the packed batch's registers; 80 not timed packed); 128 also not
@@ -638,6 +685,11 @@ VARLEN_TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
         "bwd_dkv": {
             128: {(None, True): _T(16, 64, 4), (None, None): _T(16, 64, 4)},
             64: {(None, True): _T(32, 64, 4), (None, None): _T(64, 64, 4)},
+        },
+        # the one-kernel entries the dense row had before bwd_grid replaced them (TABLE)
+        "bwd_fused": {
+            128: {(None, True): _T(32, 64, 4), (None, None): None},
+            64: {("float16", None): _T(64, 64, 4), (None, None): None},
         },
     },
 }
@@ -698,7 +750,7 @@ TF32_TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
 #: became the default (2026-12-05).
 MACRO_TABLE: dict[str, dict[tuple[int, int], dict[str, dict[int, object]]]] = {}
 
-del _T, _SM86_89_TF32
+del _T, _SM86_89_TF32, _PACKED_FUSED_SM8X
 
 _NO_ENTRY = object()
 
@@ -778,7 +830,15 @@ def check_config(
                             f"block_n={cfg.block_n}, num_warps={cfg.num_warps}")
     rows_field = "block_n" if phase in ("bwd_dkv", "bwd_fused") + KV_PHASES else "block_m"
     rows = getattr(cfg, rows_field)
-    if rows not in (16 * cfg.num_warps, 32 * cfg.num_warps):
+    if phase == "bwd_grid":
+        # pw_backward_grid's warp grid (BwdGridTraits): (block_n / 32) x 2 warps
+        if cfg.block_m != 64 or cfg.num_warps not in (4, 8) or cfg.block_n != 16 * cfg.num_warps:
+            problems.append(f"bwd_grid needs block_m == 64, num_warps 4 or 8 and block_n == "
+                            f"16 * num_warps, got {cfg}")
+        if cfg.stages != 2:
+            problems.append(f"bwd_grid double-buffers its query tiles: stages must be 2, "
+                            f"got {cfg.stages}")
+    elif rows not in (16 * cfg.num_warps, 32 * cfg.num_warps):
         problems.append(
             f"{phase} needs {rows_field} == 16 * num_warps or 32 * num_warps (each warp owns 16 or "
             f"32 rows), got {rows_field}={rows}, num_warps={cfg.num_warps}")
@@ -949,7 +1009,10 @@ def selectable_configs(cc: tuple[int, int], *, max_shared: int | None = None,
     arch = resolve_arch(cc, max_shared)
     out = set()
     for phase in (VARLEN_PHASES if varlen else PHASES):
-        for head_dim in sorted(TABLE[arch][phase]):
+        dims = set(TABLE[arch][phase])
+        if varlen:  # packed-only entries (bwd_fused where the dense row has bwd_grid)
+            dims |= set(VARLEN_TABLE.get(arch, {}).get(phase, {}))
+        for head_dim in sorted(dims):
             for dtype in (HALF_DTYPES if phase in HALF_ONLY_PHASES else TABLE_DTYPES):
                 entry = _table_entry(arch, phase, head_dim, varlen, dtype)
                 if entry is None:  # float32 where no tile fits (TF32_TABLE)
@@ -983,3 +1046,30 @@ def fused_backward_tiles(cc: tuple[int, int], head_dim: int, dtype: str, causal:
     if entry is None or _refine(entry, dtype, bool(causal)) is None:
         return None
     return lookup(cc, "bwd_fused", head_dim, dtype, causal, max_shared=max_shared, varlen=varlen)
+
+
+def grid_backward_tiles(cc: tuple[int, int], head_dim: int, dtype: str, causal: bool, *,
+                        varlen: bool = False, max_shared: int | None = None):
+    """Tiles of the warp-grid one-kernel backward (phase ``bwd_grid``) for this variant, or
+    None where it does not run: float32 inputs, packed batches (no packed build), head dims
+    without a ``bwd_grid`` entry, and a ``bwd_fused`` tile override (``CUPY_PIECEWISE_TILES``)
+    without a ``bwd_grid`` one, which forces the earlier one-kernel backward. A ``bwd_grid``
+    override forces this one. Where it returns tiles, the mma.sync backward's one-kernel
+    scheme runs ``bwd_grid`` instead of ``bwd_fused``.
+
+    Raises:
+        ValueError: as :func:`lookup` (a bad override, an unsupported GPU).
+    """
+    if dtype not in HALF_DTYPES or varlen:
+        return None
+    env = (env_override() or "").strip()
+    parsed = parse_override(env) if env else {}
+    if "bwd_grid" in parsed:
+        return lookup(cc, "bwd_grid", head_dim, dtype, causal, max_shared=max_shared)
+    if "bwd_fused" in parsed:
+        return None
+    arch = resolve_arch(cc, max_shared)
+    entry = _table_entry(arch, "bwd_grid", head_dim, False, dtype)
+    if entry is None or _refine(entry, dtype, bool(causal)) is None:
+        return None
+    return lookup(cc, "bwd_grid", head_dim, dtype, causal, max_shared=max_shared)

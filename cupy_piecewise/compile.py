@@ -23,7 +23,8 @@ from .kernel_sources import kernel_dir
 #: kernel file per phase; the delta pre-pass lives with the backward kernels.
 SOURCE_FILE = {"fwd": "forward.cu", "fwd_decode": "forward.cu", "fwd_combine": "forward.cu",
                "bwd_dq": "backward.cu", "bwd_dkv": "backward.cu", "bwd_delta": "backward.cu",
-               "bwd_fused": "backward.cu", "bwd_dq_convert": "backward.cu",
+               "bwd_fused": "backward.cu", "bwd_grid": "backward.cu",
+               "bwd_dq_convert": "backward.cu",
                "fwd_sm90": "sm90/forward.cu", "bwd_sm90": "sm90/backward.cu",
                "bwd_sm90_det": "sm90/backward.cu", "bwd_sm90_prep": "sm90/backward.cu",
                "bwd_sm90_dq": "sm90/backward.cu", "kvcache": "kvcache.cu",
@@ -31,7 +32,7 @@ SOURCE_FILE = {"fwd": "forward.cu", "fwd_decode": "forward.cu", "fwd_combine": "
                "kvdecode_sm90": "sm90/kvdecode.cu"}
 _TEMPLATE = {"fwd": "pw_forward", "fwd_decode": "pw_forward", "fwd_combine": "pw_forward_combine",
              "bwd_dq": "pw_backward_dq", "bwd_dkv": "pw_backward_dkv",
-             "bwd_fused": "pw_backward_dkv",
+             "bwd_fused": "pw_backward_dkv", "bwd_grid": "pw_backward_grid",
              "bwd_delta": "pw_backward_delta", "bwd_dq_convert": "pw_backward_dq_convert",
              "fwd_sm90": "pw90_forward",
              "bwd_sm90": "pw90_bwd", "bwd_sm90_det": "pw90_bwd", "bwd_sm90_prep": "pw90_bwd_prep",

@@ -561,9 +561,19 @@ def use_fused_backward(problem, deterministic: bool, varlen: bool = False) -> bo
     (:func:`capability.fused_backward_tiles`: float16/bfloat16, where the table has one)."""
     if deterministic or problem.M == 0 or problem.dtype not in capability.HALF_DTYPES:
         return False
-    return capability.fused_backward_tiles(_compute_capability(problem.device), problem.D,
-                                           problem.dtype, problem.causal,
-                                           varlen=varlen) is not None
+    return _one_kernel_phase(problem, varlen) is not None
+
+
+def _one_kernel_phase(problem, varlen: bool = False) -> str | None:
+    """The one-kernel backward's main phase for ``problem``: ``bwd_grid`` where
+    :func:`capability.grid_backward_tiles` has tiles, else ``bwd_fused`` where
+    :func:`capability.fused_backward_tiles` has, else None."""
+    args = (_compute_capability(problem.device), problem.D, problem.dtype, problem.causal)
+    if capability.grid_backward_tiles(*args, varlen=varlen) is not None:
+        return "bwd_grid"
+    if capability.fused_backward_tiles(*args, varlen=varlen) is not None:
+        return "bwd_fused"
+    return None
 
 
 def fused_backward_steps(problem, rows: int, varlen: bool = False) -> list:
@@ -572,8 +582,9 @@ def fused_backward_steps(problem, rows: int, varlen: bool = False) -> list:
 
     1. ``bwd_delta``: delta, and zeroes both float32 dQ accumulators (``Params.dq_acc1``,
        ``dq_acc2``: the workspace, two (rows, D) float32 arrays, set by :meth:`Launches.run`);
-    2. ``bwd_fused`` (when there are keys): one block per (key tile, kv head, batch entry or
-       sequence) writes dk1, dk2, dv and adds dQ1, dQ2 to the accumulators;
+    2. ``bwd_grid`` or ``bwd_fused`` (:func:`_one_kernel_phase`; when there are keys): one
+       block per (key tile, kv head, batch entry or sequence) writes dk1, dk2, dv and adds
+       dQ1, dQ2 to the accumulators;
     3. ``bwd_dq_convert``: dq1, dq2 = sm_scale x the accumulators, in the input dtype.
     """
     batch = 1 if varlen else problem.B
@@ -581,7 +592,7 @@ def fused_backward_steps(problem, rows: int, varlen: bool = False) -> list:
     helper = (math.ceil(per_batch / 8), batch, 1)
     steps = [_step(problem, plan(problem, "bwd_delta"), helper)]
     if problem.N > 0:
-        main = plan(problem, "bwd_fused", varlen=varlen)
+        main = plan(problem, _one_kernel_phase(problem, varlen) or "bwd_fused", varlen=varlen)
         steps.append(_step(problem, main, (math.ceil(problem.N / main.tiles.block_n),
                                            problem.Hkv, problem.B)))
     steps.append(_step(problem, plan(problem, "bwd_dq_convert"), helper))

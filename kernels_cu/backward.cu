@@ -208,6 +208,46 @@ PW_DEVICE void stash_ds(u32 sDS, const float x[MW][BM / 8][4], int keys, int lan
   }
 }
 
+// Adds a warp's 16 x 16 float32 block c (two m16n8 accumulators: columns 0-7 and 8-15) to
+// rows g (lo) and g + 8 (hi) of a float32 accumulator in global memory, g = lane / 4:
+// row_lo and row_hi point at column 2t of those rows (t = lane % 4), col is the block's first
+// column; ok_lo and ok_hi say whether each row exists. One v2 reduction per accumulator
+// pair, or (sm_90, PW_DQ_RED4) one v4 per row. (The pointer sums keep add_dq's order from
+// before this helper existed, so its PTX did not change.)
+PW_DEVICE void red_block16(float* row_lo, float* row_hi, int col, const float c[2][4],
+                           bool ok_lo, bool ok_hi, int lane) {
+#if PW_DQ_RED4 && __CUDA_ARCH__ >= 900
+  // Lanes t and t^1 swap halves so that each adds four contiguous floats of one row
+  // (even t: block 0, columns 2t..2t+3; odd t: block 1, columns 8 + 2(t-1)..): half the
+  // reduction instructions, +1.5-6% forward+backward on an H200 (bench/NOTES.md;
+  // -DPW_DQ_RED4=0 builds the 8-byte form, the only one below sm_90).
+  const bool odd = lane & 1;
+  float x[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) x[e] = __shfl_xor_sync(0xffffffffu, odd ? c[0][e] : c[1][e], 1);
+  // lo/hi point at column 2t: even t adds at 2t, odd t at 8 + 2(t - 1) = 2t + 6
+  const float4 vlo = odd ? make_float4(x[0], x[1], c[1][0], c[1][1])
+                         : make_float4(c[0][0], c[0][1], x[0], x[1]);
+  const float4 vhi = odd ? make_float4(x[2], x[3], c[1][2], c[1][3])
+                         : make_float4(c[0][2], c[0][3], x[2], x[3]);
+  float* lo = row_lo + col + (odd ? 6 : 0);
+  float* hi = row_hi + col + (odd ? 6 : 0);
+  if (ok_lo)
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(lo), "f"(vlo.x),
+                 "f"(vlo.y), "f"(vlo.z), "f"(vlo.w) : "memory");
+  if (ok_hi)
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(hi), "f"(vhi.x),
+                 "f"(vhi.y), "f"(vhi.z), "f"(vhi.w) : "memory");
+#else
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int cj = col + j * 8;
+    if (ok_lo) red_add2(row_lo + cj, c[j][0], c[j][1]);
+    if (ok_hi) red_add2(row_hi + cj, c[j][2], c[j][3]);
+  }
+#endif
+}
+
 // acc[query row, :] += dS (BM x BN: the block's buffer, read transposed) · K (BN x D: the
 // block's key tile of the pass's projection), for the tile's rows below `nvalid`; acc points
 // at the float32 accumulator row of the tile's first query (D floats a row).
@@ -244,37 +284,7 @@ PW_DEVICE void add_dq(float* acc, int nvalid, u32 sDS, u32 sK, int warp, int lan
         Elem<T>::mma(c[0], a, b[0], b[1]);
         Elem<T>::mma(c[1], a, b[2], b[3]);
       }
-#if PW_DQ_RED4 && __CUDA_ARCH__ >= 900
-      // Lanes t and t^1 swap halves so that each adds four contiguous floats of one row
-      // (even t: block 0, columns 2t..2t+3; odd t: block 1, columns 8 + 2(t-1)..): half the
-      // reduction instructions, +1.5-6% forward+backward on an H200 (bench/NOTES.md;
-      // -DPW_DQ_RED4=0 builds the 8-byte form, the only one below sm_90).
-      const bool odd = lane & 1;
-      float x[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        x[e] = __shfl_xor_sync(0xffffffffu, odd ? c[0][e] : c[1][e], 1);
-      // row_lo/row_hi point at column 2t: even t adds at 2t, odd t at 8 + 2(t - 1) = 2t + 6
-      float* lo = row_lo + cp * 16 + (odd ? 6 : 0);
-      float* hi = row_hi + cp * 16 + (odd ? 6 : 0);
-      const float4 vlo = odd ? make_float4(x[0], x[1], c[1][0], c[1][1])
-                             : make_float4(c[0][0], c[0][1], x[0], x[1]);
-      const float4 vhi = odd ? make_float4(x[2], x[3], c[1][2], c[1][3])
-                             : make_float4(c[0][2], c[0][3], x[2], x[3]);
-      if (r < nvalid)
-        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(lo), "f"(vlo.x),
-                     "f"(vlo.y), "f"(vlo.z), "f"(vlo.w) : "memory");
-      if (r + 8 < nvalid)
-        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(hi), "f"(vhi.x),
-                     "f"(vhi.y), "f"(vhi.z), "f"(vhi.w) : "memory");
-#else
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int col = cp * 16 + j * 8;
-        if (r < nvalid) red_add2(row_lo + col, c[j][0], c[j][1]);
-        if (r + 8 < nvalid) red_add2(row_hi + col, c[j][2], c[j][3]);
-      }
-#endif
+      red_block16(row_lo, row_hi, cp * 16, c, r < nvalid, r + 8 < nvalid, lane);
     }
   }
 }
@@ -616,4 +626,184 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
     const Seq<VARLEN> end = seq_again<VARLEN>(p, b);
     store_rows<T, D, MW>(p.dv.mut(b, hk, end.k0), p.dv.sr, row0, end.N, dv, one, lane);
   }
+}
+
+// ---------------------------------------------------------------- the warp-grid backward
+// pw_backward_grid (phase bwd_grid, 16-bit inputs, dense batches): the one-kernel backward of
+// pw_backward_dkv with FUSED, rebuilt on FlashAttention-2's decomposition. One block per
+// (key tile of BN keys, kv head, batch entry); 64-query tiles of every head of the group
+// stream through two stages. The warps form a (BN / 32) x 2 grid:
+//   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: warp (wk, wq) computes keys 32 wk.. x queries 32 wq..;
+//   Pᵀ and dSᵀ go to shared memory (16-bit, key-major);
+//   dV += Pᵀ dO and dK_pair += dSᵀ Q_pair: warp (wk, wq) owns keys 32 wk.. x columns
+//   wq D/2.., reading its keys' Pᵀ / dSᵀ rows over all 64 queries;
+//   dQ_pair += dS K_pair: warp tiles of 32 queries x dq_cols columns over the block's 64 x D,
+//   added to the float32 accumulator with reductions (red_block16).
+// Every operand fragment a warp reads from shared memory then feeds two 16-row blocks: about
+// 240 bytes of ldmatrix per mma against pw_backward_dkv's 300-500 (bench/NOTES.md, 2026-12-05
+// thirty-first section), the bound that kept that kernel at 0.64x FlashAttention-2.
+// dK1 and dK2 are not held together (64 + 64 + 64 accumulators with dV): as pw_backward_dkv,
+// the kernel makes one pass over the query tiles touching pair 1 (d < w) and one over those
+// touching pair 2, recomputing only the straddling tiles; dV counts every tile once.
+// float16: P carries the fixed factor 2^14 (FixedP) into Pᵀ and dV, and dS is rounded
+// unscaled for both dK and dQ, its range kept by the caller's loss scaling as in the Hopper
+// backward (tolerance.float16_loss_scale).
+template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL>
+__global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_grid(const Params p) {
+  static_assert(Elem<T>::width == 1, "the warp-grid backward is built for 16-bit inputs");
+  using L = BwdGridTraits<D, BM, BN, WARPS>;
+  using FP = FixedP<T>;
+  constexpr int WK = L::warps_k, KC = L::kv_cols, QC = L::dq_cols;
+  constexpr int RB = L::row_bytes, TB = L::pt_pitch_bytes;
+  constexpr int THREADS = L::threads;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const u32 s0 = smem_addr(smem);
+  const float* sStat = reinterpret_cast<const float*>(smem + L::stats_offset);
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int wk = warp % WK, wq = warp / WK;
+  const i64 nt = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const i64 M = p.M, N = p.N, P = p.shift, n0 = nt * BN;
+  const i64 krow0 = n0 + wk * 32;  // the warp's first key
+
+  load_rows<BN, D, THREADS>(s0 + L::k1_offset, p.k1.at(b, hk), p.k1.sr, n0, N);
+  load_rows<BN, D, THREADS>(s0 + L::k2_offset, p.k2.at(b, hk), p.k2.sr, n0, N);
+  load_rows<BN, D, THREADS>(s0 + L::v_offset, p.v.at(b, hk), p.v.sr, n0, N);
+
+  // query tiles that see this key tile, and the sub-ranges touching each pair (as dkv)
+  const int t_hi = (int)((M + BM - 1) / BM);
+  const int t_lo = CAUSAL ? (int)clamp64(floor_div(n0 - P, BM), 0, t_hi) : 0;
+  const int end1 = (int)clamp64(ceil_div(p.w - P + n0 + BN - 1, BM), t_lo, t_hi);
+  const int first2 = (int)clamp64(ceil_div(p.w - P + n0 - BM + 1, BM), t_lo, t_hi);
+  const int group = (int)p.group;
+
+  auto tile_of = [&](int lo, int per_head, int it, i64& h, i64& m0) {
+    h = hk * group + it / per_head;
+    m0 = (i64)(lo + it % per_head) * BM;
+  };
+  auto issue_tile = [&](i64 h, i64 m0, int stage) {
+    const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
+    const u32 st = s0 + L::q_offset + stage * L::stage_bytes;
+    if (mode & 1) load_rows<BM, D, THREADS>(st + L::q1_in_stage, p.q1.at(b, h), p.q1.sr, m0, M);
+    if (mode & 2) load_rows<BM, D, THREADS>(st + L::q2_in_stage, p.q2.at(b, h), p.q2.sr, m0, M);
+    load_rows<BM, D, THREADS>(st + L::do_in_stage, p.dout.at(b, h), p.dout.sr, m0, M);
+    const i64 base = (b * p.H + h) * M;
+    const u32 ss = s0 + L::stats_offset + stage * L::stats_stage_bytes;
+    load_f32<BM, THREADS>(ss + 4 * L::lse_in_stage, p.lse + base, m0, M);
+    load_f32<BM, THREADS>(ss + 4 * L::delta_in_stage, p.delta + base, m0, M);
+  };
+
+  float dv[2][KC / 8][4];
+  zero_n<KC>(&dv[0][0][0]);
+#pragma unroll 1
+  for (int pair = 1; pair <= 2; ++pair) {
+    const int lo = pair == 1 ? t_lo : first2, hi = pair == 1 ? end1 : t_hi;
+    const int per_head = hi - lo;
+    float dk[2][KC / 8][4];
+    zero_n<KC>(&dk[0][0][0]);
+    auto issue = [&](int it, int stage) {
+      i64 h, m0;
+      tile_of(lo, per_head, it, h, m0);
+      issue_tile(h, m0, stage);
+    };
+    pipelined_tiles(0, per_head > 0 ? per_head * group : 0, issue, [&](int it, int stage) {
+      // lane- and warp-derived offsets recomputed per tile from a fresh threadIdx read
+      // (tid_reload): held across the loop they spill about 210 bytes at D = 128 (ptxas,
+      // NVRTC 13.5); recomputed, every entry builds without spills
+      const int lane = tid_reload() % 32, warp = tid_reload() / 32;
+      const int wk = warp % WK, wq = warp / WK;
+      const i64 krow0 = n0 + wk * 32;
+      const int keys = (int)clamp64(N - krow0, 0, 32);  // the warp's keys inside K
+      i64 h, m0;
+      tile_of(lo, per_head, it, h, m0);
+      const int t = (int)(m0 / BM);
+      const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
+      const bool masked = tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), m0 + BM, M);
+      const u32 st = s0 + L::q_offset + stage * L::stage_bytes;
+      const float* ss = sStat + stage * L::stats_stage_floats;
+      const Geom g = make_geom<true>(krow0, m0 + wq * 32, P, p.w, M);
+      const u32 aK1 = s0 + L::k1_offset + wk * 32 * RB;
+
+      // Sᵀ and P of the warp's 32 keys x 32 queries
+      float s[2][4][4];
+      score_tile<PW_MASK_SPLIT_OR(2), T, D, 32, 2, CAUSAL, true, FP::bias>(
+          s, aK1, aK1 + (L::k2_offset - L::k1_offset), st + L::q1_in_stage + wq * 32 * RB,
+          st + L::q2_in_stage + wq * 32 * RB, mode, masked, g, p.scale_log2, lane);
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            s[mi][nb][e] = fast_exp2(
+                s[mi][nb][e] - lse_to_log2(ss[L::lse_in_stage + wq * 32 + frag_col(nb, e, lane)]));
+      float dp[2][4][4];
+      zero_n<32>(&dp[0][0][0]);
+      mma_abt<T, D, 32, 2>(dp, s0 + L::v_offset + wk * 32 * RB,
+                           st + L::do_in_stage + wq * 32 * RB, lane);
+      // dV takes every tile once: pass 2 skips the straddling tiles pass 1 counted
+      const bool count_dv = pair == 1 || t >= end1;
+      const u32 tPT = s0 + L::pt_offset + wk * 32 * TB;  // the warp's key rows of Pᵀ
+      const u32 tDS = s0 + L::ds_offset + wk * 32 * TB;  // and of dSᵀ
+      if (count_dv) stash_ds<T, 32, 2, TB>(tPT + wq * 32 * 2, s, keys, lane);
+      // dS = P (dP - delta), P's fixed factor removed (exact: a power of two)
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            s[mi][nb][e] *= (FP::on ? pow2f(-FP::ex) : 1.f) *
+                            (dp[mi][nb][e] - ss[L::delta_in_stage + wq * 32 + frag_col(nb, e, lane)]);
+      if (mode == 3) keep_pair<32, 2, true>(s, pair, g, lane);
+      const u32 sDOc = st + L::do_in_stage + wq * KC * 2;  // dO columns wq D/2..
+      if constexpr (L::two_buffers) {
+        stash_ds<T, 32, 2, TB>(tDS + wq * 32 * 2, s, keys, lane);
+        __syncthreads();  // every warp's Pᵀ and dSᵀ
+        if (count_dv) mma_ss<T, BM / 16, KC / 16, 2, TB, RB, false>(dv, tPT, sDOc, lane);
+      } else {
+        __syncthreads();  // every warp's Pᵀ
+        if (count_dv) {  // block-uniform
+          mma_ss<T, BM / 16, KC / 16, 2, TB, RB, false>(dv, tPT, sDOc, lane);
+          __syncthreads();  // Pᵀ read by all: dSᵀ takes its place
+        }
+        stash_ds<T, 32, 2, TB>(tDS + wq * 32 * 2, s, keys, lane);
+        __syncthreads();
+      }
+      // dK_pair += dSᵀ Q_pair (q2 follows q1 in a stage)
+      mma_ss<T, BM / 16, KC / 16, 2, TB, RB, false>(
+          dk, tDS, st + L::q1_in_stage + (pair - 1) * L::q_tile_bytes + wq * KC * 2, lane);
+      // dQ_pair rows [m0, m0 + BM) of head h += dS K_pair (k2 follows k1)
+      float* acc = (pair == 1 ? p.dq_acc1 : p.dq_acc2) + ((b * p.H + h) * M + m0) * D;
+      const int nvalid = (int)min((i64)BM, M - m0);
+#pragma unroll
+      for (int j = 0; j < L::dq_tiles; ++j) {
+        const int id = warp + j * WARPS, qq = id & 1, cc = id >> 1;
+        float c[2][QC / 8][4];
+        zero_n<QC>(&c[0][0][0]);
+        mma_ss<T, BN / 16, QC / 16, 2, TB, RB, true>(
+            c, s0 + L::ds_offset + qq * 32 * 2,
+            s0 + L::k1_offset + (pair - 1) * L::k_tile_bytes + cc * QC * 2, lane);
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          const int r = qq * 32 + mi * 16 + lane / 4;
+          float* row = acc + (i64)r * D + cc * QC + 2 * (lane % 4);
+#pragma unroll
+          for (int np = 0; np < QC / 16; ++np) {
+            const float blk[2][4] = {{c[mi][2 * np][0], c[mi][2 * np][1], c[mi][2 * np][2],
+                                      c[mi][2 * np][3]},
+                                     {c[mi][2 * np + 1][0], c[mi][2 * np + 1][1],
+                                      c[mi][2 * np + 1][2], c[mi][2 * np + 1][3]}};
+            red_block16(row, row + 8 * D, np * 16, blk, r < nvalid, r + 8 < nvalid, lane);
+          }
+        }
+      }
+    });
+    const float scale[2][2] = {{p.sm_scale, p.sm_scale}, {p.sm_scale, p.sm_scale}};
+    const Tensor& out = pair == 1 ? p.dk1 : p.dk2;
+    store_rows<T, KC, 2>(out.mut(b, hk) + wq * KC, out.sr, krow0, N, dk, scale, lane);
+  }
+  const float f = FP::on ? pow2f(-FP::ex) : 1.f;
+  const float one[2][2] = {{f, f}, {f, f}};
+  store_rows<T, KC, 2>(p.dv.mut(b, hk) + wq * KC, p.dv.sr, krow0, N, dv, one, lane);
 }

@@ -431,6 +431,41 @@ PW_DEVICE void mma_xb(float acc[MW][D / 8][4], const float x[MW][BN / 8][4], u32
   }
 }
 
+// acc(16MW x 16NP) += A(16MW x 16K16) * B(16K16 x 16NP), both operands in shared memory,
+// 16-bit types only (the warp-grid backward, backward.cu pw_backward_grid, whose Pᵀ and dSᵀ go
+// through shared memory). A is row-major at pitch PA bytes (element (r, k) at sA + r PA + 2k),
+// or with ATRANS stored k-major (element (r, k) at sA + k PA + 2r: dS read out of the dSᵀ
+// buffer), and read transposed by ldmatrix; B is stored k-major (element (k, n) at
+// sB + k PB + 2n: a row-major tile whose rows are the k index) and read transposed, as
+// mma_xb reads its B. Each A fragment feeds 2NP mma, each B fragment MW x 2.
+template <typename T, int K16, int NP, int MW, int PA, int PB, bool ATRANS>
+PW_DEVICE void mma_ss(float acc[MW][2 * NP][4], u32 sA, u32 sB, int lane) {
+  static_assert(Elem<T>::width == 1, "mma_ss: 16-bit operands");
+#pragma unroll
+  for (int kk = 0; kk < K16; ++kk) {
+    u32 a[MW][4];
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) {
+      if constexpr (ATRANS)
+        ldsm_x4_trans(a[mi], sA + (kk * 16 + (lane & 7) + 8 * (lane >> 4)) * PA +
+                                 (mi * 16 + 8 * ((lane >> 3) & 1)) * 2);
+      else
+        ldsm_x4(a[mi], sA + (mi * 16 + lane % 16) * PA + (kk * 16 + (lane / 16) * 8) * 2);
+    }
+#pragma unroll
+    for (int np = 0; np < NP; ++np) {
+      u32 b[4];
+      ldsm_x4_trans(b, sB + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * PB +
+                           (np * 16 + (lane / 16) * 8) * 2);
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi) {
+        Elem<T>::mma(acc[mi][2 * np], a[mi], b[0], b[1]);
+        Elem<T>::mma(acc[mi][2 * np + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
 // Row (0..16MW-1) and column (0..BN-1) of fragment element e of block (mi, nb).
 PW_DEVICE int frag_row(int mi, int e, int lane) { return mi * 16 + lane / 4 + (e / 2) * 8; }
 PW_DEVICE int frag_col(int nb, int e, int lane) { return nb * 8 + 2 * (lane % 4) + (e % 2); }

@@ -218,6 +218,62 @@ struct BwdDkvTraits : TileTraitsBase<D, BN, WARPS> {
                 "buffers start on 16-byte boundaries");
 };
 
+// pw_backward_grid (phase bwd_grid; backward.cu): the one-kernel backward on a 2-D warp grid
+// (FlashAttention-2's decomposition). Rows of the block are BN keys (32 per warp row of the
+// grid), BM = 64 queries stream through the stages; Pᵀ and dSᵀ pass through shared memory.
+//   [k1 | k2 | v | stage 0: q1, q2, dO | stage 1: q1, q2, dO | stage 0: lse, delta |
+//    stage 1: lse, delta | Pᵀ (then dSᵀ) | dSᵀ (grid_two_ds_buffers only)]
+// Pᵀ/dSᵀ: BN rows (keys) of BM 16-bit entries at a pitch of BM + 8 (distinct banks for the
+// eight 16-byte rows of an ldmatrix phase). Offsets here are all bytes.
+// Whether Pᵀ and dSᵀ get a buffer each (else dSᵀ overwrites Pᵀ after dV's product, one
+// barrier more per tile): where the second buffer fits every listed architecture the entry
+// serves: D <= 64 with 8 warps (148480 bytes with two; the 4-warp D = 64 layout needs 102400
+// with two, over sm_86/89's 101376). At D = 128 one buffer takes 8 warps to 228352 bytes
+// (sm_90 only) and 4 warps to 166912, an A100's whole 163 KiB. capability.grid_two_ds_buffers
+// mirrors it.
+__host__ __device__ constexpr bool grid_two_ds_buffers(int D, int WARPS) {
+  return D <= 64 && WARPS == 8;
+}
+template <int D, int BM, int BN, int WARPS> struct BwdGridTraits {
+  static_assert(BM == 64 && (WARPS == 4 || WARPS == 8) && BN == 16 * WARPS,
+                "64 queries a step; 2 x (BN / 32) warps, each 32 keys x 32 queries of the scores");
+  static constexpr int warps = WARPS;
+  static constexpr int threads = WARPS * PW_WARP_SIZE;
+  static constexpr int block_m = BM, block_n = BN;
+  static constexpr int warps_k = BN / 32;  // warps along the keys; 2 along queries / columns
+  static constexpr int kv_cols = D / 2;    // dK, dV columns each warp accumulates
+  // dQ (BM x D) in warp tiles of 32 queries x dq_cols columns, dq_tiles of them per warp
+  static constexpr int dq_cols = 2 * D / WARPS < 32 ? 2 * D / WARPS : 32;
+  static constexpr int dq_tiles = 2 * D / dq_cols / WARPS;
+  static_assert(dq_cols % 16 == 0 && dq_tiles * dq_cols * WARPS == 2 * D, "dQ tiles cover D");
+  static constexpr int row_bytes = Pitch<D>::bytes;
+  static constexpr int k_tile_bytes = BN * row_bytes;
+  static constexpr int q_tile_bytes = BM * row_bytes;
+  static constexpr int k1_offset = 0;
+  static constexpr int k2_offset = k1_offset + k_tile_bytes;
+  static constexpr int v_offset = k2_offset + k_tile_bytes;
+  static constexpr int q_offset = v_offset + k_tile_bytes;  // stage 0 of the query-side tiles
+  static constexpr int q1_in_stage = 0;  // bytes from the stage's start; q2 follows q1
+  static constexpr int q2_in_stage = q1_in_stage + q_tile_bytes;
+  static constexpr int do_in_stage = q2_in_stage + q_tile_bytes;
+  static constexpr int stage_bytes = do_in_stage + q_tile_bytes;
+  static constexpr int stats_offset = q_offset + PW_STAGES * stage_bytes;
+  static constexpr int lse_in_stage = 0;     // floats
+  static constexpr int delta_in_stage = BM;  // floats
+  static constexpr int stats_stage_floats = PW_STATS_PER_ROW * BM;
+  static constexpr int stats_stage_bytes = stats_stage_floats * (int)sizeof(float);
+  static constexpr int pt_offset = stats_offset + PW_STAGES * stats_stage_bytes;
+  static constexpr int pt_pitch_bytes = (BM + 8) * PW_ELEM_BYTES;
+  static constexpr int pt_bytes = BN * pt_pitch_bytes;
+  static constexpr bool two_buffers = grid_two_ds_buffers(D, WARPS);
+  static constexpr int ds_offset = pt_offset + (two_buffers ? pt_bytes : 0);
+  static constexpr int smem_bytes = ds_offset + pt_bytes;
+  static_assert(q_offset % PW_SMEM_ALIGN == 0 && stage_bytes % PW_SMEM_ALIGN == 0 &&
+                    stats_offset % PW_SMEM_ALIGN == 0 && pt_offset % PW_SMEM_ALIGN == 0 &&
+                    pt_pitch_bytes % PW_SMEM_ALIGN == 0,
+                "buffers start on 16-byte boundaries");
+};
+
 // pw_kvcache (phases kvcache, KSLOTS = 2, and kvdecode, KSLOTS = 1; kvcache.cu). Rows of the
 // block are BM = 16 packed query rows (the heads of a key/value group times the new tokens);
 // key tiles of BN rows stream through a STAGES-deep ring and each warp owns 16 keys of a

@@ -7,7 +7,8 @@ bwd_dkv at their table entries), checked against the reference, timed beside SDP
         --lengths 2048,8192 --dtypes bf16,fp16 --out $OUT/mma_bwd.txt
 
 The mma.sync path is forced (CUPY_PIECEWISE_PATH=mma). For every head dim and candidate
-(CUPY_PIECEWISE_TILES bwd_fused=...):
+(CUPY_PIECEWISE_TILES bwd_fused=...; a candidate written PHASE=BMxBNxW, e.g.
+``bwd_grid=64x128x8``, overrides that one-kernel phase instead: the warp-grid backward):
 
 1. check: tests/test_kernels_gpu.run_case (forward and the five gradients against the float64
    reference by the tolerance rule, outputs NaN-poisoned), default backward (the fused one),
@@ -42,6 +43,12 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 CHECK_CASES = ((300, 300, 37, 2), (129, 517, 200, 1), (64, 700, -5, 2), (777, 64, 12, 1))
 
 
+def override(spec: str) -> str:
+    """The CUPY_PIECEWISE_TILES text of a candidate: ``bwd_fused=<spec>``, or the spec itself
+    when it names its phase (``bwd_grid=64x128x8``)."""
+    return spec if "=" in spec else f"bwd_fused={spec}"
+
+
 def precompile(tiles, jobs, macros=""):
     """The candidates' fused kernels and the table's mma.sync kernels (dense, 16-bit) of the
     probed head dims, compiled in parallel (NVRTC holds the interpreter: processes)."""
@@ -51,9 +58,10 @@ def precompile(tiles, jobs, macros=""):
     from cupy_piecewise import build_check, capability
     from cupy_piecewise.compile import Variant
 
-    vs = {Variant("bwd_fused", dt, D, capability.parse_override(f"bwd_fused={spec}")["bwd_fused"], c)
-          for D, specs in tiles.items() for spec in specs for dt in DTYPES.values()
-          for c in (False, True)}
+    vs = {Variant(phase, dt, D, t, c)
+          for D, specs in tiles.items() for spec in specs
+          for phase, t in capability.parse_override(override(spec)).items()
+          for dt in DTYPES.values() for c in (False, True)}
     vs |= {v for v in build_check.variants_for((9, 0)) if v.head_dim in tiles and not v.varlen
            and v.dtype in DTYPES.values()}
     vs = sorted(vs, key=lambda v: v.name_expression)
@@ -70,7 +78,7 @@ def check(tiles, say):
     recs = []
     for D, specs in tiles.items():
         for spec in specs:
-            capability.set_tile_override(f"bwd_fused={spec}")
+            capability.set_tile_override(override(spec))
             ok = bad = 0
             for dtype in ("bfloat16", "float16"):
                 for causal in (False, True):
@@ -84,7 +92,7 @@ def check(tiles, say):
                                 f"group{group}: {type(e).__name__}: {str(e)[:400]}")
             capability.set_tile_override(None)
             recs.append(dict(kind="check", D=D, tiles=spec, passed=ok, failed=bad))
-            say(f"check D{D} bwd_fused={spec}: {ok} passed, {bad} failed")
+            say(f"check D{D} {override(spec)}: {ok} passed, {bad} failed")
     return recs
 
 
@@ -135,7 +143,7 @@ def time_all(args, tiles, say):
                     for rnd in range(args.rounds):
                         for name, spec, fb, fw in (runs if rnd % 2 == 0 else runs[::-1]):
                             if spec:
-                                capability.set_tile_override(f"bwd_fused={spec}")
+                                capability.set_tile_override(override(spec))
                             rec = dict(kind="time", L=L, D=D, dtype=dname, causal=causal,
                                        run=name, round=rnd)
                             try:

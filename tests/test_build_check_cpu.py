@@ -57,10 +57,10 @@ def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatc
     def dtypes(phase):
         return capability.HALF_DTYPES if phase in capability.HALF_ONLY_PHASES else capability.TABLE_DTYPES
 
-    def offered(ph, d, dt, c=False):
+    def offered(ph, d, dt, c=False, varlen=False):
         # TF32_TABLE's None: no float32 kernel at that head dim; bwd_fused refined to None
         if ph == "bwd_fused":
-            return capability.fused_backward_tiles(SM90, d, dt, c) is not None
+            return capability.fused_backward_tiles(SM90, d, dt, c, varlen=varlen) is not None
         return not (dt == "float32" and capability.TF32_TABLE[SM90].get(ph, {}).get(d, 0) is None)
 
     expected = {(ph, d, dt, c) for ph in capability.PHASES for d in table[ph]
@@ -71,9 +71,11 @@ def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatc
         assert tiles == capability.lookup(SM90, phase, head_dim, dtype, causal), (phase, head_dim, dtype, causal)
     # the packed-batch (VARLEN) kernels, with their own tiles where VARLEN_TABLE says so
     packed = {(v.phase, v.head_dim, v.dtype, v.causal): v.tiles for v in variants if v.varlen}
-    assert set(packed) == {(ph, d, dt, c) for ph in capability.VARLEN_PHASES for d in table[ph]
-                           for dt in dtypes(ph) for c in (False, True)
-                           if offered(ph, d, dt, c)}
+    packed_dims = {ph: set(table[ph]) | set(capability.VARLEN_TABLE[SM90].get(ph, {}))
+                   for ph in capability.VARLEN_PHASES}
+    assert set(packed) == {(ph, d, dt, c) for ph in capability.VARLEN_PHASES
+                           for d in packed_dims[ph] for dt in dtypes(ph) for c in (False, True)
+                           if offered(ph, d, dt, c, varlen=True)}
     for (phase, head_dim, dtype, causal), tiles in packed.items():
         assert tiles == capability.lookup(SM90, phase, head_dim, dtype, causal, varlen=True)
     kv_dims = set(table["kvcache"])
@@ -83,8 +85,9 @@ def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatc
         dims = kv_dims if row_kernel == "kv_append" else set(head_dims)
         half = row_kernel in ("kv_append", "bwd_dq_convert")
         kinds = capability.HALF_DTYPES if half else capability.TABLE_DTYPES
-        if row_kernel == "bwd_dq_convert":  # beside every fused kernel
-            assert have == {(d, dt) for ph, d, dt, c in expected if ph == "bwd_fused"}
+        if row_kernel == "bwd_dq_convert":  # beside every one-kernel backward, dense or packed
+            assert have == ({(d, dt) for ph, d, dt, c in expected if ph in ("bwd_fused", "bwd_grid")}
+                            | {(d, dt) for ph, d, dt, c in packed if ph == "bwd_fused"})
             continue
         assert have == {(d, dt) for d, dt in itertools.product(dims, kinds)
                         if offered("fwd", d, dt)}, row_kernel
@@ -162,6 +165,15 @@ def test_near_limit_flags_mma_variants_only():
     assert not near_limit(report(mma, 255, ok=False))
 
 
+def _fused_sm90(varlen: bool = False) -> list:
+    """The sm_90 row's one-kernel pw_backward_dkv (bwd_fused) variants: its packed-batch
+    entries (VARLEN_TABLE), built dense (what a bwd_fused tile override runs: the dense
+    row's entries until bwd_grid replaced them, 2026-12-05) or packed."""
+    return [Variant("bwd_fused", dt, d, t, c, varlen=varlen)
+            for phase, d, dt, c, t in capability.selectable_configs(SM90, varlen=True)
+            if phase == "bwd_fused"]
+
+
 def test_fused_backward_red2_form_builds_without_spills(nvrtc, monkeypatch):
     """-DPW_DQ_RED4=0 (kernels_cu/backward.cu: the fused backward's dQ added with 8-byte
     reductions, the form before the 16-byte lane swap became the default on sm_90;
@@ -172,8 +184,7 @@ def test_fused_backward_red2_form_builds_without_spills(nvrtc, monkeypatch):
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options",
                         lambda cc, hopper=False: base(cc, hopper) + ("-DPW_DQ_RED4=0",))
-    vs = [Variant("bwd_fused", dt, d, t, c)
-          for phase, d, dt, c, t in capability.selectable_configs(SM90) if phase == "bwd_fused"]
+    vs = _fused_sm90()
     assert vs
     for r in compile_offline(SM90, vs):
         assert r.ok and not (r.spill_stores or r.spill_loads), (r.variant, r.log)
@@ -194,8 +205,9 @@ def test_score_mask_split_override_compiles(nvrtc, monkeypatch, split):
         f"-DPW_SCORE_MASK_SPLIT={split}",))
     vs = sorted({Variant(phase, dt, d, t, c)
                  for phase, d, dt, c, t in capability.selectable_configs(SM90)
-                 if phase in ("bwd_dq", "bwd_dkv", "bwd_fused") and d in (64, 128)
-                 and dt == "bfloat16"}, key=str)
+                 if phase in ("bwd_dq", "bwd_dkv", "bwd_grid") and d in (64, 128)
+                 and dt == "bfloat16"}
+                | {v for v in _fused_sm90() if v.dtype == "bfloat16"}, key=str)
     assert vs
     for r in compile_offline(SM90, vs):
         assert r.ok and r.registers, (r.variant, r.log)
@@ -276,8 +288,8 @@ def test_exempt_entry_forms_build_without_spills(nvrtc, monkeypatch, macros):
     vs = sorted({Variant(phase, dt, d, t, c, varlen=varlen)
                  for varlen in (False, True)
                  for phase, d, dt, c, t in capability.selectable_configs(SM90, varlen=varlen)
-                 if phase in ("bwd_dkv", "bwd_fused") and d in (64, 128) and dt == "float16"},
-                key=str)
+                 if phase in ("bwd_dkv", "bwd_fused") and d in (64, 128) and dt == "float16"}
+                | {v for v in _fused_sm90() if v.dtype == "float16"}, key=str)
     assert any(v.phase == "bwd_fused" and v.causal and v.head_dim == 128 and not v.varlen
                for v in vs)
     assert any(v.varlen for v in vs)
@@ -299,8 +311,8 @@ def test_per_row_p_scale_ab_build_compiles(nvrtc, monkeypatch):
         "-DPW_BWD_P_FIXED=0",))
     vs = sorted({Variant(phase, dt, d, t, c)
                  for phase, d, dt, c, t in capability.selectable_configs(SM90)
-                 if phase in ("bwd_dkv", "bwd_fused") and d in (64, 128) and dt == "float16"},
-                key=str)
+                 if phase in ("bwd_dkv", "bwd_fused") and d in (64, 128) and dt == "float16"}
+                | {v for v in _fused_sm90() if v.dtype == "float16"}, key=str)
     assert any(v.phase == "bwd_dkv" for v in vs) and any(v.phase == "bwd_fused" for v in vs)
     for r in compile_offline(SM90, vs):
         assert r.ok and r.registers, (r.variant, r.log)
@@ -322,7 +334,8 @@ def test_float16_ds_fit_ab_builds_compile(nvrtc, monkeypatch, macro):
         f"-D{macro}",))
     vs = sorted({Variant(phase, dt, d, t, c)
                  for phase, d, dt, c, t in capability.selectable_configs(SM90)
-                 if phase in ("bwd_dq", "bwd_dkv", "bwd_fused") and dt == "float16"}, key=str)
+                 if phase in ("bwd_dq", "bwd_dkv", "bwd_fused") and dt == "float16"}
+                | {v for v in _fused_sm90() if v.dtype == "float16"}, key=str)
     assert {v.head_dim for v in vs} >= {64, 128}
     assert {v.phase for v in vs} == {"bwd_dq", "bwd_dkv", "bwd_fused"}
     for r in compile_offline(SM90, vs):

@@ -23,7 +23,7 @@ HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = ("float16", "bfloat16")
 #: phases with an entry for every head dim and variant (bwd_fused has entries only where the
 #: one-kernel backward won, some refined to None: test_fused_backward_tiles_follow_the_table)
-DENSE_PHASES = tuple(p for p in PHASES if p != "bwd_fused")
+DENSE_PHASES = tuple(p for p in PHASES if p not in ("bwd_fused", "bwd_grid"))
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +50,7 @@ def test_table_covers_every_listed_arch_phase_and_head_dim():
     for cc in LISTED_ARCHS:
         assert set(TABLE[cc]) == set(PHASES)
         for phase in PHASES:
-            if phase == "bwd_fused":  # only where it beat the two-kernel scheme (64, 128)
+            if phase in ("bwd_fused", "bwd_grid"):  # only where they beat the two kernels
                 assert set(TABLE[cc][phase]) <= set(TABLE[cc]["bwd_dkv"]), cc
                 continue
             assert set(HEAD_DIMS) <= set(TABLE[cc][phase]), (cc, phase)
@@ -216,10 +216,15 @@ def test_float32_tiles_fit_in_four_byte_elements(cc):
         lookup(cc, "fwd", 256, "float32", False)
     with pytest.raises(ValueError, match="head_dim 256 with float32"):  # overrides too
         lookup(cc, "fwd_decode", 256, "float32", False, {"fwd_decode": TileConfig(16, 16, 1)})
-    # an unlisted GPU whose limit fits sm_90's 16-bit tiles but not its float32 ones
-    assert cap.resolve_arch((9, 9), max_shared=212000) == (9, 0)
+    # an unlisted GPU takes sm_90's row only if all of its tiles fit (the largest is the
+    # warp-grid backward's 228352 bytes, above every float32 tile of the row), else sm_89's
+    assert cap.resolve_arch((9, 9), max_shared=228352) == (9, 0)
+    assert cap.resolve_arch((9, 9), max_shared=228351) == (8, 9)
+    # one whose limit fits the 16-bit tiles of the row it falls back to (sm_89's: 93184
+    # bytes at most) but not its float32 ones (bwd_dq at 80: 97280)
+    assert cap.resolve_arch((9, 9), max_shared=95000) == (8, 9)
     with pytest.raises(ValueError, match="float32 tiles"):
-        lookup((9, 9), "fwd", 80, "float32", False, max_shared=212000)
+        lookup((9, 9), "bwd_dq", 80, "float32", False, max_shared=95000)
     # a float32 row is 4 * D + 16 bytes: Pitch<2 * D> of common.cuh
     assert shared_bytes("fwd", 128, TileConfig(64, 32, 4), 4) == (2 * 64 + 3 * 2 * 32) * 528
     with pytest.raises(ValueError, match="dtype 'float32' has no tile table for kvcache"):
@@ -442,8 +447,12 @@ def test_varlen_lookup_and_selectable_configs(cc):
     # entries of VARLEN_TABLE win; elsewhere the packed kernels take the dense tiles
     for phase, by_dim in cap.VARLEN_TABLE.get(cc, {}).items():
         for d in by_dim:
-            assert lookup(cc, phase, d, "bfloat16", True, varlen=True) == cap._refine(
-                by_dim[d], "bfloat16", True)
+            want = cap._refine(by_dim[d], "bfloat16", True)
+            if want is None:  # bwd_fused refined to None: the two-kernel scheme
+                with pytest.raises(ValueError, match="has no tiles"):
+                    lookup(cc, phase, d, "bfloat16", True, varlen=True)
+            else:
+                assert lookup(cc, phase, d, "bfloat16", True, varlen=True) == want
     assert lookup(cc, "bwd_dq", 32, "float16", False, varlen=True) == lookup(
         cc, "bwd_dq", 32, "float16", False)
     with pytest.raises(ValueError, match="packed-batch"):
@@ -488,26 +497,29 @@ def test_has_float32_kernels():
 def test_fused_backward_tiles_follow_the_table(cc, monkeypatch):
     """fused_backward_tiles: None for float32, for head dims without a bwd_fused entry and
     where an entry is refined to None (the two-kernel scheme runs there); otherwise
-    lookup's tiles, which fit the architecture. A bwd_fused override forces the kernel."""
+    lookup's tiles, which fit the architecture; dense and packed batches (VARLEN_TABLE keeps
+    the packed entries the dense rows gave to bwd_grid). A bwd_fused override forces the
+    kernel."""
     monkeypatch.delenv(cap.ENV_VAR, raising=False)
     cap.refresh_env_override()
     arch = cap.resolve_arch(cc)
-    entries = TABLE[arch]["bwd_fused"]
     some = False
-    for d in cap.head_dims(cc):
-        for dtype in cap.TABLE_DTYPES:
-            for causal in (False, True):
-                got = cap.fused_backward_tiles(cc, d, dtype, causal)
-                entry = entries.get(d)
-                want = None if dtype == "float32" or entry is None else cap._refine(entry, dtype, causal)
-                assert got == want, (d, dtype, causal)
-                if got is not None:
-                    some = True
-                    assert got == lookup(cc, "bwd_fused", d, dtype, causal)
-                    assert not cap.check_config("bwd_fused", d, got, cc)
-                elif dtype != "float32" and entry is not None:
-                    with pytest.raises(ValueError, match="fused_backward_tiles"):
-                        lookup(cc, "bwd_fused", d, dtype, causal)
+    for varlen in (False, True):
+        for d in cap.head_dims(cc):
+            entry = cap._table_entry(arch, "bwd_fused", d, varlen)
+            for dtype in cap.TABLE_DTYPES:
+                for causal in (False, True):
+                    got = cap.fused_backward_tiles(cc, d, dtype, causal, varlen=varlen)
+                    want = (None if dtype == "float32" or entry is None
+                            else cap._refine(entry, dtype, causal))
+                    assert got == want, (d, dtype, causal, varlen)
+                    if got is not None:
+                        some = True
+                        assert got == lookup(cc, "bwd_fused", d, dtype, causal, varlen=varlen)
+                        assert not cap.check_config("bwd_fused", d, got, cc)
+                    elif dtype != "float32" and entry is not None:
+                        with pytest.raises(ValueError, match="fused_backward_tiles"):
+                            lookup(cc, "bwd_fused", d, dtype, causal, varlen=varlen)
     assert some
     monkeypatch.setenv(cap.ENV_VAR, "bwd_fused=16x64x4")
     cap.refresh_env_override()
@@ -517,3 +529,46 @@ def test_fused_backward_tiles_follow_the_table(cc, monkeypatch):
     finally:
         monkeypatch.delenv(cap.ENV_VAR)
         cap.refresh_env_override()
+
+
+@pytest.mark.parametrize("cc", LISTED_ARCHS)
+def test_grid_backward_tiles_follow_the_table(cc, monkeypatch):
+    """grid_backward_tiles: the bwd_grid entry's tiles for 16-bit dense batches (every dtype
+    and causal flag), None for float32, packed batches and head dims without an entry; a
+    bwd_grid override forces the kernel and a bwd_fused one (alone) turns it off."""
+    monkeypatch.delenv(cap.ENV_VAR, raising=False)
+    cap.refresh_env_override()
+    arch = cap.resolve_arch(cc)
+    entries = TABLE[arch]["bwd_grid"]
+    assert 64 in entries  # the H100's D = 64 shape fits every listed architecture
+    for d in cap.head_dims(cc):
+        for dtype in cap.TABLE_DTYPES:
+            for causal in (False, True):
+                got = cap.grid_backward_tiles(cc, d, dtype, causal)
+                want = None if dtype == "float32" or d not in entries else entries[d]
+                assert got == want, (d, dtype, causal)
+                if got is not None:
+                    assert got == lookup(cc, "bwd_grid", d, dtype, causal)
+                    assert not cap.check_config("bwd_grid", d, got, cc)
+                assert cap.grid_backward_tiles(cc, d, dtype, causal, varlen=True) is None
+    # 8 warps at D = 64 (two Pᵀ/dSᵀ buffers, 148480 bytes) fit sm_80 and sm_90 only
+    big = cap.SHARED_LIMIT[arch] >= cap.shared_bytes("bwd_grid", 64, TileConfig(64, 128, 8))
+    assert big == (arch in ((8, 0), (9, 0)))
+    for env, want in (("bwd_grid=64x128x8" if big else "bwd_grid=64x64x4",
+                       TileConfig(64, 128, 8) if big else TileConfig(64, 64, 4)),
+                      ("bwd_fused=16x64x4", None),
+                      ("bwd_fused=16x64x4,bwd_grid=64x64x4", TileConfig(64, 64, 4))):
+        monkeypatch.setenv(cap.ENV_VAR, env)
+        cap.refresh_env_override()
+        assert cap.grid_backward_tiles(cc, 64, "bfloat16", True) == want, env
+    monkeypatch.setenv(cap.ENV_VAR, "bwd_grid=64x128x4")
+    cap.refresh_env_override()
+    with pytest.raises(ValueError, match="block_n == 16 \\* num_warps"):
+        cap.grid_backward_tiles(cc, 64, "bfloat16", True)
+    if not big:  # refused by name where it does not fit
+        monkeypatch.setenv(cap.ENV_VAR, "bwd_grid=64x128x8")
+        cap.refresh_env_override()
+        with pytest.raises(ValueError, match="148480 bytes of shared memory"):
+            cap.grid_backward_tiles(cc, 64, "bfloat16", True)
+    monkeypatch.delenv(cap.ENV_VAR)
+    cap.refresh_env_override()

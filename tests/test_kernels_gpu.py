@@ -226,6 +226,30 @@ def test_fused_backward_forced_at_every_head_dim(D, tiles, causal, monkeypatch):
                      transposed=False)
 
 
+@pytest.mark.parametrize("D,tiles", [(64, "64x128x8"), (64, "64x64x4"), (128, "64x128x8"),
+                                     (128, "64x64x4")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_grid_backward_forced(D, tiles, causal, monkeypatch):
+    """The warp-grid one-kernel backward (phase bwd_grid, FlashAttention-2's decomposition)
+    forced by a tile override, both warp counts (D = 64 at 8 warps keeps Pᵀ and dSᵀ in two
+    buffers, the others in one): partial key and query tiles, several query tiles per key
+    tile with straddling ones in both passes, grouped queries, one key, and queries that see
+    no key."""
+    from cupy_piecewise import capability, launch
+    from cupy_piecewise.validate import Problem
+
+    monkeypatch.setenv(capability.PATH_VAR, "mma")
+    monkeypatch.setenv(capability.ENV_VAR, f"bwd_grid={tiles}")
+    capability.refresh_env_override()
+    p = Problem("cupy", 1, 2, 1, 300, 517, D, "bfloat16", 37, causal, 0.1, 0)
+    assert launch.use_fused_backward(p, False) and launch._one_kernel_phase(p) == "bwd_grid"
+    for dtype in ("bfloat16", "float16"):
+        for M, N, w, group in ((300, 517, 37, 2), (777, 1, -5, 1), (64, 300, 400, 3),
+                               (1000, 1000, 250, 1), (200, 700, 100, 2)):
+            run_case(D=D, dtype=dtype, causal=causal, M=M, N=N, w=w, group=group,
+                     transposed=False)
+
+
 @pytest.mark.parametrize("q_offset,k_offset", OFFSET_CASES)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])

@@ -231,19 +231,31 @@ def test_decode_launches_split_and_merge(fake_gpu):
     assert launch.forward_launches(p, (c, kv, c, kv, kv, c), split=False).workspace_bytes == 0
 
 
-@pytest.mark.parametrize("dtype,D,causal,deterministic,fused", [
-    ("float16", 64, False, True, False),    # deterministic: the two-kernel scheme
-    ("float32", 64, False, False, False),   # float32 has no fused kernel
-    ("float16", 64, False, False, True),    # the sm_90 row's bwd_fused entries
-    ("bfloat16", 128, True, False, True),
-    ("bfloat16", 64, True, False, False),   # refined to None there: two kernels
-    ("float16", 32, False, False, False),   # no bwd_fused entry at this head dim
+@pytest.mark.parametrize("dtype,D,causal,deterministic,fused,override", [
+    ("float16", 64, False, True, None, None),   # deterministic: the two-kernel scheme
+    ("float32", 64, False, False, None, None),  # float32 has no one-kernel backward
+    ("float16", 64, False, False, "bwd_grid", None),  # the sm_90 row's bwd_grid entries
+    ("bfloat16", 128, True, False, "bwd_grid", None),
+    ("bfloat16", 128, False, False, "bwd_grid", None),
+    ("float16", 32, False, False, None, None),  # no one-kernel entry at this head dim
+    # a bwd_fused override forces the earlier one-kernel backward over the bwd_grid entry
+    ("bfloat16", 128, True, False, "bwd_fused", "bwd_fused=32x64x4"),
+    ("float16", 64, False, False, "bwd_fused", "bwd_fused=64x64x4"),
+    # and a bwd_grid override its other shape
+    ("bfloat16", 64, True, False, "bwd_grid", "bwd_grid=64x128x8"),
+    ("float16", 32, False, True, None, "bwd_grid=64x64x4"),  # deterministic wins
 ])
-def test_backward_launches(fake_gpu, dtype, D, causal, deterministic, fused):
+def test_backward_launches(fake_gpu, monkeypatch, dtype, D, causal, deterministic, fused,
+                           override):
     """The mma.sync backward: delta, dq, dk/dv (deterministic, float32, and where the table
-    has no bwd_fused tiles), or the one-kernel scheme: delta (zeroing the float32 dQ
-    accumulators), the fused dk/dv/dQ kernel, the conversion; the accumulators are the
-    workspace's two halves."""
+    has no one-kernel tiles), or the one-kernel scheme: delta (zeroing the float32 dQ
+    accumulators), the warp-grid (bwd_grid) or earlier (bwd_fused) dk/dv/dQ kernel, the
+    conversion; the accumulators are the workspace's two halves."""
+    from cupy_piecewise import capability
+
+    if override:
+        monkeypatch.setenv(capability.ENV_VAR, override)
+    capability.refresh_env_override()
     drv, _ = fake_gpu
     B, H, M, N = 3, 4, 70, 90
     p = Problem("cupy", B, H, 2, M, N, D, dtype, 10, causal, 0.3, 0)
@@ -251,7 +263,7 @@ def test_backward_launches(fake_gpu, dtype, D, causal, deterministic, fused):
     run = launch.backward_launches(p, (q, k, q, k, k, q, q, q, k, q, k, k),
                                    deterministic=deterministic)
     ptrs = tuple(16 * (i + 1) for i in range(len(launch.BACKWARD_ARRAYS)))
-    assert launch.use_fused_backward(p, deterministic) == fused
+    assert launch.use_fused_backward(p, deterministic) == bool(fused)
     acc = B * H * M * D * 4  # bytes of one float32 accumulator
     assert run.workspace_bytes == (2 * acc if fused else 0)
     ws = 1 << 24
@@ -259,10 +271,20 @@ def test_backward_launches(fake_gpu, dtype, D, causal, deterministic, fused):
     phases = [c["fn"].phase for c in drv.launches]
     main = drv.launches[1 if fused else 2]
     assert main["grid"] == (math.ceil(N / main["fn"].tiles.block_n), 2, B)
-    if fused:
+    if fused == "bwd_fused":
         assert phases == ["bwd_delta", "bwd_fused", "bwd_dq_convert"]
         # CAUSAL, VARLEN, FUSED
         assert main["fn"].name_expression.endswith(f", {str(causal).lower()}, false, true>")
+    elif fused == "bwd_grid":
+        t = main["fn"].tiles
+        assert phases == ["bwd_delta", "bwd_grid", "bwd_dq_convert"]
+        assert main["fn"].name_expression.startswith("pw_backward_grid<")
+        assert main["fn"].name_expression.endswith(
+            f"{D}, {t.block_m}, {t.block_n}, {t.num_warps}, {str(causal).lower()}>")
+        assert main["block"] == (32 * t.num_warps, 1, 1)
+        expect = override.split("=")[1] if override else {128: "64x128x8", 64: "64x64x4"}[D]
+        assert f"{t.block_m}x{t.block_n}x{t.num_warps}" == expect
+    if fused:
         for c in (drv.launches[0], drv.launches[2]):  # a warp per row, as the pre-pass
             assert c["grid"] == (math.ceil(H * M / 8), B, 1)
     else:

@@ -22,7 +22,8 @@ from cupy_piecewise.compile import BASE_OPTIONS, SOURCE_FILE, source
 
 #: traits struct per tiled phase (kernels_cu/traits.cuh); fwd_decode runs pw_forward.
 TRAITS = {"fwd": "FwdTraits", "fwd_decode": "FwdTraits", "bwd_dq": "BwdDqTraits",
-          "bwd_dkv": "BwdDkvTraits", "bwd_fused": "BwdDkvTraits", "kvcache": "KvTraits",
+          "bwd_dkv": "BwdDkvTraits", "bwd_fused": "BwdDkvTraits", "bwd_grid": "BwdGridTraits",
+          "kvcache": "KvTraits",
           "kvdecode": "KvTraits"}
 _TAG = re.compile(r"error: static assertion failed.*pw-traits#(\d+)")
 _FINAL = re.compile(r"final comparison was (-?\d+) == (-?\d+)")  # NVRTC's note on a failed ==
@@ -114,6 +115,30 @@ def test_kernel_traits_match_python_shared_bytes(nvrtc, cc, filename):
         + "\n(the launch passes shared_bytes; the kernel carves smem with the traits: change both)")
     elapsed = time.perf_counter() - t0
     assert elapsed < 30, f"front-end compile of {filename} took {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("cc", capability.LISTED_ARCHS, ids=_arch)
+def test_grid_backward_layouts_match_python_shared_bytes(nvrtc, cc):
+    """BwdGridTraits (pw_backward_grid) against capability.shared_bytes for every shape
+    check_config admits at head dims 64 and 128, whether or not the table selects it (a tile
+    override can, and the layout differs with grid_two_ds_buffers), and the kernel's
+    grid_two_ds_buffers against the host's."""
+    cfgs = [(d, capability.TileConfig(64, 16 * w, w)) for d in (64, 128) for w in (4, 8)]
+    checks = [(f"BwdGridTraits<{d}, 64, {t.block_n}, {t.num_warps}>",
+               capability.shared_bytes("bwd_grid", d, t), f"bwd_grid D={d} {t}") for d, t in cfgs]
+    fired, log = _failed_asserts(nvrtc, cc, "backward.cu", checks)
+    assert not fired, "\n".join(fired)
+    rules = "".join(
+        f"static_assert(grid_two_ds_buffers({d}, {t.num_warps}) == "
+        f"{'true' if capability.grid_two_ds_buffers(d, t) else 'false'}, \"D={d} {t}\");\n"
+        for d, t in cfgs)
+    prog = nvrtc.createProgram(source("backward.cu") + "\n" + rules, "backward.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, list(BASE_OPTIONS) + [f"-arch=compute_{cc[0]}{cc[1]}"])
+    except nvrtc.NVRTCError:
+        raise AssertionError(nvrtc.getProgramLog(prog)) from None
+    finally:
+        nvrtc.destroyProgram(prog)
 
 
 def test_a_wrong_figure_fails_to_compile_and_names_the_variant(nvrtc):
