@@ -7,7 +7,8 @@ layer directly (torch-allocated tensors, CUDA events, median after warm-up), so 
 compare kernels, not Python. FLOPs as in docs/semantics.md: forward 4·B·H·M·N·D (half when causal),
 backward 2.5x that. Results feed cupy_piecewise/capability.py (sm_90 entries). The backward
 phases time the whole backward: bwd_dq and bwd_dkv the deterministic scheme (delta, dq, dk/dv;
-the other kernel at its table entry), bwd_fused the one-kernel scheme (delta, fused, convert).
+the other kernel at its table entry), bwd_fused and bwd_grid the one-kernel schemes (delta, the
+dk/dv kernel with dQ by atomics or the warp-grid kernel, convert).
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ CANDIDATES = {
     ("bwd_dkv", 64): ["64x128x4", "32x128x4", "64x64x4", "64x128x8"],
     ("bwd_fused", 128): ["16x64x4", "32x64x4", "16x128x8", "32x128x8", "64x128x8"],
     ("bwd_fused", 64): ["64x64x4", "32x128x4", "64x128x8", "32x128x8", "128x128x8"],
+    # the warp-grid backward: block_m 64, block_n = 16 x warps (capability.check_config)
+    ("bwd_grid", 128): ["64x128x8", "64x64x4"],
+    ("bwd_grid", 64): ["64x64x4", "64x128x8"],
 }
 
 
@@ -49,7 +53,7 @@ def main(argv=None):
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--L", type=int, default=8192)
     ap.add_argument("--causal", default="0,1")
-    ap.add_argument("--phases", default="fwd,bwd_dq,bwd_dkv,bwd_fused")
+    ap.add_argument("--phases", default="fwd,bwd_dq,bwd_dkv,bwd_fused,bwd_grid")
     ap.add_argument("--out", default=None)
     ap.add_argument("--candidates", default=None,
                     help="comma-separated tile specs (e.g. 128x64x8,128x64x4) to time instead of "
@@ -82,7 +86,8 @@ def main(argv=None):
                         fn = lambda: launch.backward(  # noqa: E731
                             problem, *map(ref, (q1, k1, q2, k2, v, o)), lse.data_ptr(), ref(do),
                             *map(ref, grads), delta.data_ptr(), stream=stream,
-                            workspace=_scratch, deterministic=phase != "bwd_fused")
+                            workspace=_scratch,
+                            deterministic=phase not in ("bwd_fused", "bwd_grid"))
                         fl = 2.5 * flops
                     other = {"bwd_dq": "bwd_dkv", "bwd_dkv": "bwd_dq"}.get(phase)
                     capability.set_tile_override(f"{phase}={spec}")
