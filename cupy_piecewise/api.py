@@ -168,7 +168,8 @@ def attention_backward(do, q1, k1, q2, k2, v, o, lse, dist_threshold, *, causal=
         deterministic: bitwise-identical gradients from run to run (default
             False). Two backward kernels are otherwise not: the Hopper backward
             (sm_90, head dims 64 to 128) and the mma.sync one-kernel backward
-            (float16/bfloat16 where the tile table has a ``bwd_fused`` entry) add
+            (float16/bfloat16 where the tile table has a ``bwd_grid`` or ``bwd_fused``
+            entry) add
             dQ contributions with float32 atomics, whose order varies; with True
             dQ comes from a separate kernel instead (slower: see README, "Kernel
             paths"). Every other path is deterministic either way.

@@ -445,6 +445,15 @@ def grid_two_ds_buffers(head_dim: int, cfg: TileConfig) -> bool:
     return head_dim <= 64 and cfg.num_warps == 8
 
 
+def _grid_dq_tiles_fit(head_dim: int, warps: int) -> bool:
+    """BwdGridTraits' static_assert "dQ tiles cover D" (kernels_cu/traits.cuh): the 64 x D
+    dQ block splits into warp tiles of 32 queries x min(2 D / warps, 32) columns, a multiple
+    of 16, the same whole number per warp (head dims 64 and 128; not 16, 80, 96, nor 32 at
+    8 warps)."""
+    cols = min(2 * head_dim // warps, 32)
+    return cols % 16 == 0 and cols > 0 and (2 * head_dim) % (cols * warps) == 0
+
+
 def fwd_one_key_slot(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> bool:
     """Whether the mma.sync forward (phases fwd and fwd_decode) keeps one key slot per
     pipeline stage instead of two: 16-bit inputs (``elem_bytes`` 2), ``head_dim`` >= 128 and
@@ -639,7 +648,7 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
         # batches only (VARLEN_TABLE; bwd_grid has no packed build): for dense ones bwd_grid
         # below replaced its two, D = 128 causal 32x64x4 and D = 64 float16 64x64x4 (which
         # had beaten the two-kernel scheme by 1.18-1.25x and 1.07-1.18x, 2026-12-02), at
-        # 1.12-1.27x and 1.02-1.10x their speed (2026-12-05). A bwd_fused tile override
+        # 1.12-1.23x and 1.05-1.10x their speed (2026-12-05). A bwd_fused tile override
         # still runs it on dense batches.
         "bwd_fused": {},
         # The warp-grid one-kernel backward (FlashAttention-2's decomposition; replaces
@@ -835,6 +844,9 @@ def check_config(
         if cfg.block_m != 64 or cfg.num_warps not in (4, 8) or cfg.block_n != 16 * cfg.num_warps:
             problems.append(f"bwd_grid needs block_m == 64, num_warps 4 or 8 and block_n == "
                             f"16 * num_warps, got {cfg}")
+        elif not _grid_dq_tiles_fit(head_dim, cfg.num_warps):
+            problems.append(f"bwd_grid's dQ warp tiles (32 queries x 16-32 columns, whole tiles "
+                            f"per warp) do not cover head_dim {head_dim} with {cfg.num_warps} warps")
         if cfg.stages != 2:
             problems.append(f"bwd_grid double-buffers its query tiles: stages must be 2, "
                             f"got {cfg.stages}")

@@ -529,8 +529,8 @@ def backward_launches(problem, strides, *, deterministic: bool = False):
     On a compute capability 9.0 GPU the Hopper backward (:class:`HopperBackward`) runs when
     :func:`use_hopper_backward` says so; otherwise the mma.sync kernels: the one-kernel
     backward (:func:`fused_backward_steps`: dQ by float32 atomics) where
-    :func:`use_fused_backward` says so (float16/bfloat16 variants with a ``bwd_fused`` table
-    entry), else the delta pre-pass, dq and dk/dv kernels, which are bitwise reproducible. ``deterministic`` makes the Hopper path reproducible too (dQ by
+    :func:`use_fused_backward` says so (float16/bfloat16 variants with a ``bwd_grid`` or
+    ``bwd_fused`` table entry: :func:`_one_kernel_phase`), else the delta pre-pass, dq and dk/dv kernels, which are bitwise reproducible. ``deterministic`` makes the Hopper path reproducible too (dQ by
     the mma.sync dq kernel instead of float32 atomics).
     """
     _check_grid(problem)
@@ -556,9 +556,10 @@ def backward_launches(problem, strides, *, deterministic: bool = False):
 
 def use_fused_backward(problem, deterministic: bool, varlen: bool = False) -> bool:
     """True when ``problem``'s mma.sync backward is the one-kernel scheme (phase
-    ``bwd_fused``): not ``deterministic``, query rows (with none there is no dQ, and the
-    dk/dv kernel alone writes the zeros), and a ``bwd_fused`` tile for the variant
-    (:func:`capability.fused_backward_tiles`: float16/bfloat16, where the table has one)."""
+    ``bwd_grid`` or ``bwd_fused``): not ``deterministic``, query rows (with none there is no
+    dQ, and the dk/dv kernel alone writes the zeros), and a ``bwd_grid`` or ``bwd_fused`` tile
+    for the variant (:func:`capability.grid_backward_tiles`,
+    :func:`capability.fused_backward_tiles`: float16/bfloat16, where the table has one)."""
     if deterministic or problem.M == 0 or problem.dtype not in capability.HALF_DTYPES:
         return False
     return _one_kernel_phase(problem, varlen) is not None

@@ -1,4 +1,6 @@
-// Backward pass, two schemes sharing the delta pre-pass and the dk/dv kernel:
+// Backward pass, two schemes sharing the delta pre-pass and the dk/dv kernel (and, for dense
+// 16-bit batches where the table says so, the warp-grid one-kernel backward at the end of
+// this file, pw_backward_grid, which replaces the FUSED dk/dv kernel below):
 //
 // Deterministic (two kernels that each own one side of the score matrix and recompute
 // scores from the saved log-sum-exp; no atomics, bitwise reproducible):
@@ -38,7 +40,8 @@
 // and 2-12% (one-kernel entries): bench/results/2026-12-04-h200-fixed-p-lazy-rescale.
 // An lse below the row's true log-sum-exp (not the forward's) would overflow P to inf where
 // the per-row scale copes.
-// PW_BWD_P_FIXED=0 builds the per-row scale everywhere, for A/B runs.
+// PW_BWD_P_FIXED=0 builds the per-row scale in the dq and dk/dv kernels, for A/B runs (the
+// warp-grid kernel, pw_backward_grid, has no per-row path: it then rounds P unscaled).
 // KEEP_ROW_SCALE exempts one entry: the sm_90 row's one-kernel D = 128 causal backward (BM = 32)
 // spills 16 bytes with the fixed factor (NVRTC 13.5, 2026-12-04; 245 registers without), and
 // the build check refuses spills (cupy_piecewise/build_check.py). The spill is four

@@ -67,7 +67,8 @@ def precompile(macro_sets, dims, jobs):
 
     vs = [v for v in build_check.variants_for((9, 0)) if v.head_dim in dims and not v.varlen
           and v.dtype in DTYPES.values()
-          and v.phase in ("fwd", "bwd_dq", "bwd_dkv", "bwd_fused", "bwd_delta", "fwd_combine")]
+          and v.phase in ("fwd", "bwd_dq", "bwd_dkv", "bwd_fused", "bwd_grid", "bwd_delta",
+                          "bwd_dq_convert", "fwd_combine")]
     tasks = [(m, vs[i:i + 2]) for m in macro_sets for i in range(0, len(vs), 2)]
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         failed = [f for r in pool.map(_precompile, *zip(*tasks)) for f in r]

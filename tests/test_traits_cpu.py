@@ -128,6 +128,22 @@ def test_grid_backward_layouts_match_python_shared_bytes(nvrtc, cc):
                capability.shared_bytes("bwd_grid", d, t), f"bwd_grid D={d} {t}") for d, t in cfgs]
     fired, log = _failed_asserts(nvrtc, cc, "backward.cu", checks)
     assert not fired, "\n".join(fired)
+    # check_config admits exactly the head dims whose traits compile (its dQ tile rule)
+    for d in (16, 32, 64, 80, 96, 128, 256):
+        for w in (4, 8):
+            t = capability.TileConfig(64, 16 * w, w)
+            ok = not any("dQ warp tiles" in e for e in capability.check_config("bwd_grid", d, t, cc))
+            prog = nvrtc.createProgram(source("backward.cu") + f"\nstatic_assert(BwdGridTraits<{d}, "
+                                       f"64, {16 * w}, {w}>::smem_bytes > 0, \"\");\n",
+                                       "backward.cu", [], [])
+            try:
+                nvrtc.compileProgram(prog, list(BASE_OPTIONS) + [f"-arch=compute_{cc[0]}{cc[1]}"])
+                compiles = True
+            except nvrtc.NVRTCError:
+                compiles = False
+            finally:
+                nvrtc.destroyProgram(prog)
+            assert ok == compiles, (d, w, ok, compiles)
     rules = "".join(
         f"static_assert(grid_two_ds_buffers({d}, {t.num_warps}) == "
         f"{'true' if capability.grid_two_ds_buffers(d, t) else 'false'}, \"D={d} {t}\");\n"
