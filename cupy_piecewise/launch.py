@@ -530,8 +530,9 @@ def backward_launches(problem, strides, *, deterministic: bool = False):
     :func:`use_hopper_backward` says so; otherwise the mma.sync kernels: the one-kernel
     backward (:func:`fused_backward_steps`: dQ by float32 atomics) where
     :func:`use_fused_backward` says so (float16/bfloat16 variants with a ``bwd_grid`` or
-    ``bwd_fused`` table entry: :func:`_one_kernel_phase`), else the delta pre-pass, dq and dk/dv kernels, which are bitwise reproducible. ``deterministic`` makes the Hopper path reproducible too (dQ by
-    the mma.sync dq kernel instead of float32 atomics).
+    ``bwd_fused`` table entry: :func:`_one_kernel_phase`), else the delta pre-pass, dq and
+    dk/dv kernels, which are bitwise reproducible. ``deterministic`` makes the Hopper path
+    reproducible too (dQ by the mma.sync dq kernel instead of float32 atomics).
     """
     _check_grid(problem)
     _driver()
