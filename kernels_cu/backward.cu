@@ -101,6 +101,13 @@ template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
 #define PW_BWD_DS_PRESCALE 1
 #endif
 
+// PW_GRID_GROUP1 (1, the default; 0 for A/B): the warp-grid backward skips the integer
+// division that maps a pass's tile index to (query head, tile) when there is no GQA
+// (pw_backward_grid, tile_of).
+#ifndef PW_GRID_GROUP1
+#define PW_GRID_GROUP1 1
+#endif
+
 // delta[b, h, i] = sum_d dO[i, d] * O[i, d], one warp per row, 16-byte loads.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) pw_backward_delta(const Params p) {
@@ -680,9 +687,20 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_grid(const Params p
   const int first2 = (int)clamp64(ceil_div(p.w - P + n0 - BM + 1, BM), t_lo, t_hi);
   const int group = (int)p.group;
 
+  // tile `it` of a pass: query head hk group + it / per_head, tile lo + it % per_head. The
+  // integer division costs about 20 instructions (I2F, MUFU.RCP, fix-ups) and runs twice per
+  // tile (issue and body), so without GQA (group 1, uniform) it is skipped: backward
+  // 0.999-1.036x on all 16 rows of an H100 A/B (PW_GRID_GROUP1=0 builds the division always;
+  // bench/results/2026-12-05-h100-grid-diet).
   auto tile_of = [&](int lo, int per_head, int it, i64& h, i64& m0) {
-    h = hk * group + it / per_head;
-    m0 = (i64)(lo + it % per_head) * BM;
+#if PW_GRID_GROUP1
+    int hq = 0, r = it;
+    if (group > 1) hq = it / per_head, r = it - hq * per_head;
+#else
+    const int hq = it / per_head, r = it % per_head;
+#endif
+    h = hk * group + hq;
+    m0 = (i64)(lo + r) * BM;
   };
   auto issue_tile = [&](i64 h, i64 m0, int stage) {
     const int mode = tile_mode(m0, BM, n0, BN, P, p.w);

@@ -377,3 +377,24 @@ def test_q_rotate_forward_builds(nvrtc, monkeypatch):
                        != four_slots[r.variant])
     # one NVRTC program with one option list: a report that moved shows the macro reached it
     assert any(changed), "no report differs from the build with -DPW_FWD_Q_ROTATE=0"
+
+
+@pytest.mark.parametrize("group1", [0, 1])
+def test_grid_backward_division_forms_build_without_spills(nvrtc, monkeypatch, group1):
+    """-DPW_GRID_GROUP1 (kernels_cu/backward.cu, pw_backward_grid's tile_of): 1, the default
+    since 2026-12-05, skips the integer division from tile index to (query head, tile) when
+    there is no GQA; 0 divides always (the A/B form, the kernel before). Both build every
+    sm_90 bwd_grid variant without spills (the D = 128 causal entries take 255 registers with
+    1, 253 with 0: NVRTC 13.5), so an A/B run can build either."""
+    from cupy_piecewise import compile as comp
+
+    base = comp.arch_options
+    monkeypatch.setattr(comp, "arch_options",
+                        lambda cc, hopper=False: base(cc, hopper) + (f"-DPW_GRID_GROUP1={group1}",))
+    vs = sorted({Variant(phase, dt, d, t, c)
+                 for phase, d, dt, c, t in capability.selectable_configs(SM90)
+                 if phase == "bwd_grid"}, key=str)
+    assert {v.head_dim for v in vs} >= {64, 128} and {v.causal for v in vs} == {False, True}
+    for r in compile_offline(SM90, vs):
+        assert r.ok and r.registers, (r.variant, r.log)
+        assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
