@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma kvprobe rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid kvprobe rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -40,6 +40,11 @@
 # ncu_mma (not in all): Nsight Compute on the mma.sync deterministic backward's dq and dk/dv
 # kernels, bfloat16 against float16 (L 8192, D 64), logs in logs/ncu_mma_bwd_*.txt, and on the
 # mma.sync D = 128 forward with source counters, logs/ncu_mma_fwd_d128.txt.
+# ncu_grid (not in all): Nsight Compute on the warp-grid one-kernel backward (pw_backward_grid)
+# beside SDPA flash's backward on the same shape (profile_case.py --peer flash): D = 128
+# L 8192 with source counters, its SASS with per-instruction stall samples exported to
+# logs/ncu_grid128_sass.csv (read with bench/results/2026-12-05-h100-grid-diet/sass_hotspots.py),
+# D = 128 L 2048 causal and D = 64 L 8192; logs in logs/ncu_grid*.txt, logs/ncu_flash*.txt.
 # mma_bench (not in all): issue 15's SPEC-format table, piecewise_mma beside sdpa_flash,
 # sdpa_cudnn, flex_composite and flag_attn (carry .baselines for it: bench/README.md), about
 # 8-9 minutes, results in OUTDIR/mma_bench.
@@ -215,6 +220,30 @@ if asked ncu_mma; then
   rc=$?; echo "ncu mma fwd d128: exit $rc"
   grep -E "pw_forward|Duration|Executed Instructions|Issue Slots|Stall" "$logs/ncu_mma_fwd_d128.txt" | head -12
   status=$((status | rc))
+fi
+if asked ncu_grid; then
+  secs="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis
+    --section InstructionStats --section WarpStateStats --section SchedulerStats --section Occupancy
+    --section LaunchStats"
+  CUPY_PIECEWISE_PATH=mma timeout 200 ncu --clock-control none -k "regex:^pw_backward_grid$" \
+    --launch-skip 1 --launch-count 1 $secs --section SourceCounters --import-source no \
+    -o "$logs/grid128" -f python3 scripts/profile_case.py --L 8192 --D 128 --iters 2 \
+    > "$logs/ncu_grid128.log" 2>&1
+  rc=$?; echo "ncu grid d128: exit $rc"; status=$((status | rc))
+  ncu -i "$logs/grid128.ncu-rep" --page details > "$logs/ncu_grid128.txt" 2>&1
+  ncu -i "$logs/grid128.ncu-rep" --page source --csv --print-source sass \
+    > "$logs/ncu_grid128_sass.csv" 2>&1
+  rm -f "$logs/grid128.ncu-rep"
+  for args in "--L 8192 --D 128 --peer flash:flash128" "--L 2048 --D 128 --causal:grid128_c2048" \
+              "--L 8192 --D 64:grid64" "--L 8192 --D 64 --peer flash:flash64"; do
+    tag=${args##*:}; kern="regex:^pw_backward_grid$"; skip=1; count=1
+    case $tag in flash*) kern="regex:flash_bwd"; skip=3; count=3;; esac
+    CUPY_PIECEWISE_PATH=mma timeout 200 ncu --clock-control none -k "$kern" --launch-skip $skip \
+      --launch-count $count $secs python3 scripts/profile_case.py ${args%:*} --iters 2 \
+      > "$logs/ncu_$tag.txt" 2>&1
+    rc=$?; echo "ncu $tag: exit $rc"; status=$((status | rc))
+    grep -E "Duration|Executed Instructions  " "$logs/ncu_$tag.txt" | head -6
+  done
 fi
 if asked kvprobe; then
   # the Hopper decode's A/B probe: KVPROBE_CONFIGS (';'-separated, scripts/kvdecode_probe.py)

@@ -8,6 +8,9 @@ autograd through cupy_piecewise.attention (so the default path of the GPU: on an
 Hopper forward and backward). scripts/gpu_run.sh's ncu step profiles the pw90_bwd and
 pw90_forward launches of this process.
 
+``--peer flash`` (or ``cudnn``) runs torch SDPA with that backend on the same shape instead,
+to profile the standard-attention peer beside ours.
+
 ``--decode`` instead runs attention_with_kvcache a few times: one new token against L
 cached keys per head (B = --batch, default 1; H = Hkv = 32), what the ncu step profiles for pw_kvcache.
 """
@@ -29,6 +32,9 @@ def main() -> None:
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--decode", action="store_true", help="KV-cache decode instead")
+    ap.add_argument("--peer", choices=("flash", "cudnn"), default=None,
+                    help="standard attention through torch SDPA with this backend instead "
+                         "(one q, k, v; the same B, H, L, D): the peer to profile beside ours")
     ap.add_argument("--batch", type=int, default=1, help="--decode: sequences (B)")
     ap.add_argument("--rotary", type=int, default=None, metavar="G2",
                     help="--decode: attention_with_rotary_kvcache instead, keys rotated at n "
@@ -62,6 +68,17 @@ def main() -> None:
     B, H, dt = max(1, 16384 // a.L), max(1, 2048 // a.D), getattr(torch, a.dtype)
     ins = [torch.randn(B, H, a.L, a.D, device="cuda", dtype=dt).requires_grad_() for _ in range(5)]
     do = torch.randn(B, H, a.L, a.D, device="cuda", dtype=dt)
+    if a.peer is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[a.peer]
+        with sdpa_kernel(backend):
+            for _ in range(a.iters):
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    ins[0], ins[2], ins[4], is_causal=a.causal)
+                o.backward(do)
+        torch.cuda.synchronize()
+        print(f"done: SDPA {a.peer} B={B} H={H} L={a.L} D={a.D} {a.dtype} causal={a.causal}")
+        return
     for _ in range(a.iters):
         o = cupy_piecewise.attention(*ins, a.L // 4, causal=a.causal, deterministic=a.deterministic)
         o.backward(do)
