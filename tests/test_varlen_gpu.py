@@ -239,13 +239,11 @@ def test_new_head_dims_dense(kernel_path, D, dtype, causal):
 @pytest.mark.parametrize("M,N,w", [
     (129, 33, 16), (300, 517, 31), (1000, 1000, 32), (64, 4000, 33), (2048, 2048, 1000),
     (4096, 3, 1),
-    # One key: every probability is 1 and dS = P (dP - delta) is float32 rounding noise
-    # (reference exactly 0). Over 4096 rows at D = 256 the mma.sync backward's dk1 noise
-    # (tensor-core dP against the pre-pass's delta) reached 1.6x the yardstick's bound on
-    # an H200 (bench/NOTES.md, "Head dim 256 on the Hopper forward"); the forward is exact.
-    pytest.param(4096, 1, -5, marks=pytest.mark.xfail(
-        strict=False, reason="known: dk1 of a one-key problem is summation noise above the "
-                             "float32 yardstick at D = 256 (mma.sync backward)")),
+    # One key: every probability is 1. Without a gradient into lse the exact dq and dk are 0
+    # and the rule would compare float32 summation residues (this case was an xfail for that
+    # reason); run_case now gives 16-bit one-key cases a random dlse, so dS = dlse exactly and
+    # the gradients are real (bench/NOTES.md, thirty-first section).
+    (4096, 1, -5),
 ])
 def test_head_dim_256_on_both_paths(kernel_path, dtype, causal, M, N, w):
     """D = 256 on the Hopper forward (32-key tiles: w on and beside a tile edge, edge tiles
