@@ -1,5 +1,5 @@
-"""The GPU-free parts of the tuning scripts: scripts/hopper_probe.py's --variants
-bookkeeping (the comparison table from the workers' output lines: medians over interleaved
+"""The GPU-free parts of the tuning scripts: scripts/gpu_run.sh's step list,
+scripts/profile_case.py's options, scripts/hopper_probe.py's --variants bookkeeping (the comparison table from the workers' output lines: medians over interleaved
 rounds, the spread, ratios to cuDNN; the tile figures it derives from the -D options of a
 variant), scripts/mma_fwd_probe.py's tile argument and A/B table, scripts/mma_bwd_probe.py's
 table, scripts/mma_bwd_ab.py's table and kernel-cache swap, scripts/fit_vote_model.py's
@@ -308,3 +308,34 @@ def test_kvdecode_probe_configs_table_and_settings():
     assert (capability.KV90_PDL, capability.KV90_PDL_DECODE, tma._L2_PROMOTION_128B,
             dict(capability.KV90_TILES), capability.KV90_MAX_CLUSTER,
             dict(capability.KV90_MIN_TILES)) == before
+
+
+def test_gpu_run_steps_match_their_usage_line():
+    """scripts/gpu_run.sh parses (bash -n), and the steps its usage line lists are exactly
+    those it has a block for (`if has STEP` / `if asked STEP`): a step added without its
+    block, or a block whose name the usage line misspells, fails here and not on a device."""
+    import re
+    import shutil
+    import subprocess
+
+    script = ROOT / "scripts" / "gpu_run.sh"
+    if shutil.which("bash"):
+        subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    usage = re.search(r"gpu_run\.sh OUTDIR \[([^\]|]+)\|", text)
+    assert usage, "usage line not found"
+    listed = set(usage.group(1).split())
+    blocks = set(re.findall(r"^if (?:has|asked) (\w+); then", text, re.M))
+    assert listed == blocks, (sorted(listed - blocks), sorted(blocks - listed))
+
+
+def test_profile_case_arguments():
+    """scripts/profile_case.py (the process Nsight Compute profiles) parses its options,
+    --peer among them, before it touches a GPU."""
+    import subprocess
+
+    pytest.importorskip("torch")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_case.py"), "--help"],
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    assert "--peer" in out and "--decode" in out
