@@ -1,9 +1,10 @@
 """The GPU-free parts of the tuning scripts: scripts/gpu_run.sh's step list,
-scripts/profile_case.py's options, scripts/hopper_probe.py's --variants bookkeeping (the comparison table from the workers' output lines: medians over interleaved
-rounds, the spread, ratios to cuDNN; the tile figures it derives from the -D options of a
-variant), scripts/mma_fwd_probe.py's tile argument and A/B table, scripts/mma_bwd_probe.py's
-table, scripts/mma_bwd_ab.py's table and kernel-cache swap, scripts/fit_vote_model.py's
-replay of the float16 dS fit, scripts/hopper_bwd_ab.py's parsing and summary,
+scripts/profile_case.py's options, scripts/hopper_probe.py's --variants bookkeeping (the
+comparison table from the workers' output lines: medians over interleaved rounds, the
+spread, ratios to cuDNN; the tile figures it derives from the -D options of a variant),
+scripts/mma_fwd_probe.py's tile argument and A/B table, scripts/mma_bwd_probe.py's table,
+scripts/mma_bwd_ab.py's table and kernel-cache swap, scripts/fit_vote_model.py's replay of
+the float16 dS fit, scripts/hopper_bwd_ab.py's parsing and summary,
 scripts/kvdecode_probe.py's configs, table and knob settings, and
 scripts/causal_schedule_model.py's makespans."""
 from __future__ import annotations
