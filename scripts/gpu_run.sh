@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid kvprobe rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd kvprobe rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -45,6 +45,9 @@
 # L 8192 with source counters, its SASS with per-instruction stall samples exported to
 # logs/ncu_grid128_sass.csv (read with bench/results/2026-12-05-h100-grid-diet/sass_hotspots.py),
 # D = 128 L 2048 causal and D = 64 L 8192; logs in logs/ncu_grid*.txt, logs/ncu_flash*.txt.
+# ncu_fwd (not in all): Nsight Compute on the mma.sync forward (pw_forward) beside SDPA flash's
+# forward on the same shape, D = 128 L 2048 causal and not (where the forward's ratio to flash
+# drops from 0.96-1.0x at L 8192-16384 to 0.83-0.92x), logs in logs/ncu_fwd*.txt.
 # mma_bench (not in all): issue 15's SPEC-format table, piecewise_mma beside sdpa_flash,
 # sdpa_cudnn, flex_composite and flag_attn (carry .baselines for it: bench/README.md), about
 # 8-9 minutes, results in OUTDIR/mma_bench.
@@ -243,6 +246,22 @@ if asked ncu_grid; then
       > "$logs/ncu_$tag.txt" 2>&1
     rc=$?; echo "ncu $tag: exit $rc"; status=$((status | rc))
     grep -E "Duration|Executed Instructions  " "$logs/ncu_$tag.txt" | head -6
+  done
+fi
+if asked ncu_fwd; then
+  secs="--section SpeedOfLight --section InstructionStats --section WarpStateStats --section SchedulerStats
+    --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis"
+  for causal in "" "--causal"; do
+    tag=fwd128_2048${causal:+_causal}
+    CUPY_PIECEWISE_PATH=mma timeout 120 ncu --clock-control none -k "regex:^pw_forward$" \
+      --launch-skip 2 --launch-count 1 $secs python3 scripts/profile_case.py --L 2048 --D 128 \
+      $causal > "$logs/ncu_$tag.txt" 2>&1
+    rc=$?; echo "ncu $tag: exit $rc"; status=$((status | rc))
+    timeout 120 ncu --clock-control none -k "regex:flash_fwd" --launch-skip 2 --launch-count 1 \
+      $secs python3 scripts/profile_case.py --L 2048 --D 128 $causal --peer flash \
+      > "$logs/ncu_flash_$tag.txt" 2>&1
+    rc=$?; echo "ncu flash $tag: exit $rc"; status=$((status | rc))
+    grep -E "Duration|Executed Instructions  " "$logs/ncu_$tag.txt" "$logs/ncu_flash_$tag.txt" | head -8
   done
 fi
 if asked kvprobe; then
