@@ -414,8 +414,14 @@ def fused_ds_bytes(cfg: TileConfig) -> int:
 #: off, and 128x64x4 at D = 128 then needs 139264 bytes (one block per SM) instead of 104448.
 FWD_Q_ROTATE = True
 
+#: Host mirror of the kernels' -DPW_FWD_ONE_K_D64 (kernels_cu/traits.cuh; staged, off by
+#: default): :func:`fwd_one_key_slot` holds at head dim 64 too. Only :func:`apply_kernel_macros`
+#: changes it, beside the -D option that builds the matching kernels (an A/B build of
+#: FlashAttention-2's D = 64 forward tile, 128x128x4, at two blocks per SM).
+FWD_ONE_K_D64 = False
+
 #: kernel macro -> this module's mirror of it (the launch's shared-memory size depends on it)
-_MACRO_MIRRORS = {"PW_FWD_Q_ROTATE": "FWD_Q_ROTATE"}
+_MACRO_MIRRORS = {"PW_FWD_Q_ROTATE": "FWD_Q_ROTATE", "PW_FWD_ONE_K_D64": "FWD_ONE_K_D64"}
 #: the mirrors' values without any macro (tests restore them: tests/test_capability.py)
 _MIRROR_DEFAULTS = {name: globals()[name] for name in _MACRO_MIRRORS.values()}
 
@@ -456,13 +462,15 @@ def _grid_dq_tiles_fit(head_dim: int, warps: int) -> bool:
 
 def fwd_one_key_slot(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> bool:
     """Whether the mma.sync forward (phases fwd and fwd_decode) keeps one key slot per
-    pipeline stage instead of two: 16-bit inputs (``elem_bytes`` 2), ``head_dim`` >= 128 and
-    32 query rows per warp (``block_m == 32 * num_warps``). The kernel's rule is
+    pipeline stage instead of two: 16-bit inputs (``elem_bytes`` 2), ``head_dim`` >= 128 (or
+    64 with the staged :data:`FWD_ONE_K_D64`) and 32 query rows per warp (``block_m == 32 *
+    num_warps``). The kernel's rule is
     ``fwd_one_key_slot`` of kernels_cu/traits.cuh; tests/test_traits_cpu.py checks that the
     two agree on every selectable variant. A straddling tile's second key projection then
     replaces its first between the tile's two visits, and 128x32x4 at D = 128 fits two
     blocks per SM on sm_90 (104 KB each)."""
-    return elem_bytes == 2 and head_dim >= 128 and cfg.block_m == 32 * cfg.num_warps
+    return (elem_bytes == 2 and (head_dim >= 128 or (FWD_ONE_K_D64 and head_dim == 64))
+            and cfg.block_m == 32 * cfg.num_warps)
 
 
 def fwd_q_rotate(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> bool:

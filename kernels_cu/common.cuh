@@ -244,13 +244,22 @@ template <int D> struct Pitch {
 // addresses would otherwise be hoisted out of the tile loop and pin dozens of registers.
 // Head dims such as 80 and 96 (10 and 12 chunks a row) walk the tile's chunks in order
 // instead, each thread recomputing its row and column per copy.
+// PW_LOAD_TID_RELOAD=1 (staged; 0, the default, keeps every entry's PTX): the copy re-reads
+// threadIdx.x (tid_reload) instead of sharing the kernel's, so ptxas recomputes the thread's
+// row and chunk per copy rather than holding them across the tile loop. At the D = 64
+// forward's 128x128x4 tile with two key slots and the visits body (-DPW_FWD_VISITS=1) the
+// held 64-bit chunk offset is the one spilled value (8 bytes; NOTES, thirty-fourth section).
+#ifndef PW_LOAD_TID_RELOAD
+#define PW_LOAD_TID_RELOAD 0
+#endif
 template <int ROWS, int D, int THREADS>
 PW_DEVICE void load_rows(u32 dst, const u16* src, i64 rs, i64 row0, i64 nvalid) {
   constexpr int CPR = D / 8;  // 16-byte chunks per row
   static_assert(D % 16 == 0, "head dims are multiples of 16");
   if constexpr (THREADS % CPR == 0) {
     constexpr int RSTEP = THREADS / CPR;
-    const int r = (int)threadIdx.x / CPR, ch = (int)threadIdx.x % CPR;
+    const int tid = PW_LOAD_TID_RELOAD ? tid_reload() : (int)threadIdx.x;
+    const int r = tid / CPR, ch = tid % CPR;
     i64 gr = row0 + r;
     const u16* g = src + gr * rs + ch * 8;
     u32 d = dst + r * Pitch<D>::bytes + ch * 16;

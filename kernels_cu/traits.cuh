@@ -86,8 +86,17 @@ struct FwdTraits : TileTraitsBase<D, BM, WARPS> {
 // and dropping the second key slot takes 128x32x4 from 122 KB to 104 KB, so two blocks share
 // an SM (255 registers per thread still allow two 4-warp blocks): 1.12-1.21x the forward
 // of the 128x64x8 table entry before on an H200 (bench/results/2026-12-04-h200-fwd-one-key-slot).
+// PW_FWD_ONE_K_D64=1 (staged, 0 by default; host mirror capability.FWD_ONE_K_D64): D = 64
+// too, so that FlashAttention-2's D = 64 forward tile, 128x128x4, fits two blocks per SM
+// (110592 bytes against 147456 with two key slots); with it the table's 128x64x4 also takes
+// one slot and, BM being 2 x BN there, the rotating slots (55296 bytes). Built offline only
+// (2026-12-05: both tiles without spills, tests/test_build_check_cpu.py).
+#ifndef PW_FWD_ONE_K_D64
+#define PW_FWD_ONE_K_D64 0
+#endif
 __host__ __device__ constexpr bool fwd_one_key_slot(int width, int D, int BM, int WARPS) {
-  return width == 1 && D >= 128 && BM == 2 * PW_MMA_ROWS * WARPS;
+  return width == 1 && (D >= 128 || (PW_FWD_ONE_K_D64 && D == 64)) &&
+         BM == 2 * PW_MMA_ROWS * WARPS;
 }
 // PW_FWD_Q_ROTATE (1, the default since 2026-12-05; 0 builds the earlier four-slot layout,
 // kept for A/B builds): a one-key-slot forward tile whose key stage (k and v of BN keys) is

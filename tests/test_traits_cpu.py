@@ -343,6 +343,7 @@ def test_q_rotate_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
     assert capability._MIRROR_DEFAULTS["FWD_Q_ROTATE"] is True
     # the default, whatever PW_TEST_MACROS set
     monkeypatch.setattr(capability, "FWD_Q_ROTATE", True)
+    monkeypatch.setattr(capability, "FWD_ONE_K_D64", False)
     assert capability.fwd_q_rotate(128, t)
     assert not capability.fwd_q_rotate(128, capability.TileConfig(128, 32, 4, 2))
     assert not capability.fwd_q_rotate(64, capability.TileConfig(128, 64, 4, 2))  # two slots
@@ -371,6 +372,44 @@ def test_q_rotate_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
         _compile_front(nvrtc, src)
     with pytest.raises(ValueError, match="PW_FWD_Q_ROTATE=x"):
         capability.apply_kernel_macros(["PW_FWD_Q_ROTATE=x"])
+
+
+def test_one_key_slot_d64_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
+    """PW_FWD_ONE_K_D64=1 (staged, kernels_cu/traits.cuh; off by default): the one-key-slot
+    forward at D = 64 too, with capability.FWD_ONE_K_D64 as its host mirror, so that
+    FlashAttention-2's D = 64 tile, 128x128x4, needs 110592 bytes (two blocks per sm_90 SM)
+    instead of 147456, and the table's 128x64x4 takes the rotating slots (55296 bytes).
+    Unset, nothing at D = 64 changes; D = 128 is one-key either way. Kernel and host rules
+    and sizes are checked both ways."""
+    big, table = capability.TileConfig(128, 128, 4, 2), capability.TileConfig(128, 64, 4, 2)
+    assert capability._MIRROR_DEFAULTS["FWD_ONE_K_D64"] is False
+    monkeypatch.setattr(capability, "FWD_Q_ROTATE", True)
+    monkeypatch.setattr(capability, "FWD_ONE_K_D64", False)
+    off = (capability.shared_bytes("fwd", 64, big), capability.shared_bytes("fwd", 64, table))
+    assert off == ((2 * 128 + 3 * 2 * 128) * 144, (2 * 128 + 3 * 2 * 64) * 144) == (147456, 92160)
+    assert not capability.fwd_one_key_slot(64, big)
+    d128 = capability.shared_bytes("fwd", 128, table)
+    capability.apply_kernel_macros(["PW_FWD_ONE_K_D64=1"])
+    assert capability.FWD_ONE_K_D64 and capability.fwd_one_key_slot(64, big)
+    assert not capability.fwd_one_key_slot(64, big, elem_bytes=4)  # float32: two slots
+    assert not capability.fwd_one_key_slot(64, capability.TileConfig(64, 64, 4, 2))  # 16 rows
+    on = (capability.shared_bytes("fwd", 64, big), capability.shared_bytes("fwd", 64, table))
+    assert on == ((2 * 128 + 2 * 2 * 128) * 144, 3 * 128 * 144) == (110592, 55296)
+    assert 2 * (on[0] + 1024) <= 233472 < 2 * (off[0] + 1024)  # two blocks per SM with it
+    assert capability.fwd_q_rotate(64, table) and not capability.fwd_q_rotate(64, big)
+    assert capability.shared_bytes("fwd", 128, table) == d128
+    assert capability.check_config("fwd", 64, big, (9, 0)) == []
+    capability.apply_kernel_macros(["PW_FWD_ONE_K_D64=0"])
+    assert not capability.FWD_ONE_K_D64
+    for define, sizes, rule in (("", off, "!"), ("#define PW_FWD_ONE_K_D64 1\n", on, "")):
+        src = define + source("forward.cu") + (
+            f"\nstatic_assert({rule}fwd_one_key_slot(1, 64, 128, 4) && fwd_one_key_slot(1, 128, 128, 4)"
+            " && !fwd_one_key_slot(2, 64, 128, 4), \"rule\");"
+            f"\nstatic_assert(FwdLayoutBytes<64, 128, 128, 4, fwd_one_key_slot(1, 64, 128, 4),"
+            f" fwd_q_rotate(1, 64, 128, 128, 4)>::smem_bytes == {sizes[0]}, \"128x128x4\");"
+            f"\nstatic_assert(FwdLayoutBytes<64, 128, 64, 4, fwd_one_key_slot(1, 64, 128, 4),"
+            f" fwd_q_rotate(1, 64, 128, 64, 4)>::smem_bytes == {sizes[1]}, \"128x64x4\");")
+        _compile_front(nvrtc, src)
 
 
 def test_apply_test_macros_reaches_options_and_mirrors(monkeypatch):
