@@ -379,10 +379,62 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
 // wait for one another (the loop it replaced waited on one L2 round trip per split, twice).
 // Loads bypass L1 (ld.global.cg): nothing is reused from it. pw_forward_combine's warps call
 // this, one row each.
+// PW_COMBINE_PREFETCH=1 (staged; 0, the default, keeps every entry's PTX): with at most
+// PW_COMBINE_PREFETCH_SPLITS splits (8: the Hopper decode merges up to 4 in a cluster and
+// sends 5 to 8 here) a row's lse and all its partial outputs are loaded at once, before the
+// max is known, so the merge waits on one round trip to memory instead of three (lse for
+// the max, lse again, then the outputs). The merge is on the critical path of every split
+// decode step after the last split's block ends: about 10 us of decode at D = 64, B·H = 32,
+// N = 4096, where the row with the cluster merge (D = 128) is 1.0x cuDNN and this one
+// 0.96-0.98x (bench/results/2026-12-03-h200-kvdecode-pdl). Not yet run on a GPU.
+#ifndef PW_COMBINE_PREFETCH
+#define PW_COMBINE_PREFETCH 0
+#endif
+#ifndef PW_COMBINE_PREFETCH_SPLITS
+#define PW_COMBINE_PREFETCH_SPLITS 8
+#endif
 template <typename T, int D>
 PW_DEVICE void merge_split_row(const float* lse_part, const float* o_part, i64 rows_all, i64 row,
                                int nsplit, int lane, u16* o_row, float* lse_out) {
   constexpr int PER_LANE = (D + 31) / 32;
+  if constexpr (PW_COMBINE_PREFETCH != 0) {
+    constexpr int S = PW_COMBINE_PREFETCH_SPLITS;
+    static_assert(S >= 1 && S <= 32, "one split per lane");
+    if (nsplit <= S) {  // uniform over the grid: the split count is the launch's
+      const float l = lane < nsplit ? __ldcg(lse_part + lane * rows_all + row) : PW_NEG_INF;
+      float ov[S][PER_LANE];
+#pragma unroll
+      for (int j = 0; j < S; ++j)
+#pragma unroll
+        for (int k = 0; k < PER_LANE; ++k)
+          ov[j][k] = j < nsplit && lane + 32 * k < D
+                         ? __ldcg(o_part + (j * rows_all + row) * D + lane + 32 * k)
+                         : 0.f;
+      float mx = l;
+#pragma unroll
+      for (int k = 16; k >= 1; k /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, k));
+      // no admissible key in any split: o = 0, lse = -inf (exp2 of -inf - -inf is NaN)
+      const float wl = mx == PW_NEG_INF ? 0.f : fast_exp2((l - mx) * PW_LOG2E);
+      float total = wl;
+#pragma unroll
+      for (int k = 16; k >= 1; k /= 2) total += __shfl_xor_sync(0xffffffffu, total, k);
+      float acc[PER_LANE];
+#pragma unroll
+      for (int k = 0; k < PER_LANE; ++k) acc[k] = 0.f;
+#pragma unroll
+      for (int j = 0; j < S; ++j) {
+        const float wgt = __shfl_sync(0xffffffffu, wl, j);  // 0 for j >= nsplit
+#pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) acc[k] += wgt * ov[j][k];
+      }
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+#pragma unroll
+      for (int k = 0; k < PER_LANE; ++k)
+        if (lane + 32 * k < D) store1<T>(o_row, lane + 32 * k, acc[k] * inv);
+      if (lane == 0 && lse_out) *lse_out = total > 0.f ? mx + __logf(total) : PW_NEG_INF;
+      return;
+    }
+  }
   float mx = PW_NEG_INF;
   for (int s0 = 0; s0 < nsplit; s0 += 32)
     if (s0 + lane < nsplit) mx = fmaxf(mx, __ldcg(lse_part + (s0 + lane) * rows_all + row));

@@ -5,7 +5,8 @@
         --configs "base;pdl=0;l2=256;KV90_QREG=1" --out $OUT/kvdecode_probe.txt
 
 Each config is a set of space-separated tokens: ``NAME=VALUE`` compile-time macros of the
-decode kernel (passed as -D options), ``pdl=0|1`` (the split merge as a programmatic
+decode kernel and of the split merge ``pw_forward_combine`` (passed as -D options; e.g.
+``PW_COMBINE_PREFETCH=1``, kernels_cu/forward.cu), ``pdl=0|1`` (the split merge as a programmatic
 dependent launch, capability.KV90_PDL), ``pdld=0|1`` (the decode itself, KV90_PDL_DECODE),
 ``l2=128|256`` (the L2 promotion of the caches' tensor maps), ``s=N`` (ring stages,
 KV90_TILES), ``c=N`` (most splits merged in a cluster, KV90_MAX_CLUSTER) and ``m=N`` (fewest
@@ -117,11 +118,11 @@ def worker(macros, configs, dims, dtypes, seed):
     # the configs take turns going first, round by round: within a worker the order alone
     # moved identical launches by up to 2% (bench/results/2026-12-03-h200-kvdecode-pdl)
     configs = configs[seed % len(configs):] + configs[:seed % len(configs)]
-    if macros:  # the decode kernel's builds carry the macros
+    if macros:  # the decode kernel's builds carry the macros, and its split merge's
         orig = C.Variant.options.fget
         extra = tuple(f"-D{m}" for m in macros)
-        C.Variant.options = property(
-            lambda self: orig(self) + (extra if self.phase == "kvdecode_sm90" else ()))
+        C.Variant.options = property(lambda self: orig(self) + (
+            extra if self.phase in ("kvdecode_sm90", "fwd_combine") else ()))
     out = []
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)

@@ -418,3 +418,21 @@ def test_one_key_d64_forward_builds_without_spills(nvrtc, monkeypatch, reload):
     for r in compile_offline(SM90, vs):
         assert r.ok and r.registers, (r.variant, r.log)
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+
+
+def test_combine_prefetch_builds_without_spills(nvrtc, monkeypatch):
+    """The staged split merge with its loads issued together (-DPW_COMBINE_PREFETCH=1,
+    kernels_cu/forward.cu merge_split_row: up to 8 splits' lse and partial rows in
+    registers before the max) builds on every listed architecture, every head dim and
+    dtype, without spills (at most 128 registers at D = 256 on sm_90, NVRTC 13.5)."""
+    from cupy_piecewise import compile as comp
+
+    base = comp.arch_options
+    monkeypatch.setattr(comp, "arch_options",
+                        lambda cc, hopper=False: base(cc, hopper) + ("-DPW_COMBINE_PREFETCH=1",))
+    vs = [Variant("fwd_combine", dt, d, None, False)
+          for dt in ("bfloat16", "float16", "float32") for d in (16, 32, 64, 80, 96, 128, 256)]
+    for cc in capability.LISTED_ARCHS:
+        for r in compile_offline(cc, vs):
+            assert r.ok and r.registers, (cc, r.variant, r.log)
+            assert not (r.spill_stores or r.spill_loads), (cc, r.variant, r.log)
