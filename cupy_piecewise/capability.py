@@ -762,10 +762,14 @@ TF32_TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
 #: mirror is on (:func:`apply_kernel_macros`, which tests/conftest.py's ``PW_TEST_MACROS`` and
 #: the probes call), these replace TABLE's for dense 16-bit variants, so that the GPU suite
 #: runs the macro's kernels at the shapes they are staged for before the macro becomes the
-#: default (then the entry moves into TABLE). Same layout as TABLE. It holds nothing now:
-#: PW_FWD_Q_ROTATE's entry (sm_90 fwd D = 128, 128x64x4) moved into TABLE when the macro
-#: became the default (2026-12-05).
-MACRO_TABLE: dict[str, dict[tuple[int, int], dict[str, dict[int, object]]]] = {}
+#: default (then the entry moves into TABLE). Same layout as TABLE. PW_FWD_Q_ROTATE's entry
+#: (sm_90 fwd D = 128, 128x64x4) moved into TABLE when that macro became the default
+#: (2026-12-05). Staged now: PW_FWD_ONE_K_D64's sm_90 D = 64 forward at FlashAttention-2's
+#: tile, 128x128x4 (one key slot, 110592 bytes, two blocks per SM; built offline without
+#: spills, not yet timed: bench/NOTES.md, thirty-fourth section).
+MACRO_TABLE: dict[str, dict[tuple[int, int], dict[str, dict[int, object]]]] = {
+    "FWD_ONE_K_D64": {(9, 0): {"fwd": {64: _T(128, 128, 4)}}},
+}
 
 del _T, _SM86_89_TF32, _PACKED_FUSED_SM8X
 

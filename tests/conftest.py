@@ -33,7 +33,7 @@ _applied: tuple[str, ...] = ()
 def pytest_configure(config):
     # NVRTC options are read at each compile (compile.Variant.options, arch_options), so
     # extending the base set here reaches every kernel the run builds; the host mirrors
-    # (e.g. PW_FWD_Q_ROTATE=0's shared-memory size) and MACRO_TABLE's staged tiles (none now)
+    # (e.g. PW_FWD_Q_ROTATE=0's shared-memory size) and MACRO_TABLE's staged tiles
     # follow the macros.
     global _applied
     from cupy_piecewise import compile as comp

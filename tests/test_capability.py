@@ -149,9 +149,9 @@ def test_macro_table_entries_follow_their_mirror(monkeypatch):
 
 
 def test_macro_table_is_well_formed(monkeypatch):
-    """Every entry capability.MACRO_TABLE stages (none today: PW_FWD_Q_ROTATE, the last, is
-    the default) is keyed by a host mirror of a kernel macro, for listed architectures and
-    phases, and is a valid tile configuration there with its mirror on."""
+    """Every entry capability.MACRO_TABLE stages (today PW_FWD_ONE_K_D64's sm_90 D = 64
+    forward, 128x128x4) is keyed by a host mirror of a kernel macro, for listed architectures
+    and phases, and is a valid tile configuration there with its mirror on."""
     for mirror, rows in cap.MACRO_TABLE.items():
         assert hasattr(cap, mirror) and mirror in cap._MACRO_MIRRORS.values(), mirror
         assert set(rows) <= set(LISTED_ARCHS), (mirror, sorted(rows))

@@ -416,12 +416,13 @@ def test_apply_test_macros_reaches_options_and_mirrors(monkeypatch):
     """compile.apply_test_macros (tests/conftest.py and scripts/sanitize_cases.py call it):
     PW_TEST_MACROS's NAME=VALUE words become -D options of every later compile and set the
     host mirrors (PW_FWD_Q_ROTATE=0: the earlier four-slot forward layout, and its shared-memory
-    size), and the staged tiles of capability.MACRO_TABLE (none now) become selectable; unset,
-    it changes nothing."""
+    size), and the staged tiles of capability.MACRO_TABLE become selectable; unset, it
+    changes nothing."""
     from cupy_piecewise import compile as comp
 
     monkeypatch.setattr(comp, "BASE_OPTIONS", ("-std=c++17",))
     monkeypatch.setattr(capability, "FWD_Q_ROTATE", True)
+    monkeypatch.setattr(capability, "FWD_ONE_K_D64", False)  # whatever PW_TEST_MACROS set
     monkeypatch.delenv("PW_TEST_MACROS", raising=False)
     assert comp.apply_test_macros() == () and comp.BASE_OPTIONS == ("-std=c++17",)
     assert capability.FWD_Q_ROTATE
