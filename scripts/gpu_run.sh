@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd kvprobe rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd fwd_d64 kvprobe rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -12,7 +12,8 @@
 # their sanitizer cases (SANITIZE_SKIP leaves the rest out), and the decode bench's quick
 # shapes with --rotary; about 5-6 min.
 # kvprobe (not in all): scripts/kvdecode_probe.py, the Hopper decode's A/B probe, configs from
-# KVPROBE_CONFIGS (default "base;pdl=0 pdld=0"), about 1-2 minutes per macro set.
+# KVPROBE_CONFIGS (default "base;PW_COMBINE_PREFETCH=1;m=16;m=128;c=8": the staged split merge
+# and split counts, bench/NOTES.md thirty-fourth section), about 1-2 minutes per macro set.
 # mma_probes (not in all): the mma.sync backward against SDPA flash (scripts/mma_bwd_probe.py,
 # bfloat16 and float16), then the forward's earlier forms -DPW_FWD_RAW_MAX=0 and =1
 # (kernels_cu/forward.cu: the default, 2, scales raw scores inside the exponential's fma in
@@ -48,6 +49,13 @@
 # ncu_fwd (not in all): Nsight Compute on the mma.sync forward (pw_forward) beside SDPA flash's
 # forward on the same shape, D = 128 L 2048 causal and not (where the forward's ratio to flash
 # drops from 0.96-1.0x at L 8192-16384 to 0.83-0.92x), logs in logs/ncu_fwd*.txt.
+# fwd_d64 (not in all): the staged D = 64 one-key-slot forward (-DPW_FWD_ONE_K_D64=1,
+# kernels_cu/traits.cuh; FlashAttention-2's tile 128x128x4 at two blocks per SM, and the
+# table's 128x64x4 then in rotating slots) against the default build at the table's tile and
+# at 64x64x4, 128x32x4, 64x128x4, 128x128x4 (scripts/mma_fwd_probe.py with its reference
+# checks and a control build, bf16 and fp16, L 2048 and 8192), about 4-5 minutes, logs in
+# logs/fwd_d64.txt. Its suite: PW_TEST_MACROS="PW_FWD_ONE_K_D64=1" with the tests step
+# (capability.MACRO_TABLE then selects 128x128x4).
 # mma_bench (not in all): issue 15's SPEC-format table, piecewise_mma beside sdpa_flash,
 # sdpa_cudnn, flex_composite and flag_attn (carry .baselines for it: bench/README.md), about
 # 8-9 minutes, results in OUTDIR/mma_bench.
@@ -264,10 +272,17 @@ if asked ncu_fwd; then
     grep -E "Duration|Executed Instructions  " "$logs/ncu_$tag.txt" "$logs/ncu_flash_$tag.txt" | head -8
   done
 fi
+if asked fwd_d64; then
+  timeout 420 python3 scripts/mma_fwd_probe.py --variants "PW_FWD_ONE_K_D64=1" \
+    --tiles "64:128x64x4,64x64x4,128x32x4,64x128x4,128x128x4" --lengths 2048,8192 \
+    --dtypes bf16,fp16 --rounds 2 --control --out "$logs/fwd_d64.txt" > "$logs/fwd_d64.log" 2>&1
+  rc=$?; echo "fwd_d64 probe: exit $rc"; tail -24 "$logs/fwd_d64.log"
+  status=$((status | rc))
+fi
 if asked kvprobe; then
   # the Hopper decode's A/B probe: KVPROBE_CONFIGS (';'-separated, scripts/kvdecode_probe.py)
   timeout 420 python3 scripts/kvdecode_probe.py --rounds 3 \
-    --configs "${KVPROBE_CONFIGS:-base;pdl=0 pdld=0}" --out "$logs/kvdecode_probe.txt" \
+    --configs "${KVPROBE_CONFIGS:-base;PW_COMBINE_PREFETCH=1;m=16;m=128;c=8}" --out "$logs/kvdecode_probe.txt" \
     > "$logs/kvdecode_probe.log" 2>&1
   rc=$?; echo "kvdecode_probe: exit $rc"; tail -16 "$logs/kvdecode_probe.log"
   status=$((status | rc))
