@@ -251,15 +251,19 @@ def kv90_tiles(head_dim: int) -> TileConfig:
     return KV90_TILES[head_dim]
 
 
-def kv90_shared_bytes(head_dim: int, stages: int) -> int:
-    """Dynamic shared memory of the Hopper decode (mirrors ``pw90kv::Smem<D, STAGES>::BYTES``;
-    checked by tests/test_traits_cpu.py): per stage the K and V of 64 keys, as 2 KB boxes of
-    16 rows x 64 columns; one more 16-key K chunk (the one that straddles d = w); a full and
-    an empty mbarrier per stage (``stages`` of them: :data:`KV90_TILES`' ring depth, or a
-    tuning run's); Q1 and Q2 (16 rows of ``head_dim + 8`` elements); 1 KB to align the base
-    to 1024 bytes."""
+def kv90_shared_bytes(head_dim: int, stages: int, rotary: bool = False) -> int:
+    """Dynamic shared memory of the Hopper decode (mirrors ``pw90kv::Smem<D, STAGES,
+    TAB>::BYTES``; checked by tests/test_traits_cpu.py): per stage the K and V of 64 keys, as
+    2 KB boxes of 16 rows x 64 columns; one more 16-key K chunk (the one that straddles
+    d = w); a full and an empty mbarrier per stage (``stages`` of them: :data:`KV90_TILES`'
+    ring depth, or a tuning run's); Q1 and Q2 (16 rows of ``head_dim + 8`` elements); 1 KB to
+    align the base to 1024 bytes. A ``rotary`` form with the staged :data:`KV90_ROT_STAGE`
+    (``TAB``) adds per stage and for the straddling chunk 16 rows of the cos and of the sin
+    table (float32, ``head_dim / 2`` each) per 16-key chunk."""
     chunk = (head_dim // 64) * 16 * 128
-    return stages * 8 * chunk + chunk + 2 * stages * 8 + 2 * 16 * (head_dim + 8) * 2 + 1024
+    tab = 2 * 16 * (head_dim // 2) * 4 if rotary and KV90_ROT_STAGE else 0
+    return (stages * (8 * chunk + 4 * tab) + chunk + tab + 2 * stages * 8
+            + 2 * 16 * (head_dim + 8) * 2 + 1024)
 
 
 def hopper_head_dims(phase: str) -> tuple:
@@ -420,8 +424,14 @@ FWD_Q_ROTATE = True
 #: FlashAttention-2's D = 64 forward tile, 128x128x4, at two blocks per SM).
 FWD_ONE_K_D64 = False
 
+#: Host mirror of the Hopper decode's -DKV90_ROT_STAGE (kernels_cu/sm90/kvdecode.cu; staged,
+#: off by default): the rotary forms' producer warp stages each chunk's cos and sin rows in
+#: shared memory (:func:`kv90_shared_bytes`). Only :func:`apply_kernel_macros` changes it.
+KV90_ROT_STAGE = False
+
 #: kernel macro -> this module's mirror of it (the launch's shared-memory size depends on it)
-_MACRO_MIRRORS = {"PW_FWD_Q_ROTATE": "FWD_Q_ROTATE", "PW_FWD_ONE_K_D64": "FWD_ONE_K_D64"}
+_MACRO_MIRRORS = {"PW_FWD_Q_ROTATE": "FWD_Q_ROTATE", "PW_FWD_ONE_K_D64": "FWD_ONE_K_D64",
+                  "KV90_ROT_STAGE": "KV90_ROT_STAGE"}
 #: the mirrors' values without any macro (tests restore them: tests/test_capability.py)
 _MIRROR_DEFAULTS = {name: globals()[name] for name in _MACRO_MIRRORS.values()}
 

@@ -134,8 +134,8 @@ class KVPlan:
         sms = launch._multiprocessors(s.device)
         if use_hopper_decode(s, cc):  # TMA boxes of 16 keys x 64 columns, 64-key tiles
             tiles = capability.kv90_tiles(s.D)
-            self.nsplit = split_count(s, tiles, capability.kv90_shared_bytes(s.D, tiles.stages),
-                                      sms, per_sm, capability.KV90_MIN_TILES[s.D])
+            smem90 = capability.kv90_shared_bytes(s.D, tiles.stages, bool(s.rotary))
+            self.nsplit = split_count(s, tiles, smem90, sms, per_sm, capability.KV90_MIN_TILES[s.D])
             # up to a cluster's worth of splits merge on chip, without pw_forward_combine
             if self.nsplit <= capability.KV90_MAX_CLUSTER:  # built for KV90_CLUSTERS
                 self.cluster = self.nsplit

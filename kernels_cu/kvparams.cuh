@@ -276,6 +276,26 @@ PW_DEVICE void kv_rotate_rows(At at, int n0, int L, const KVParams& p, int lane,
   }
 }
 
+// kv_rotate_rows with the table rows already in shared memory (the Hopper decode's staged
+// tables, KV90_ROT_STAGE): `tcos` and `tsin` hold rows n0 / g, n0 / g + 1, ... of the tables
+// (packed, D / 2 floats each), for key n = n0 + r at position n / g, g > 0.
+template <typename T, int D, int ROT, class At>
+PW_DEVICE void kv_rotate_rows_staged(At at, int n0, int L, int g, const float* tcos,
+                                     const float* tsin, int lane) {
+  constexpr int PER_ROW = KvRotItem<D>::PER_ROW;
+  const int first = n0 / g;
+#pragma unroll 2
+  for (int i = lane; i < 16 * PER_ROW; i += 32) {  // 16 rows: one warp's keys
+    const int r = i / PER_ROW, c = i % PER_ROW, n = n0 + r;
+    if (n >= L) continue;
+    const int off = (n / g - first) * (D / 2) + c * 8;
+    const float4* cp = reinterpret_cast<const float4*>(tcos + off);
+    const float4* sp = reinterpret_cast<const float4*>(tsin + off);
+    const float4 cs[2] = {cp[0], cp[1]}, sn[2] = {sp[0], sp[1]};
+    kv_rot_apply<T, D, ROT>([&](int gg) { return at(r, gg); }, c, cs, sn);
+  }
+}
+
 // The table entries of one warp's 16 rows held in registers, so that they can be loaded a
 // chunk ahead of the rotation (pw90_kvdecode: the loads' L2 latency then overlaps the
 // current chunk's products instead of stalling the rotation). Every row of the chunk uses

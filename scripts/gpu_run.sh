@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd fwd_d64 kvprobe rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd fwd_d64 kvprobe kvrot rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -14,6 +14,12 @@
 # kvprobe (not in all): scripts/kvdecode_probe.py, the Hopper decode's A/B probe, configs from
 # KVPROBE_CONFIGS (default "base;PW_COMBINE_PREFETCH=1;m=16;m=128;c=8": the staged split merge
 # and split counts, bench/NOTES.md thirty-fourth section), about 1-2 minutes per macro set.
+# kvrot (not in all): the staged rotary decode with its table rows in shared memory
+# (-DKV90_ROT_STAGE=1, kernels_cu/sm90/kvdecode.cu): its GPU tests first
+# (PW_TEST_MACROS, tests/test_kvcache_rotary_gpu.py), then scripts/kvdecode_probe.py with
+# ReRoPE (rot=1) and SelfExtend (rot=8) against the default forms, also at 3 stages (D = 64
+# at its default 6 stages then fits one block per SM); about 6-8 minutes, logs in
+# logs/kvrot_*.
 # mma_probes (not in all): the mma.sync backward against SDPA flash (scripts/mma_bwd_probe.py,
 # bfloat16 and float16), then the forward's earlier forms -DPW_FWD_RAW_MAX=0 and =1
 # (kernels_cu/forward.cu: the default, 2, scales raw scores inside the exponential's fma in
@@ -285,6 +291,17 @@ if asked kvprobe; then
     --configs "${KVPROBE_CONFIGS:-base;PW_COMBINE_PREFETCH=1;m=16;m=128;c=8}" --out "$logs/kvdecode_probe.txt" \
     > "$logs/kvdecode_probe.log" 2>&1
   rc=$?; echo "kvdecode_probe: exit $rc"; tail -16 "$logs/kvdecode_probe.log"
+  status=$((status | rc))
+fi
+if asked kvrot; then
+  PW_TEST_MACROS="KV90_ROT_STAGE=1" timeout 300 python3 -m pytest -q -ra -m gpu -p no:cacheprovider \
+    tests/test_kvcache_rotary_gpu.py 2>&1 | tee "$logs/kvrot_pytest.log" | tail -6
+  status=$((status | ${PIPESTATUS[0]}))
+  configs="rot=1;rot=8;rot=1 KV90_ROT_STAGE=1;rot=8 KV90_ROT_STAGE=1"
+  configs="$configs;rot=1 KV90_ROT_STAGE=1 s=3;rot=8 KV90_ROT_STAGE=1 s=3"
+  timeout 420 python3 scripts/kvdecode_probe.py --rounds 2 --configs "$configs" \
+    --out "$logs/kvrot_probe.txt" > "$logs/kvrot_probe.log" 2>&1
+  rc=$?; echo "kvrot probe: exit $rc"; tail -16 "$logs/kvrot_probe.log"
   status=$((status | rc))
 fi
 if asked rotary; then

@@ -123,6 +123,8 @@ def worker(macros, configs, dims, dtypes, seed):
         extra = tuple(f"-D{m}" for m in macros)
         C.Variant.options = property(lambda self: orig(self) + (
             extra if self.phase in ("kvdecode_sm90", "fwd_combine") else ()))
+        # and the launch sizes shared memory as those builds carve it (KV90_ROT_STAGE)
+        cupy_piecewise.capability.apply_kernel_macros(macros)
     out = []
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)

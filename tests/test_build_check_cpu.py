@@ -436,3 +436,21 @@ def test_combine_prefetch_builds_without_spills(nvrtc, monkeypatch):
         for r in compile_offline(cc, vs):
             assert r.ok and r.registers, (cc, r.variant, r.log)
             assert not (r.spill_stores or r.spill_loads), (cc, r.variant, r.log)
+
+
+def test_staged_rotary_tables_build_without_spills(nvrtc, monkeypatch):
+    """The Hopper decode's rotary forms with their table rows staged by the producer warp
+    (-DKV90_ROT_STAGE=1, kernels_cu/sm90/kvdecode.cu: plain bulk copies into the stage,
+    rotation from shared memory) build every variant the build check selects without spills
+    (148-156 registers, NVRTC 13.5; the default forms are unchanged: the macro is off)."""
+    from cupy_piecewise import compile as comp
+
+    base = comp.arch_options
+    monkeypatch.setattr(comp, "arch_options",
+                        lambda cc, hopper=False: base(cc, hopper) + ("-DKV90_ROT_STAGE=1",))
+    vs = sorted({v for v in build_check.variants_for(SM90, hopper=True)
+                 if v.phase == "kvdecode_sm90" and v.rotary}, key=str)
+    assert {v.head_dim for v in vs} == set(capability.KV90_HEAD_DIMS) and {v.rotary for v in vs} == {1, 2}
+    for r in compile_offline(SM90, vs):
+        assert r.ok and r.registers, (r.variant, r.log)
+        assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)

@@ -220,15 +220,27 @@ def test_hopper_shared_bytes_follow_the_tile_macros(nvrtc):
 
 
 @pytest.mark.parametrize("stages", [None, 2, 4])
-def test_hopper_decode_shared_bytes_match_the_kernel(nvrtc, stages):
+def test_hopper_decode_shared_bytes_match_the_kernel(nvrtc, monkeypatch, stages):
     """capability.kv90_shared_bytes (what kvcache_launch asks for) equals the Hopper decode's
-    own pw90kv::Smem<D, STAGES>::BYTES for every head dim it is built for, at the table's
-    ring depth and at the depths a tuning run may try."""
+    own pw90kv::Smem<D, STAGES, TAB>::BYTES for every head dim it is built for, at the table's
+    ring depth and at the depths a tuning run may try: the default forms, and the rotary
+    forms with the staged table rows (KV90_ROT_STAGE's mirror on: TAB), which fit sm_90's
+    227 KB at the table's depth; with the mirror off a rotary form's size is the default's."""
     checks = []
     for d in capability.KV90_HEAD_DIMS:
         st = stages or capability.kv90_tiles(d).stages
-        checks.append(f"\nstatic_assert(pw90kv::Smem<{d}, {st}>::BYTES == "
-                      f"{capability.kv90_shared_bytes(d, st)}, \"kv90_shared_bytes({d}, {st})\");")
+        monkeypatch.setattr(capability, "KV90_ROT_STAGE", False)
+        plain = capability.kv90_shared_bytes(d, st)
+        assert capability.kv90_shared_bytes(d, st, rotary=True) == plain
+        monkeypatch.setattr(capability, "KV90_ROT_STAGE", True)
+        staged = capability.kv90_shared_bytes(d, st, rotary=True)
+        assert staged - plain == (st * 4 + 1) * 2 * 16 * (d // 2) * 4
+        if stages is None:
+            assert staged <= capability.SHARED_LIMIT[(9, 0)], (d, staged)
+        checks.append(f"\nstatic_assert(pw90kv::Smem<{d}, {st}>::BYTES == {plain}, "
+                      f"\"kv90_shared_bytes({d}, {st})\");"
+                      f"\nstatic_assert(pw90kv::Smem<{d}, {st}, true>::BYTES == {staged}, "
+                      f"\"kv90_shared_bytes({d}, {st}, rotary) with KV90_ROT_STAGE\");")
     _compile_sm90a(nvrtc, source("sm90/kvdecode.cu") + "".join(checks))
 
 

@@ -77,6 +77,16 @@ PW90 void tma_load_4d(u32 dst, const TmaDesc* d, int c0, int c1, int c2, int c3,
       : "memory");
 }
 
+// Plain (non-tensor) bulk copy of `bytes` contiguous bytes from global `src` into shared
+// memory at `dst`, completing on the mbarrier `bar` as tma_load_4d does. Both addresses and
+// `bytes` are multiples of 16.
+PW90 void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(reinterpret_cast<u64>(src)), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
 // ---------------------------------------------------------------- mbarriers
 PW90 void mbar_init(u32 bar, u32 count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");

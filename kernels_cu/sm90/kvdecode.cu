@@ -35,6 +35,8 @@
 // Shared memory: per stage K and V of 64 keys (4 chunks x D/64 boxes of 2 KB each; D = 128:
 // 32 KB, D = 64: 16 KB); the straddling chunk's K2; 2 * STAGES mbarriers, the Q1 and Q2
 // tiles (16 rows, padded pitch), plus 1 KB to align the base to the swizzle's 1024 bytes.
+// (The staged rotary tables, KV90_ROT_STAGE below, add each chunk's cos and sin rows to the
+// stage and to the K2 slot.)
 #include "kvparams.cuh"
 #include "sm90/hopper.cuh"
 
@@ -52,6 +54,18 @@
 #define KV90_ROT_AHEAD 1
 #endif
 
+// KV90_ROT_STAGE (staged, 0 by default; host mirror capability.KV90_ROT_STAGE): 1 makes the
+// rotary forms' producer warp bring each chunk's cos and sin rows into the stage with its
+// keys (plain bulk copies: a chunk's rows n0 / g .. (n0 + 15) / g are contiguous in the
+// packed tables), so the consumers rotate from shared memory instead of waiting on a
+// dependent global load per table row: the rotary decode runs at 44-56% of DRAM peak with
+// its cost per table row touched (bench/NOTES.md, thirty-fourth section). Per stage it adds
+// 64 * D bytes per chunk (D = 128: 32 KB a stage), plus one chunk's worth for the straddling
+// chunk's K2. Built offline only.
+#ifndef KV90_ROT_STAGE
+#define KV90_ROT_STAGE 0
+#endif
+
 namespace pw90kv {
 
 constexpr int BN = 64;           // keys per tile
@@ -60,19 +74,28 @@ constexpr int CHUNKS = BN / CHUNK;  // 16-key chunks (TMA boxes) per tile
 constexpr int BM = 16;           // packed query rows per block
 constexpr int BOX_BYTES = CHUNK * 128;  // 16 rows x 64 16-bit columns
 
-template <int D, int STAGES> struct Smem {
+// TAB (the rotary forms with KV90_ROT_STAGE): each stage also holds, per chunk, up to 16
+// rows of the cos table then 16 of the sin table (float32, D / 2 each), and the straddling
+// chunk's K2 slot has such a pair of its own.
+template <int D, int STAGES, bool TAB = false> struct Smem {
   static constexpr int panels = D / 64;
   static constexpr int chunk_bytes = panels * BOX_BYTES;  // one 16-key chunk of K or V
+  static constexpr int tab_bytes = CHUNK * (D / 2) * 4;   // 16 rows of one table
+  static constexpr int tab_chunk_bytes = TAB ? 2 * tab_bytes : 0;  // cos, then sin
   static constexpr int k_off = 0;  // in a stage
   static constexpr int v_off = CHUNKS * chunk_bytes;
-  static constexpr int stage_bytes = 2 * CHUNKS * chunk_bytes;
+  // TAB: chunk c's table rows at t_off + c * tab_chunk_bytes
+  static constexpr int t_off = 2 * CHUNKS * chunk_bytes;
+  static constexpr int stage_bytes = t_off + CHUNKS * tab_chunk_bytes;
   // K2 of the one chunk of a sequence that straddles d = w: written once, read once, so one
-  // slot serves every stage
+  // slot serves every stage (and TAB its table rows, after it)
   static constexpr int x_off = STAGES * stage_bytes;
-  static constexpr int bars_off = x_off + chunk_bytes;  // full[STAGES], empty[STAGES]
+  static constexpr int xt_off = x_off + chunk_bytes;
+  static constexpr int bars_off = xt_off + tab_chunk_bytes;  // full[STAGES], empty[STAGES]
   static constexpr int q_off = bars_off + 2 * STAGES * 8;  // Q1, Q2: BM rows, padded pitch
   static constexpr int BYTES = q_off + 2 * BM * Pitch<D>::bytes + 1024;
   static_assert(D % 64 == 0, "whole 64-column panels");
+  static_assert(stage_bytes % 1024 == 0 && xt_off % 1024 == 0, "swizzled boxes 1024-aligned");
   static_assert(BM * (D + 1) * 4 <= 2 * BM * Pitch<D>::bytes,
                 "a cluster's partial rows and lse fit where Q was");
 };
@@ -124,7 +147,8 @@ template <typename T, int D, int STAGES, int CLUSTER, int CW, int ROT>
 PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc& tk2,
                                   const pw90::TmaDesc& tv, const KVParams& p) {
   using namespace pw90kv;
-  using Sm = Smem<D, STAGES>;
+  constexpr bool TAB = ROT != 0 && KV90_ROT_STAGE != 0;  // table rows staged by the producer
+  using Sm = Smem<D, STAGES, TAB>;
   static_assert(CW == CHUNKS, "a consumer warp per 16-key chunk of a tile");
   static_assert(CW * BM * (D + 2) * 4 <= STAGES * Sm::stage_bytes,
                 "the warps' merge scratch fits in the ring");
@@ -191,7 +215,16 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
       const int n = tile * BN + lane * CHUNK;
       const bool load = lane < CHUNKS && n < L;
       const bool both = load && n < nfar && n + CHUNK > nfar;  // straddles d = w
-      const u32 bytes = (load ? 2u : 0u) * Sm::chunk_bytes + (both ? Sm::chunk_bytes : 0u);
+      u32 bytes = (load ? 2u : 0u) * Sm::chunk_bytes + (both ? Sm::chunk_bytes : 0u);
+      // TAB: the table rows of the chunk's keys (group gk: K2's for chunks wholly at d >= w,
+      // else K1's) and of the straddling chunk's K2 (group g2), rows n / g .. last / g
+      const int last = min(n + CHUNK, L) - 1;
+      const int gk =
+          TAB && load ? (n + CHUNK <= nfar ? (int)p.rot_group2 : (int)p.rot_group1) : 0;
+      const int gx = TAB && both ? (int)p.rot_group2 : 0;
+      const u32 tab_k = gk ? (u32)(last / gk - n / gk + 1) * (D / 2) * 4u : 0u;
+      const u32 tab_x = gx ? (u32)(last / gx - n / gx + 1) * (D / 2) * 4u : 0u;
+      bytes += 2u * (tab_k + tab_x);
       const u32 total = __reduce_add_sync(0xffffffffu, bytes);
       pw90::mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);  // fresh barriers pass at once
       if (lane == 0) pw90::mbar_expect_tx(full(s), total);
@@ -208,6 +241,19 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
           if (both)
             pw90::tma_load_4d(base + Sm::x_off + j * BOX_BYTES, &tk2, j * 64, prow, (int)hk, page,
                               full(s));
+        }
+        if constexpr (TAB) {
+          if (gk) {
+            const u32 tdst = st + Sm::t_off + lane * Sm::tab_chunk_bytes;
+            const i64 row = (i64)(n / gk) * (D / 2);
+            pw90::bulk_load(tdst, p.rot_cos + row, tab_k, full(s));
+            pw90::bulk_load(tdst + Sm::tab_bytes, p.rot_sin + row, tab_k, full(s));
+          }
+          if (gx) {
+            const i64 row = (i64)(n / gx) * (D / 2);
+            pw90::bulk_load(base + Sm::xt_off, p.rot_cos + row, tab_x, full(s));
+            pw90::bulk_load(base + Sm::xt_off + Sm::tab_bytes, p.rot_sin + row, tab_x, full(s));
+          }
         }
       }
       const int nn = n + t_step * BN;  // the next tile's chunk
@@ -253,7 +299,8 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
   auto chunk_group = [&](int n0) {
     return n0 + CHUNK <= nfar ? (int)p.rot_group2 : (int)p.rot_group1;
   };
-  constexpr bool AHEAD = ROT != 0 && (KV90_ROT_AHEAD == 2 || (KV90_ROT_AHEAD == 1 && D <= 64));
+  constexpr bool AHEAD =
+      ROT != 0 && !TAB && (KV90_ROT_AHEAD == 2 || (KV90_ROT_AHEAD == 1 && D <= 64));
   KvRotAhead<T, D, ROT == 0 ? 1 : ROT> ahead;  // AHEAD: the next chunk's table entries
   if constexpr (AHEAD) {
     const int n0 = t_begin * BN + warp * CHUNK;
@@ -278,16 +325,28 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
         };
         // a group of 0 leaves the keys raw (ReRoPE's K2): nothing to rotate, sync or fence
         const int g2 = (int)p.rot_group2, gk = chunk_group(n0);  // K2 or K1
-        if constexpr (AHEAD) {
+        if constexpr (TAB) {  // the rows the producer staged with this chunk
+          const float* tc = reinterpret_cast<const float*>(
+              smem + (st + Sm::t_off + warp * Sm::tab_chunk_bytes - base));
+          if (gk != 0)
+            kv_rotate_rows_staged<T, D, ROT>(at(sk), n0, L, gk, tc, tc + CHUNK * D / 2, lane);
+        } else if constexpr (AHEAD) {
           ahead.apply(at(sk), n0, L, gk, lane);  // loaded for this chunk (group gk)
           const int nn = n0 + t_step * BN;  // the next chunk's entries, in flight meanwhile
           ahead.load(p, nn, L, tile + t_step < t_end && nn < L ? chunk_group(nn) : 0, lane);
         } else if (gk != 0) {
           kv_rotate_rows<T, D, ROT, 2>(at(sk), n0, L, p, lane, [&](int) { return gk; });
         }
-        if (both && g2 != 0)  // the straddling chunk's K2 (once per sequence)
-          kv_rotate_rows<T, D, ROT, 2>(at(base + Sm::x_off), n0, L, p, lane,
-                                    [&](int) { return g2; });
+        if (both && g2 != 0) {  // the straddling chunk's K2 (once per sequence)
+          if constexpr (TAB) {
+            const float* tx = reinterpret_cast<const float*>(smem + (Sm::xt_off));
+            kv_rotate_rows_staged<T, D, ROT>(at(base + Sm::x_off), n0, L, g2, tx,
+                                             tx + CHUNK * D / 2, lane);
+          } else {
+            kv_rotate_rows<T, D, ROT, 2>(at(base + Sm::x_off), n0, L, p, lane,
+                                         [&](int) { return g2; });
+          }
+        }
         wrote = gk != 0 || (both && g2 != 0);
         if (wrote) __syncwarp();
       }
