@@ -418,11 +418,12 @@ def fused_ds_bytes(cfg: TileConfig) -> int:
 #: off, and 128x64x4 at D = 128 then needs 139264 bytes (one block per SM) instead of 104448.
 FWD_Q_ROTATE = True
 
-#: Host mirror of the kernels' -DPW_FWD_ONE_K_D64 (kernels_cu/traits.cuh; staged, off by
-#: default): :func:`fwd_one_key_slot` holds at head dim 64 too. Only :func:`apply_kernel_macros`
-#: changes it, beside the -D option that builds the matching kernels (an A/B build of
-#: FlashAttention-2's D = 64 forward tile, 128x128x4, at two blocks per SM).
-FWD_ONE_K_D64 = False
+#: Host mirror of the kernels' -DPW_FWD_ONE_K_D64 (kernels_cu/traits.cuh; on by default since
+#: 2026-12-05): :func:`fwd_one_key_slot` holds at head dim 64 with 128-key tiles too, as
+#: TABLE's sm_90 D = 64 forward entry, 128x128x4, uses it (110592 bytes, two blocks per SM).
+#: Only :func:`apply_kernel_macros` changes it: ``PW_FWD_ONE_K_D64=0`` (an A/B build of the
+#: earlier two-slot layout) turns it off, and 128x128x4 then needs 147456 bytes.
+FWD_ONE_K_D64 = True
 
 #: Host mirror of the Hopper decode's -DKV90_ROT_STAGE (kernels_cu/sm90/kvdecode.cu; staged,
 #: off by default): the rotary forms' producer warp stages each chunk's cos and sin rows in
@@ -473,13 +474,14 @@ def _grid_dq_tiles_fit(head_dim: int, warps: int) -> bool:
 def fwd_one_key_slot(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> bool:
     """Whether the mma.sync forward (phases fwd and fwd_decode) keeps one key slot per
     pipeline stage instead of two: 16-bit inputs (``elem_bytes`` 2), ``head_dim`` >= 128 (or
-    64 with the staged :data:`FWD_ONE_K_D64`) and 32 query rows per warp (``block_m == 32 *
-    num_warps``). The kernel's rule is
+    64 with 128-key tiles, :data:`FWD_ONE_K_D64`) and 32 query rows per warp (``block_m ==
+    32 * num_warps``). The kernel's rule is
     ``fwd_one_key_slot`` of kernels_cu/traits.cuh; tests/test_traits_cpu.py checks that the
     two agree on every selectable variant. A straddling tile's second key projection then
     replaces its first between the tile's two visits, and 128x32x4 at D = 128 fits two
     blocks per SM on sm_90 (104 KB each)."""
-    return (elem_bytes == 2 and (head_dim >= 128 or (FWD_ONE_K_D64 and head_dim == 64))
+    return (elem_bytes == 2
+            and (head_dim >= 128 or (FWD_ONE_K_D64 and head_dim == 64 and cfg.block_n == 128))
             and cfg.block_m == 32 * cfg.num_warps)
 
 
@@ -646,8 +648,12 @@ TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
         # 128x64x4 keeps four slots (139264 bytes: one block per SM, which still fits).
         # 96 and 80: 128x32x4 fits two blocks per SM with both key slots (93 and 79 KB):
         # 1.16x (96) and 1.04-1.12x (80) the 128x64x8 entry there (one bf16 round, L 8192).
+        # 64: 128x128x4, FlashAttention-2's D = 64 tile, with one key slot per stage
+        # (fwd_one_key_slot, PW_FWD_ONE_K_D64; 110592 bytes, two blocks per SM): 1.07-1.12x the
+        # 128x64x4 entry before it on an H100 (2026-12-05, scripts/mma_fwd_probe.py, bf16 and
+        # fp16, causal and not, L 2048 and 8192; bench/NOTES.md, thirty-fourth section).
         "fwd": {256: _T(64, 16, 4), 128: _T(128, 64, 4), 96: _T(128, 32, 4), 80: _T(128, 32, 4),
-                64: _T(128, 64, 4), 32: _T(128, 128, 8), 16: _T(128, 64, 4)},
+                64: _T(128, 128, 4), 32: _T(128, 128, 8), 16: _T(128, 64, 4)},
         "fwd_decode": {256: _T(16, 16, 1), 128: _T(16, 32, 1), 96: _T(16, 32, 1), 80: _T(16, 32, 1),
                        64: _T(16, 64, 1), 32: _T(16, 64, 1), 16: _T(16, 64, 1)},
         "bwd_dq": {256: _T(64, 16, 4), 128: _T(128, 64, 8), 96: _T(128, 64, 8), 80: _T(128, 64, 8),
@@ -772,14 +778,10 @@ TF32_TABLE: dict[tuple[int, int], dict[str, dict[int, object]]] = {
 #: mirror is on (:func:`apply_kernel_macros`, which tests/conftest.py's ``PW_TEST_MACROS`` and
 #: the probes call), these replace TABLE's for dense 16-bit variants, so that the GPU suite
 #: runs the macro's kernels at the shapes they are staged for before the macro becomes the
-#: default (then the entry moves into TABLE). Same layout as TABLE. PW_FWD_Q_ROTATE's entry
-#: (sm_90 fwd D = 128, 128x64x4) moved into TABLE when that macro became the default
-#: (2026-12-05). Staged now: PW_FWD_ONE_K_D64's sm_90 D = 64 forward at FlashAttention-2's
-#: tile, 128x128x4 (one key slot, 110592 bytes, two blocks per SM; built offline without
-#: spills, not yet timed: bench/NOTES.md, thirty-fourth section).
-MACRO_TABLE: dict[str, dict[tuple[int, int], dict[str, dict[int, object]]]] = {
-    "FWD_ONE_K_D64": {(9, 0): {"fwd": {64: _T(128, 128, 4)}}},
-}
+#: default (then the entry moves into TABLE). Same layout as TABLE. It holds nothing now:
+#: PW_FWD_Q_ROTATE's entry (sm_90 fwd D = 128, 128x64x4) and PW_FWD_ONE_K_D64's (sm_90 fwd
+#: D = 64, 128x128x4) moved into TABLE when those macros became the default (2026-12-05).
+MACRO_TABLE: dict[str, dict[tuple[int, int], dict[str, dict[int, object]]]] = {}
 
 del _T, _SM86_89_TF32, _PACKED_FUSED_SM8X
 

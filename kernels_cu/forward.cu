@@ -129,7 +129,7 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   constexpr int DS = D * Elem<T>::width;   // a row in 16-bit units (common.cuh, Elem)
-  constexpr bool ONE_K = fwd_one_key_slot(Elem<T>::width, D, BM, WARPS);
+  constexpr bool ONE_K = fwd_one_key_slot(Elem<T>::width, D, BM, BN, WARPS);
   using L = FwdTraits<DS, BM, BN, WARPS, ONE_K>;  // shared-memory layout, warp split (traits.cuh)
   constexpr int MW = L::MW;                // 16-row blocks per warp (1 or 2, checked there)
   constexpr int THREADS = L::threads;

@@ -86,16 +86,18 @@ struct FwdTraits : TileTraitsBase<D, BM, WARPS> {
 // and dropping the second key slot takes 128x32x4 from 122 KB to 104 KB, so two blocks share
 // an SM (255 registers per thread still allow two 4-warp blocks): 1.12-1.21x the forward
 // of the 128x64x8 table entry before on an H200 (bench/results/2026-12-04-h200-fwd-one-key-slot).
-// PW_FWD_ONE_K_D64=1 (staged, 0 by default; host mirror capability.FWD_ONE_K_D64): D = 64
-// too, so that FlashAttention-2's D = 64 forward tile, 128x128x4, fits two blocks per SM
-// (110592 bytes against 147456 with two key slots); with it the table's 128x64x4 also takes
-// one slot and, BM being 2 x BN there, the rotating slots (55296 bytes). Built offline only
-// (2026-12-05: both tiles without spills, tests/test_build_check_cpu.py).
+// PW_FWD_ONE_K_D64 (1, the default since 2026-12-05; host mirror capability.FWD_ONE_K_D64;
+// 0 builds the earlier two-slot layout): D = 64 at BN = 128 too, FlashAttention-2's D = 64
+// forward tile 128x128x4, which then needs 110592 bytes (two blocks per SM; 147456 and one
+// with two key slots, where the merged body also spills 164 bytes). On an H100 it ran
+// 1.07-1.12x the 128x64x4 entry before it (scripts/mma_fwd_probe.py, bf16 and fp16, causal
+// and not, L 2048 and 8192, 24/24 reference checks; bench/NOTES.md, thirty-fourth section).
+// Other D = 64 tiles keep two slots (at 128x64x4 one slot timed 0.97-1.06x: not taken).
 #ifndef PW_FWD_ONE_K_D64
-#define PW_FWD_ONE_K_D64 0
+#define PW_FWD_ONE_K_D64 1
 #endif
-__host__ __device__ constexpr bool fwd_one_key_slot(int width, int D, int BM, int WARPS) {
-  return width == 1 && (D >= 128 || (PW_FWD_ONE_K_D64 && D == 64)) &&
+__host__ __device__ constexpr bool fwd_one_key_slot(int width, int D, int BM, int BN, int WARPS) {
+  return width == 1 && (D >= 128 || (PW_FWD_ONE_K_D64 && D == 64 && BN == 128)) &&
          BM == 2 * PW_MMA_ROWS * WARPS;
 }
 // PW_FWD_Q_ROTATE (1, the default since 2026-12-05; 0 builds the earlier four-slot layout,
@@ -119,7 +121,7 @@ __host__ __device__ constexpr bool fwd_one_key_slot(int width, int D, int BM, in
 #define PW_FWD_Q_ROTATE 1
 #endif
 __host__ __device__ constexpr bool fwd_q_rotate(int width, int D, int BM, int BN, int WARPS) {
-  return PW_FWD_Q_ROTATE && fwd_one_key_slot(width, D, BM, WARPS) && BM == 2 * BN;
+  return PW_FWD_Q_ROTATE && fwd_one_key_slot(width, D, BM, BN, WARPS) && BM == 2 * BN;
 }
 
 // The rotating-slot forward's key-tile phases (forward.cu, PW_FWD_Q_ROTATE) for the query

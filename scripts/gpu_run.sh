@@ -55,13 +55,12 @@
 # ncu_fwd (not in all): Nsight Compute on the mma.sync forward (pw_forward) beside SDPA flash's
 # forward on the same shape, D = 128 L 2048 causal and not (where the forward's ratio to flash
 # drops from 0.96-1.0x at L 8192-16384 to 0.83-0.92x), logs in logs/ncu_fwd*.txt.
-# fwd_d64 (not in all): the staged D = 64 one-key-slot forward (-DPW_FWD_ONE_K_D64=1,
-# kernels_cu/traits.cuh; FlashAttention-2's tile 128x128x4 at two blocks per SM, and the
-# table's 128x64x4 then in rotating slots) against the default build at the table's tile and
-# at 64x64x4, 128x32x4, 64x128x4, 128x128x4 (scripts/mma_fwd_probe.py with its reference
-# checks and a control build, bf16 and fp16, L 2048 and 8192), about 4-5 minutes, logs in
-# logs/fwd_d64.txt. Its suite: PW_TEST_MACROS="PW_FWD_ONE_K_D64=1" with the tests step
-# (capability.MACRO_TABLE then selects 128x128x4).
+# fwd_d64 (not in all): the D = 64 forward's earlier two-slot layout (-DPW_FWD_ONE_K_D64=0,
+# kernels_cu/traits.cuh; the default, 1 since 2026-12-05, keeps one key slot at 128-key tiles so
+# that 128x128x4, TABLE's sm_90 entry, fits two blocks per SM) against the default at
+# 128x128x4 and at 128x64x4, the entry before (scripts/mma_fwd_probe.py with its reference
+# checks and a control build, bf16 and fp16, L 2048 and 8192), about 4 minutes, logs in
+# logs/fwd_d64.txt (first run: bench/results/2026-12-05-h200-mma-table/fwd_d64_h100.txt).
 # mma_bench (not in all): issue 15's SPEC-format table, piecewise_mma beside sdpa_flash,
 # sdpa_cudnn, flex_composite and flag_attn (carry .baselines for it: bench/README.md), about
 # 8-9 minutes, results in OUTDIR/mma_bench.
@@ -279,8 +278,8 @@ if asked ncu_fwd; then
   done
 fi
 if asked fwd_d64; then
-  timeout 420 python3 scripts/mma_fwd_probe.py --variants "PW_FWD_ONE_K_D64=1" \
-    --tiles "64:128x64x4,64x64x4,128x32x4,64x128x4,128x128x4" --lengths 2048,8192 \
+  timeout 420 python3 scripts/mma_fwd_probe.py --variants "PW_FWD_ONE_K_D64=0" \
+    --tiles "64:128x128x4,128x64x4" --lengths 2048,8192 \
     --dtypes bf16,fp16 --rounds 2 --control --out "$logs/fwd_d64.txt" > "$logs/fwd_d64.log" 2>&1
   rc=$?; echo "fwd_d64 probe: exit $rc"; tail -24 "$logs/fwd_d64.log"
   status=$((status | rc))

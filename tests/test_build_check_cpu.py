@@ -402,16 +402,16 @@ def test_grid_backward_division_forms_build_without_spills(nvrtc, monkeypatch, g
 
 @pytest.mark.parametrize("reload", [0, 1])
 def test_one_key_d64_forward_builds_without_spills(nvrtc, monkeypatch, reload):
-    """The staged D = 64 one-key-slot forward (-DPW_FWD_ONE_K_D64=1, kernels_cu/traits.cuh),
-    plain and with -DPW_LOAD_TID_RELOAD=1 (common.cuh load_rows), builds the sm_90 tiles
-    its A/B run times without spills: FlashAttention-2's D = 64 tile 128x128x4 (255
-    registers) and the table's 128x64x4 (then in rotating slots), bf16 and fp16, causal and
-    not. (With two key slots 128x128x4 spills 164 bytes non-causal: the merged body holds
+    """The D = 64 one-key-slot forward (PW_FWD_ONE_K_D64, the default: 128-key tiles),
+    plain and with the staged -DPW_LOAD_TID_RELOAD=1 (common.cuh load_rows), builds
+    FlashAttention-2's D = 64 tile 128x128x4 (TABLE's sm_90 entry, 255 registers) and the
+    two-slot 128x64x4 (the sm_80/86/89 entry) without spills on sm_90, bf16 and fp16, causal
+    and not. (With two key slots 128x128x4 spills 164 bytes non-causal: the merged body holds
     both products' scores; NVRTC 13.5, 2026-12-05.)"""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
-    extra = ("-DPW_FWD_ONE_K_D64=1",) + (("-DPW_LOAD_TID_RELOAD=1",) if reload else ())
+    extra = ("-DPW_LOAD_TID_RELOAD=1",) if reload else ()
     monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + extra)
     vs = [Variant("fwd", dt, 64, capability.TileConfig(128, bn, 4), c)
           for dt in ("bfloat16", "float16") for bn in (64, 128) for c in (False, True)]

@@ -95,7 +95,7 @@ def test_shared_bytes_formula():
 def test_table_lookups_and_refinement():
     # sm_90 entries come from bench/tiles.py measurements; others from ptxas budgets.
     assert lookup((9, 0), "fwd", 128, "bfloat16", False) == TileConfig(128, 64, 4)
-    assert lookup((9, 0), "fwd", 64, "float16", True) == TileConfig(128, 64, 4)
+    assert lookup((9, 0), "fwd", 64, "float16", True) == TileConfig(128, 128, 4)
     # refinement by causal
     assert lookup((9, 0), "bwd_dkv", 64, "float16", True) == TileConfig(32, 128, 4)
     assert lookup((9, 0), "bwd_dkv", 64, "float16", False) == TileConfig(64, 64, 4)
@@ -114,7 +114,7 @@ def test_macro_table_entries_follow_their_mirror(monkeypatch):
     (PW_TEST_MACROS runs the GPU suite that way); checked here on an entry put in for the
     test."""
     assert cap.FWD_Q_ROTATE and cap._MIRROR_DEFAULTS == {"FWD_Q_ROTATE": True,
-                                                         "FWD_ONE_K_D64": False,
+                                                         "FWD_ONE_K_D64": True,
                                                          "KV90_ROT_STAGE": False}
     for dtype in DTYPES:
         got = lookup((9, 0), "fwd", 128, dtype, False)
@@ -150,9 +150,10 @@ def test_macro_table_entries_follow_their_mirror(monkeypatch):
 
 
 def test_macro_table_is_well_formed(monkeypatch):
-    """Every entry capability.MACRO_TABLE stages (today PW_FWD_ONE_K_D64's sm_90 D = 64
-    forward, 128x128x4) is keyed by a host mirror of a kernel macro, for listed architectures
-    and phases, and is a valid tile configuration there with its mirror on."""
+    """Every entry capability.MACRO_TABLE stages (none today: PW_FWD_Q_ROTATE's and
+    PW_FWD_ONE_K_D64's entries moved into TABLE as they became the default) is keyed by a
+    host mirror of a kernel macro, for listed architectures and phases, and is a valid tile
+    configuration there with its mirror on."""
     for mirror, rows in cap.MACRO_TABLE.items():
         assert hasattr(cap, mirror) and mirror in cap._MACRO_MIRRORS.values(), mirror
         assert set(rows) <= set(LISTED_ARCHS), (mirror, sorted(rows))

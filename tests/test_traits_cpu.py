@@ -45,7 +45,8 @@ def _checks(cc) -> dict[str, dict[tuple[str, int], list[str]]]:
         # with capability.fwd_one_key_slot fails the size check
         # (and its three rotating slots by fwd_q_rotate, PW_FWD_Q_ROTATE on by default:
         # FwdLayoutBytes)
-        one_k = (f", fwd_one_key_slot({width}, {head_dim}, {t.block_m}, {t.num_warps}), "
+        one_k = (f", fwd_one_key_slot({width}, {head_dim}, {t.block_m}, {t.block_n}, "
+                 f"{t.num_warps}), "
                  f"fwd_q_rotate({width}, {head_dim}, {t.block_m}, {t.block_n}, {t.num_warps})")
         stages = {"kvcache": f", {t.stages}, 2", "kvdecode": f", {t.stages}, 1",
                   "bwd_fused": ", true", "fwd": one_k, "fwd_decode": one_k}.get(phase, "")
@@ -378,7 +379,7 @@ def test_q_rotate_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
                + f"\nstatic_assert({rule}fwd_q_rotate(1, 128, 128, 64, 4)"
                  " && !fwd_q_rotate(1, 128, 128, 32, 4) && !fwd_q_rotate(2, 128, 128, 64, 4),"
                  " \"rule\");"
-               + "\nstatic_assert(FwdLayoutBytes<128, 128, 64, 4, fwd_one_key_slot(1, 128, 128, 4),"
+               + "\nstatic_assert(FwdLayoutBytes<128, 128, 64, 4, fwd_one_key_slot(1, 128, 128, 64, 4),"
                  f" fwd_q_rotate(1, 128, 128, 64, 4)>::smem_bytes == {figure},"
                  " \"FwdLayoutBytes != capability.shared_bytes\");")
         _compile_front(nvrtc, src)
@@ -387,39 +388,40 @@ def test_q_rotate_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
 
 
 def test_one_key_slot_d64_build_and_its_host_mirror_agree(nvrtc, monkeypatch):
-    """PW_FWD_ONE_K_D64=1 (staged, kernels_cu/traits.cuh; off by default): the one-key-slot
-    forward at D = 64 too, with capability.FWD_ONE_K_D64 as its host mirror, so that
-    FlashAttention-2's D = 64 tile, 128x128x4, needs 110592 bytes (two blocks per sm_90 SM)
-    instead of 147456, and the table's 128x64x4 takes the rotating slots (55296 bytes).
-    Unset, nothing at D = 64 changes; D = 128 is one-key either way. Kernel and host rules
-    and sizes are checked both ways."""
+    """PW_FWD_ONE_K_D64 (kernels_cu/traits.cuh; 1, the default since 2026-12-05): the
+    one-key-slot forward at D = 64 with 128-key tiles, capability.FWD_ONE_K_D64 its host
+    mirror, so that FlashAttention-2's D = 64 tile, 128x128x4 (TABLE's sm_90 entry), needs
+    110592 bytes (two blocks per SM) instead of 147456; other D = 64 tiles (the 128x64x4 entry
+    of sm_80/86/89) keep two slots. With -DPW_FWD_ONE_K_D64=0 apply_kernel_macros turns the
+    mirror off and 128x128x4 keeps two slots. Kernel and host rules and sizes are checked
+    both ways (the macro unset, the default, and set to 0)."""
     big, table = capability.TileConfig(128, 128, 4, 2), capability.TileConfig(128, 64, 4, 2)
-    assert capability._MIRROR_DEFAULTS["FWD_ONE_K_D64"] is False
+    assert capability._MIRROR_DEFAULTS["FWD_ONE_K_D64"] is True
+    assert capability.TABLE[(9, 0)]["fwd"][64] == capability.TileConfig(128, 128, 4)
     monkeypatch.setattr(capability, "FWD_Q_ROTATE", True)
-    monkeypatch.setattr(capability, "FWD_ONE_K_D64", False)
-    off = (capability.shared_bytes("fwd", 64, big), capability.shared_bytes("fwd", 64, table))
-    assert off == ((2 * 128 + 3 * 2 * 128) * 144, (2 * 128 + 3 * 2 * 64) * 144) == (147456, 92160)
-    assert not capability.fwd_one_key_slot(64, big)
-    d128 = capability.shared_bytes("fwd", 128, table)
-    capability.apply_kernel_macros(["PW_FWD_ONE_K_D64=1"])
-    assert capability.FWD_ONE_K_D64 and capability.fwd_one_key_slot(64, big)
-    assert not capability.fwd_one_key_slot(64, big, elem_bytes=4)  # float32: two slots
-    assert not capability.fwd_one_key_slot(64, capability.TileConfig(64, 64, 4, 2))  # 16 rows
+    monkeypatch.setattr(capability, "FWD_ONE_K_D64", True)  # the default, whatever PW_TEST_MACROS set
     on = (capability.shared_bytes("fwd", 64, big), capability.shared_bytes("fwd", 64, table))
-    assert on == ((2 * 128 + 2 * 2 * 128) * 144, 3 * 128 * 144) == (110592, 55296)
-    assert 2 * (on[0] + 1024) <= 233472 < 2 * (off[0] + 1024)  # two blocks per SM with it
-    assert capability.fwd_q_rotate(64, table) and not capability.fwd_q_rotate(64, big)
-    assert capability.shared_bytes("fwd", 128, table) == d128
-    assert capability.check_config("fwd", 64, big, (9, 0)) == []
+    assert on == ((2 * 128 + 2 * 2 * 128) * 144, (2 * 128 + 3 * 2 * 64) * 144) == (110592, 92160)
+    assert capability.fwd_one_key_slot(64, big) and not capability.fwd_one_key_slot(64, table)
+    assert not capability.fwd_one_key_slot(64, big, elem_bytes=4)  # float32: two slots
+    assert not capability.fwd_q_rotate(64, big) and not capability.fwd_q_rotate(64, table)
+    d128 = capability.shared_bytes("fwd", 128, table)
     capability.apply_kernel_macros(["PW_FWD_ONE_K_D64=0"])
-    assert not capability.FWD_ONE_K_D64
-    for define, sizes, rule in (("", off, "!"), ("#define PW_FWD_ONE_K_D64 1\n", on, "")):
+    assert not capability.FWD_ONE_K_D64 and not capability.fwd_one_key_slot(64, big)
+    off = (capability.shared_bytes("fwd", 64, big), capability.shared_bytes("fwd", 64, table))
+    assert off == ((2 * 128 + 3 * 2 * 128) * 144, on[1]) == (147456, 92160)
+    assert 2 * (on[0] + 1024) <= 233472 < 2 * (off[0] + 1024)  # two blocks per SM with it
+    assert capability.shared_bytes("fwd", 128, table) == d128
+    capability.apply_kernel_macros(["PW_FWD_ONE_K_D64=1"])
+    assert capability.FWD_ONE_K_D64 and capability.check_config("fwd", 64, big, (9, 0)) == []
+    for define, sizes, rule in (("", on, ""), ("#define PW_FWD_ONE_K_D64 0\n", off, "!")):
         src = define + source("forward.cu") + (
-            f"\nstatic_assert({rule}fwd_one_key_slot(1, 64, 128, 4) && fwd_one_key_slot(1, 128, 128, 4)"
-            " && !fwd_one_key_slot(2, 64, 128, 4), \"rule\");"
-            f"\nstatic_assert(FwdLayoutBytes<64, 128, 128, 4, fwd_one_key_slot(1, 64, 128, 4),"
+            f"\nstatic_assert({rule}fwd_one_key_slot(1, 64, 128, 128, 4)"
+            " && !fwd_one_key_slot(1, 64, 128, 64, 4) && fwd_one_key_slot(1, 128, 128, 64, 4)"
+            " && !fwd_one_key_slot(2, 64, 128, 128, 4), \"rule\");"
+            f"\nstatic_assert(FwdLayoutBytes<64, 128, 128, 4, fwd_one_key_slot(1, 64, 128, 128, 4),"
             f" fwd_q_rotate(1, 64, 128, 128, 4)>::smem_bytes == {sizes[0]}, \"128x128x4\");"
-            f"\nstatic_assert(FwdLayoutBytes<64, 128, 64, 4, fwd_one_key_slot(1, 64, 128, 4),"
+            f"\nstatic_assert(FwdLayoutBytes<64, 128, 64, 4, fwd_one_key_slot(1, 64, 128, 64, 4),"
             f" fwd_q_rotate(1, 64, 128, 64, 4)>::smem_bytes == {sizes[1]}, \"128x64x4\");")
         _compile_front(nvrtc, src)
 
