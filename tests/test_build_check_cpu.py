@@ -254,7 +254,10 @@ def test_raw_max_forward_ab_builds_compile(nvrtc, monkeypatch, raw):
     scores inside the exponential's fma in the visits body, and is the build check's):
     0 (scores scaled in the score tile everywhere, the default until 2026-12-04) and 1 (the fma
     form in both loop bodies) build the sm_90 row's dense forward in every dtype at D = 64
-    and 128, causal and not (both bodies, float32 included), without spills."""
+    and 128, causal and not (both bodies, float32 included), without spills, except form 0
+    at the D = 64 entry since 2026-12-05, 128x128x4 with one key slot: 24 bytes of spill
+    stores there (12 of loads, NVRTC 13.5), so an A/B run of form 0 at D = 64 times a
+    spilling build (bench/NOTES.md, thirty-fourth section)."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
@@ -266,6 +269,10 @@ def test_raw_max_forward_ab_builds_compile(nvrtc, monkeypatch, raw):
     assert {v.causal for v in vs} == {False, True} and len({v.dtype for v in vs}) == 3
     for r in compile_offline(SM90, vs):
         assert r.ok and r.registers, (r.variant, r.log)
+        v = r.variant
+        if raw == 0 and v.head_dim == 64 and v.dtype != "float32" and v.tiles.block_n == 128:
+            assert r.spill_stores <= 24, (v, r.log)  # the one-key 128x128x4 entry (docstring)
+            continue
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
