@@ -257,9 +257,8 @@ PW_DEVICE void kv_rot_apply(AtRow at, int c, const float4 (&c4)[2], const float4
 // n = n0 + r is rotated at position n / group_of(n); group_of(n) = 0 leaves it as it is, and
 // so do rows at n >= L (past the sequence: their scores are masked). UNROLL: work items per
 // lane in flight (1 or 2). The caller syncs the warp before other lanes read the rows.
-template <typename T, int D, int ROT, int UNROLL, class At, class GroupOf>
-PW_DEVICE void kv_rotate_rows(At at, int n0, int L, const KVParams& p, int lane,
-                              GroupOf group_of) {
+template <typename T, int D, int ROT, int UNROLL, class At, class GroupOf, class Load>
+PW_DEVICE void kv_rotate_rows_from(At at, int n0, int L, int lane, GroupOf group_of, Load load) {
   constexpr int PER_ROW = KvRotItem<D>::PER_ROW;
   // UNROLL items in flight per lane. Fully unrolled, ptxas hoisted every table load and
   // took 160 registers in pw90_kvdecode at D = 128 (128 without the rotation); pw_kvcache
@@ -271,9 +270,16 @@ PW_DEVICE void kv_rotate_rows(At at, int n0, int L, const KVParams& p, int lane,
     const int g = n < L ? group_of(n) : 0;
     if (g == 0) continue;
     float4 cs[2], sn[2];
-    kv_rot_load<D>(p, n / g, c, cs, sn);
+    load(n / g, c, cs, sn);
     kv_rot_apply<T, D, ROT>([&](int gg) { return at(r, gg); }, c, cs, sn);
   }
+}
+template <typename T, int D, int ROT, int UNROLL, class At, class GroupOf>
+PW_DEVICE void kv_rotate_rows(At at, int n0, int L, const KVParams& p, int lane,
+                              GroupOf group_of) {
+  kv_rotate_rows_from<T, D, ROT, UNROLL>(
+      at, n0, L, lane, group_of,
+      [&](int pos, int c, float4(&cs)[2], float4(&sn)[2]) { kv_rot_load<D>(p, pos, c, cs, sn); });
 }
 
 // kv_rotate_rows with the table rows already in shared memory (the Hopper decode's staged
@@ -282,18 +288,15 @@ PW_DEVICE void kv_rotate_rows(At at, int n0, int L, const KVParams& p, int lane,
 template <typename T, int D, int ROT, class At>
 PW_DEVICE void kv_rotate_rows_staged(At at, int n0, int L, int g, const float* tcos,
                                      const float* tsin, int lane) {
-  constexpr int PER_ROW = KvRotItem<D>::PER_ROW;
   const int first = n0 / g;
-#pragma unroll 2
-  for (int i = lane; i < 16 * PER_ROW; i += 32) {  // 16 rows: one warp's keys
-    const int r = i / PER_ROW, c = i % PER_ROW, n = n0 + r;
-    if (n >= L) continue;
-    const int off = (n / g - first) * (D / 2) + c * 8;
-    const float4* cp = reinterpret_cast<const float4*>(tcos + off);
-    const float4* sp = reinterpret_cast<const float4*>(tsin + off);
-    const float4 cs[2] = {cp[0], cp[1]}, sn[2] = {sp[0], sp[1]};
-    kv_rot_apply<T, D, ROT>([&](int gg) { return at(r, gg); }, c, cs, sn);
-  }
+  kv_rotate_rows_from<T, D, ROT, 2>(
+      at, n0, L, lane, [&](int) { return g; },
+      [&](int pos, int c, float4(&cs)[2], float4(&sn)[2]) {
+        const int off = (pos - first) * (D / 2) + c * 8;
+        const float4* cp = reinterpret_cast<const float4*>(tcos + off);
+        const float4* sp = reinterpret_cast<const float4*>(tsin + off);
+        cs[0] = cp[0], cs[1] = cp[1], sn[0] = sp[0], sn[1] = sp[1];
+      });
 }
 
 // The table entries of one warp's 16 rows held in registers, so that they can be loaded a
