@@ -379,16 +379,18 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
 // wait for one another (the loop it replaced waited on one L2 round trip per split, twice).
 // Loads bypass L1 (ld.global.cg): nothing is reused from it. pw_forward_combine's warps call
 // this, one row each.
-// PW_COMBINE_PREFETCH=1 (staged; 0, the default, keeps every entry's PTX): with at most
-// PW_COMBINE_PREFETCH_SPLITS splits (8: the Hopper decode merges up to 4 in a cluster and
-// sends 5 to 8 here) a row's lse and all its partial outputs are loaded at once, before the
-// max is known, so the merge waits on one round trip to memory instead of three (lse for
-// the max, lse again, then the outputs). The merge is on the critical path of every split
-// decode step after the last split's block ends: about 10 us of decode at D = 64, B·H = 32,
-// N = 4096, where the row with the cluster merge (D = 128) is 1.0x cuDNN and this one
-// 0.96-0.98x (bench/results/2026-12-03-h200-kvdecode-pdl). Not yet run on a GPU.
+// PW_COMBINE_PREFETCH=1 (the default since 2026-12-05; 0 builds the earlier form for A/B):
+// with at most PW_COMBINE_PREFETCH_SPLITS splits (8: the Hopper decode merges up to 4 in a
+// cluster and sends 5 to 8 here) a row's lse and all its partial outputs are loaded at
+// once, before the max is known, so the merge waits on one round trip to memory instead of
+// three (lse for the max, lse again, then the outputs). The merge is on the critical path
+// of every split decode step after the last split's block ends. Same summation order as
+// the loop below (terms j >= nsplit add 0 * 0), so the bits are the same. Measured (H100,
+// scripts/kvdecode_probe.py, bench/results/2026-12-05-h100-combine-prefetch): D = 64,
+// B·H = 32, N = 4096 (8 splits, this merge) 0.948x -> 1.035x cuDNN; the other split rows
+// +0.2-1%, the unsplit rows unchanged.
 #ifndef PW_COMBINE_PREFETCH
-#define PW_COMBINE_PREFETCH 0
+#define PW_COMBINE_PREFETCH 1
 #endif
 #ifndef PW_COMBINE_PREFETCH_SPLITS
 #define PW_COMBINE_PREFETCH_SPLITS 8

@@ -12,8 +12,9 @@
 # their sanitizer cases (SANITIZE_SKIP leaves the rest out), and the decode bench's quick
 # shapes with --rotary; about 5-6 min.
 # kvprobe (not in all): scripts/kvdecode_probe.py, the Hopper decode's A/B probe, configs from
-# KVPROBE_CONFIGS (default "base;PW_COMBINE_PREFETCH=1;m=16;m=128;c=8": the staged split merge
-# and split counts, bench/NOTES.md thirty-fourth section), about 1-2 minutes per macro set.
+# KVPROBE_CONFIGS (default "base;PW_COMBINE_PREFETCH=0;m=16;m=128": the split merge's earlier
+# form, bench/results/2026-12-05-h100-combine-prefetch, and split counts), about 1-2 minutes
+# per macro set.
 # kvrot (not in all): the staged rotary decode with its table rows in shared memory
 # (-DKV90_ROT_STAGE=1, kernels_cu/sm90/kvdecode.cu): its GPU tests first
 # (PW_TEST_MACROS, tests/test_kvcache_rotary_gpu.py), then scripts/kvdecode_probe.py with
@@ -287,7 +288,7 @@ fi
 if asked kvprobe; then
   # the Hopper decode's A/B probe: KVPROBE_CONFIGS (';'-separated, scripts/kvdecode_probe.py)
   timeout 420 python3 scripts/kvdecode_probe.py --rounds 3 \
-    --configs "${KVPROBE_CONFIGS:-base;PW_COMBINE_PREFETCH=1;m=16;m=128;c=8}" --out "$logs/kvdecode_probe.txt" \
+    --configs "${KVPROBE_CONFIGS:-base;PW_COMBINE_PREFETCH=0;m=16;m=128}" --out "$logs/kvdecode_probe.txt" \
     > "$logs/kvdecode_probe.log" 2>&1
   rc=$?; echo "kvdecode_probe: exit $rc"; tail -16 "$logs/kvdecode_probe.log"
   status=$((status | rc))

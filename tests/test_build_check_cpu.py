@@ -427,16 +427,19 @@ def test_one_key_d64_forward_builds_without_spills(nvrtc, monkeypatch, reload):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-def test_combine_prefetch_builds_without_spills(nvrtc, monkeypatch):
-    """The staged split merge with its loads issued together (-DPW_COMBINE_PREFETCH=1,
-    kernels_cu/forward.cu merge_split_row: up to 8 splits' lse and partial rows in
-    registers before the max) builds on every listed architecture, every head dim and
-    dtype, without spills (at most 128 registers at D = 256 on sm_90, NVRTC 13.5)."""
+@pytest.mark.parametrize("prefetch", (0, 1))
+def test_combine_prefetch_builds_without_spills(nvrtc, monkeypatch, prefetch):
+    """The split merge with its loads issued together (kernels_cu/forward.cu merge_split_row,
+    PW_COMBINE_PREFETCH=1, the default since 2026-12-05: up to 8 splits' lse and partial
+    rows in registers before the max) and its earlier form (=0, the A/B build of
+    scripts/bitwise_ab.py --decode and scripts/kvdecode_probe.py) build on every listed
+    architecture, every head dim and dtype, without spills (at most 128 registers at
+    D = 256 on sm_90, NVRTC 13.5)."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
-    monkeypatch.setattr(comp, "arch_options",
-                        lambda cc, hopper=False: base(cc, hopper) + ("-DPW_COMBINE_PREFETCH=1",))
+    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
+        f"-DPW_COMBINE_PREFETCH={prefetch}",))
     vs = [Variant("fwd_combine", dt, d, None, False)
           for dt in ("bfloat16", "float16", "float32") for d in (16, 32, 64, 80, 96, 128, 256)]
     for cc in capability.LISTED_ARCHS:
