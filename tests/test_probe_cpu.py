@@ -5,7 +5,7 @@ spread, ratios to cuDNN; the tile figures it derives from the -D options of a va
 scripts/mma_fwd_probe.py's tile argument and A/B table, scripts/mma_bwd_probe.py's table,
 scripts/mma_bwd_ab.py's table and kernel-cache swap, scripts/fit_vote_model.py's replay of
 the float16 dS fit, scripts/hopper_bwd_ab.py's parsing and summary,
-scripts/kvdecode_probe.py's configs, table and knob settings, and
+scripts/kvdecode_probe.py's configs, table and knob settings, scripts/bitwise_ab.py's cases, and
 scripts/causal_schedule_model.py's makespans."""
 from __future__ import annotations
 
@@ -340,3 +340,34 @@ def test_profile_case_arguments():
                          capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
     assert "--peer" in out and "--decode" in out
+
+
+def test_kvdecode_probe_table_of_the_merge_prefetch_run():
+    """The split merge's A/B run (bench/results/2026-12-05-h100-combine-prefetch): the
+    table recomputed from its rows is the recorded text, and its figures are the ones the
+    results README and docs/performance.md quote (D = 64, B·H = 32, N = 4096: 0.948x ->
+    1.035x cuDNN)."""
+    import json
+
+    kvdecode_probe = pytest.importorskip("kvdecode_probe")
+    res = ROOT / "bench" / "results" / "2026-12-05-h100-combine-prefetch"
+    rows = json.loads((res / "kvdecode_probe.json").read_text())
+    want = [ln for ln in (res / "kvdecode_probe.txt").read_text().splitlines()
+            if not ln.startswith("round ")]
+    configs = ["base", "PW_COMBINE_PREFETCH=1", "c=8"]
+    assert kvdecode_probe.table(rows, configs, 3) == want
+    row = next(ln for ln in want if ln.startswith("| bfloat16 | 64 | 1 | 32/32 | 4096 |"))
+    assert "x0.948 s8c1" in row and "x1.035 s8c1" in row
+
+
+def test_bitwise_ab_decode_cases():
+    """scripts/bitwise_ab.py: --decode's cases are (D, dtype, M, N) with M in {1, 4}; the
+    dense cases keep (D, dtype, causal, L)."""
+    import argparse
+
+    bitwise_ab = pytest.importorskip("bitwise_ab")
+    a = argparse.Namespace(dims="64,128", dtypes="float16", lengths="4096", decode=True)
+    assert bitwise_ab.cases_of(a) == [(64, "float16", 1, 4096), (64, "float16", 4, 4096),
+                                      (128, "float16", 1, 4096), (128, "float16", 4, 4096)]
+    a.decode = False
+    assert bitwise_ab.cases_of(a)[:2] == [(64, "float16", False, 4096), (64, "float16", True, 4096)]
