@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd fwd_d64 kvprobe kvrot rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -56,6 +56,10 @@
 # ncu_fwd (not in all): Nsight Compute on the mma.sync forward (pw_forward) beside SDPA flash's
 # forward on the same shape, D = 128 L 2048 causal and not (where the forward's ratio to flash
 # drops from 0.96-1.0x at L 8192-16384 to 0.83-0.92x), logs in logs/ncu_fwd*.txt.
+# ncu_decode (not in all): Nsight Compute on the Hopper decode (pw90_kvdecode) beside SDPA
+# cuDNN's decode on the same shape (profile_case.py --decode --peer cudnn), bfloat16 D = 128
+# B = 8, N = 32768 (one split, DRAM-bound: 0.95-0.99x cuDNN) and B = 1 (8 splits), memory
+# sections; logs in logs/ncu_dec*.txt.
 # fwd_d64 (not in all): the D = 64 forward's earlier two-slot layout (-DPW_FWD_ONE_K_D64=0,
 # kernels_cu/traits.cuh; the default, 1 since 2026-12-05, keeps one key slot at 128-key tiles so
 # that 128x128x4, TABLE's sm_90 entry, fits two blocks per SM) against the default at
@@ -276,6 +280,23 @@ if asked ncu_fwd; then
       > "$logs/ncu_flash_$tag.txt" 2>&1
     rc=$?; echo "ncu flash $tag: exit $rc"; status=$((status | rc))
     grep -E "Duration|Executed Instructions  " "$logs/ncu_$tag.txt" "$logs/ncu_flash_$tag.txt" | head -8
+  done
+fi
+if asked ncu_decode; then
+  secs="--section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables
+    --section WarpStateStats --section Occupancy --section LaunchStats"
+  for B in 8 1; do
+    tag=dec128_32768_b$B
+    timeout 120 ncu --clock-control none -k "regex:^pw90_kvdecode$" --launch-skip 2 --launch-count 1 \
+      $secs python3 scripts/profile_case.py --decode --batch $B --L 32768 --D 128 --iters 4 \
+      > "$logs/ncu_$tag.txt" 2>&1
+    rc=$?; echo "ncu $tag: exit $rc"; status=$((status | rc))
+    timeout 120 ncu --clock-control none --launch-skip 2 --launch-count 2 $secs \
+      python3 scripts/profile_case.py --decode --batch $B --L 32768 --D 128 --iters 4 \
+      --peer cudnn > "$logs/ncu_cudnn_$tag.txt" 2>&1
+    rc=$?; echo "ncu cudnn $tag: exit $rc"; status=$((status | rc))
+    grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput" "$logs/ncu_$tag.txt" \
+      "$logs/ncu_cudnn_$tag.txt" | head -16
   done
 fi
 if asked fwd_d64; then

@@ -12,7 +12,9 @@ pw90_forward launches of this process.
 to profile the standard-attention peer beside ours.
 
 ``--decode`` instead runs attention_with_kvcache a few times: one new token against L
-cached keys per head (B = --batch, default 1; H = Hkv = 32), what the ncu step profiles for pw_kvcache.
+cached keys per head (B = --batch, default 1; H = Hkv = 32), what the ncu step profiles for pw_kvcache;
+with ``--peer cudnn`` (or ``flash``) it runs SDPA's decode on that shape instead (one query
+row, is_causal=False: every cached key), the peer of scripts/gpu_run.sh's ncu_decode step.
 """
 from __future__ import annotations
 
@@ -48,6 +50,16 @@ def main() -> None:
         caches = [torch.randn(B, 32, a.L, a.D, device="cuda", dtype=dt) for _ in range(3)]
         seq = torch.full((B,), a.L, dtype=torch.int32, device="cuda")
         w = int(a.L * a.w_frac)
+        if a.peer is not None:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            backend = {"flash": SDPBackend.FLASH_ATTENTION,
+                       "cudnn": SDPBackend.CUDNN_ATTENTION}[a.peer]
+            with sdpa_kernel(backend):
+                for _ in range(a.iters):
+                    torch.nn.functional.scaled_dot_product_attention(q1, caches[0], caches[2])
+            torch.cuda.synchronize()
+            print(f"done: SDPA {a.peer} decode B={B} H=32 L={a.L} D={a.D} {a.dtype}")
+            return
         if a.rotary is None:
             def step():
                 cupy_piecewise.attention_with_kvcache(q1, q2, *caches, w, cache_seqlens=seq)
