@@ -291,7 +291,8 @@ if asked ncu_decode; then
       $secs python3 scripts/profile_case.py --decode --batch $B --L 32768 --D 128 --iters 4 \
       > "$logs/ncu_$tag.txt" 2>&1
     rc=$?; echo "ncu $tag: exit $rc"; status=$((status | rc))
-    timeout 120 ncu --clock-control none --launch-skip 2 --launch-count 2 $secs \
+    timeout 120 ncu --clock-control none -k "regex:cudnn|sdpa|fmha|flash" --launch-skip 2 \
+      --launch-count 1 $secs \
       python3 scripts/profile_case.py --decode --batch $B --L 32768 --D 128 --iters 4 \
       --peer cudnn > "$logs/ncu_cudnn_$tag.txt" 2>&1
     rc=$?; echo "ncu cudnn $tag: exit $rc"; status=$((status | rc))
