@@ -59,7 +59,7 @@
 # ncu_decode (not in all): Nsight Compute on the Hopper decode (pw90_kvdecode) beside SDPA
 # cuDNN's decode on the same shape (profile_case.py --decode --peer cudnn), bfloat16 D = 128
 # B = 8, N = 32768 (one split, DRAM-bound: 0.95-0.99x cuDNN) and B = 1 (8 splits), memory
-# sections; logs in logs/ncu_dec*.txt.
+# sections (and source counters for ours: which loads go through L1); logs in logs/ncu_dec*.txt.
 # fwd_d64 (not in all): the D = 64 forward's earlier two-slot layout (-DPW_FWD_ONE_K_D64=0,
 # kernels_cu/traits.cuh; the default, 1 since 2026-12-05, keeps one key slot at 128-key tiles so
 # that 128x128x4, TABLE's sm_90 entry, fits two blocks per SM) against the default at
@@ -288,7 +288,7 @@ if asked ncu_decode; then
   for B in 8 1; do
     tag=dec128_32768_b$B
     timeout 120 ncu --clock-control none -k "regex:^pw90_kvdecode$" --launch-skip 2 --launch-count 1 \
-      $secs python3 scripts/profile_case.py --decode --batch $B --L 32768 --D 128 --iters 4 \
+      $secs --section SourceCounters python3 scripts/profile_case.py --decode --batch $B --L 32768 --D 128 --iters 4 \
       > "$logs/ncu_$tag.txt" 2>&1
     rc=$?; echo "ncu $tag: exit $rc"; status=$((status | rc))
     timeout 120 ncu --clock-control none -k "regex:cudnn|sdpa|fmha|flash" --launch-skip 2 \
