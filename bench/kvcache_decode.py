@@ -77,13 +77,15 @@ def copy_gbps() -> float:
 
 @contextlib.contextmanager
 def kernel_choice(path=None, stages=None, head_dim=None, min_tiles=None, max_cluster=None,
-                  pdl=None, pdl_decode=None, l2=None):
+                  pdl=None, pdl_decode=None, l2=None, rot_stage_unsplit=None):
     """Run the body with ``CUPY_PIECEWISE_PATH=path`` (``'mma'``: the cp.async decode kernel
     instead of the Hopper TMA one) and/or, for tuning comparisons, the Hopper decode's ring
     depth for ``head_dim`` set to ``stages``, its fewest key tiles per split to ``min_tiles``,
     its largest cluster of splits merged on chip to ``max_cluster``, its programmatic
     launches of the merge (``pdl``) and of the decode (``pdl_decode``) on or off, and the L2
-    promotion of the caches' tensor maps to ``l2`` bytes (0, 64, 128 or 256). Restores all
+    promotion of the caches' tensor maps to ``l2`` bytes (0, 64, 128 or 256), and the rotary
+    decode's staged-table form where it does not split (``rot_stage_unsplit``,
+    capability.KV90_ROT_STAGE_UNSPLIT) on or off. Restores all
     of it and drops the KV-cache plans built meanwhile (a plan keeps its kernel, split count
     and launch flags, and no tuning knob is in the plan's key)."""
     from cupy_piecewise import capability, kvcache_launch, tma
@@ -91,8 +93,10 @@ def kernel_choice(path=None, stages=None, head_dim=None, min_tiles=None, max_clu
     saved_env = os.environ.get(capability.PATH_VAR)
     saved = (dict(capability.KV90_TILES), dict(capability.KV90_MIN_TILES),
              capability.KV90_MAX_CLUSTER, capability.KV90_PDL, capability.KV90_PDL_DECODE,
-             tma._L2_PROMOTION_128B)
+             tma._L2_PROMOTION_128B, capability.KV90_ROT_STAGE_UNSPLIT)
     try:
+        if rot_stage_unsplit is not None:
+            capability.KV90_ROT_STAGE_UNSPLIT = bool(rot_stage_unsplit)
         if pdl is not None:
             capability.KV90_PDL = bool(pdl)
         if pdl_decode is not None:
@@ -123,7 +127,8 @@ def kernel_choice(path=None, stages=None, head_dim=None, min_tiles=None, max_clu
         capability.KV90_MIN_TILES.clear()
         capability.KV90_MIN_TILES.update(saved[1])
         capability.KV90_MAX_CLUSTER = saved[2]
-        capability.KV90_PDL, capability.KV90_PDL_DECODE, tma._L2_PROMOTION_128B = saved[3:]
+        (capability.KV90_PDL, capability.KV90_PDL_DECODE, tma._L2_PROMOTION_128B,
+         capability.KV90_ROT_STAGE_UNSPLIT) = saved[3:]
         kvcache_launch._plans._data.clear()
 
 

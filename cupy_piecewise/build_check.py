@@ -26,16 +26,19 @@ from .compile import (HOPPER_KERNELS, HOPPER_UNCAUSAL, HOPPER_VARLEN_PHASES, ROT
 def variants_for(cc, hopper: bool = False) -> list[Variant]:
     """Every kernel variant the table can select on ``cc``, plus the per-row kernels and the
     KV-cache kernels' rotary-inside forms; with ``hopper`` (``--arch sm_90a``) the wgmma +
-    TMA kernels instead (the TMA decode with its rotary forms too)."""
+    TMA kernels instead (the TMA decode with its rotary forms too, and their staged-table
+    forms at cluster 1, the only cluster kvcache_launch.staged_tables picks them for)."""
     if hopper:
         return [Variant(phase, dtype, d, capability.kv90_tiles(d) if phase == "kvdecode_sm90"
-                        else None, causal, varlen, cluster, rotary) for phase in HOPPER_KERNELS
+                        else None, causal, varlen, cluster, rotary, staged)
+                for phase in HOPPER_KERNELS
                 for dtype in capability.HALF_DTYPES for d in capability.hopper_head_dims(phase)
                 for causal in ((False,) if phase in HOPPER_UNCAUSAL else (False, True))
                 for varlen in ((False, True) if phase in HOPPER_VARLEN_PHASES else (False,))
                 for cluster in (capability.KV90_CLUSTERS if phase == "kvdecode_sm90" else (1,))
                 for rotary in ((0,) + tuple(ROTARY_LAYOUTS.values()) if phase == "kvdecode_sm90"
-                               else (0,))]
+                               else (0,))
+                for staged in ((False, True) if rotary and cluster == 1 else (False,))]
     out = set()
     for phase, head_dim, dtype, causal, tiles in capability.selectable_configs(cc):
         out.add(Variant(phase, dtype, head_dim, tiles, causal))

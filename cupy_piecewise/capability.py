@@ -251,17 +251,19 @@ def kv90_tiles(head_dim: int) -> TileConfig:
     return KV90_TILES[head_dim]
 
 
-def kv90_shared_bytes(head_dim: int, stages: int, rotary: bool = False) -> int:
+def kv90_shared_bytes(head_dim: int, stages: int, rotary: bool = False,
+                      staged: bool = False) -> int:
     """Dynamic shared memory of the Hopper decode (mirrors ``pw90kv::Smem<D, STAGES,
     TAB>::BYTES``; checked by tests/test_traits_cpu.py): per stage the K and V of 64 keys, as
     2 KB boxes of 16 rows x 64 columns; one more 16-key K chunk (the one that straddles
     d = w); a full and an empty mbarrier per stage (``stages`` of them: :data:`KV90_TILES`'
     ring depth, or a tuning run's); Q1 and Q2 (16 rows of ``head_dim + 8`` elements); 1 KB to
-    align the base to 1024 bytes. A ``rotary`` form with the staged :data:`KV90_ROT_STAGE`
-    (``TAB``) adds per stage and for the straddling chunk 16 rows of the cos and of the sin
-    table (float32, ``head_dim / 2`` each) per 16-key chunk."""
+    align the base to 1024 bytes. A ``rotary`` form with staged table rows (``TAB``: asked
+    for by ``staged``, or every rotary form under :data:`KV90_ROT_STAGE`) adds per stage and
+    for the straddling chunk 16 rows of the cos and of the sin table (float32,
+    ``head_dim / 2`` each) per 16-key chunk."""
     chunk = (head_dim // 64) * 16 * 128
-    tab = 2 * 16 * (head_dim // 2) * 4 if rotary and KV90_ROT_STAGE else 0
+    tab = 2 * 16 * (head_dim // 2) * 4 if rotary and (staged or KV90_ROT_STAGE) else 0
     return (stages * (8 * chunk + 4 * tab) + chunk + tab + 2 * stages * 8
             + 2 * 16 * (head_dim + 8) * 2 + 1024)
 
@@ -429,6 +431,16 @@ FWD_ONE_K_D64 = True
 #: off by default): the rotary forms' producer warp stages each chunk's cos and sin rows in
 #: shared memory (:func:`kv90_shared_bytes`). Only :func:`apply_kernel_macros` changes it.
 KV90_ROT_STAGE = False
+
+#: The Hopper rotary decode takes the staged-table form (the kernel's TAB = true, as
+#: :data:`KV90_ROT_STAGE` makes every rotary form) only for shapes where the default form
+#: would run one key split (B·Hkv alone fills the GPU); staged, off by default. Why only
+#: there: its ring (218672 bytes at D = 128) leaves one block per SM, so where the decode
+#: splits, :func:`kvcache_launch.split_count` halves the splits and the step runs 15-44%
+#: slower; where it does not split, the staged form ran +2-19% (H100,
+#: bench/results/2026-12-06-h100-mma-d64-decode-ncu). Read when a call signature is first
+#: planned, like the other KV90_* settings.
+KV90_ROT_STAGE_UNSPLIT = False
 
 #: kernel macro -> this module's mirror of it (the launch's shared-memory size depends on it)
 _MACRO_MIRRORS = {"PW_FWD_Q_ROTATE": "FWD_Q_ROTATE", "PW_FWD_ONE_K_D64": "FWD_ONE_K_D64",

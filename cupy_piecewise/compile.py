@@ -123,6 +123,9 @@ class Variant:
     #: kvcache/kvdecode: rotary embedding inside the kernel (ROTARY_LAYOUTS: 1 halves,
     #: 2 interleaved pairs; 0 none)
     rotary: int = 0
+    #: kvdecode_sm90's rotary forms: the producer warp stages the table rows (the kernel's
+    #: TAB = true, asked for by name); False leaves TAB at its default, -DKV90_ROT_STAGE's
+    rot_stage: bool = False
 
     @property
     def filename(self) -> str:
@@ -136,6 +139,10 @@ class Variant:
             # the rotary forms are a kernel of their own (their register cap, kvdecode.cu)
             name, rot = ((_TEMPLATE[self.phase] + "_rot", f", {self.rotary}") if self.rotary
                          else (_TEMPLATE[self.phase], ""))
+            if self.rot_stage:
+                if not self.rotary:
+                    raise ValueError("rot_stage: only the rotary forms stage table rows")
+                rot += ", true"
             return (f"{name}<{_ELEM[self.dtype]}, {self.head_dim}, {t.stages}, "
                     f"{self.cluster}, {t.num_warps}{rot}>")
         if self.phase in HOPPER_KERNELS:

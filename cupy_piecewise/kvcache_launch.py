@@ -29,7 +29,7 @@ from . import capability, launch
 from .compile import Variant
 from .core.memo import Memo
 
-__all__ = ["KV_FIELDS", "KVPlan", "plan", "split_count"]
+__all__ = ["KV_FIELDS", "KVPlan", "plan", "split_count", "staged_tables"]
 
 #: ``KVParams`` field by field (all 8 bytes; the last holds two float32).
 KV_FIELDS = tuple(f"{t}.{f}" for t in ("q1", "q2", "o") for f in ("ptr", "sb", "sh", "sr")) + \
@@ -113,6 +113,18 @@ def split_count(shape: KVShape, tiles, smem: int, sms: int, smem_per_sm: int,
     return max(1, min(want, most, MAX_SPLITS))
 
 
+def staged_tables(shape: KVShape, nsplit: int) -> bool:
+    """Whether the Hopper rotary decode of ``shape`` takes the staged-table form (the
+    kernel's TAB, asked for by name): with :data:`capability.KV90_ROT_STAGE_UNSPLIT`, for
+    the rotary forms whose default-form plan runs ``nsplit`` = 1 key split. The staged form's
+    larger ring would fit fewer blocks per SM, which lowers :func:`split_count` for that
+    shape no further than 1, so the split plan stays the one computed for the default form.
+    Under :data:`capability.KV90_ROT_STAGE` every rotary form is staged anyway (the
+    kernel's default)."""
+    return bool(shape.rotary) and capability.KV90_ROT_STAGE_UNSPLIT and nsplit == 1 and (
+        not capability.KV90_ROT_STAGE)
+
+
 class KVPlan:
     """The launches of one KV-cache call signature (:class:`KVShape`), prepared once;
     :meth:`run` writes the pointers and launches. Immutable: safe from several threads."""
@@ -136,11 +148,12 @@ class KVPlan:
             tiles = capability.kv90_tiles(s.D)
             smem90 = capability.kv90_shared_bytes(s.D, tiles.stages, bool(s.rotary))
             self.nsplit = split_count(s, tiles, smem90, sms, per_sm, capability.KV90_MIN_TILES[s.D])
+            staged = staged_tables(s, self.nsplit)
             # up to a cluster's worth of splits merge on chip, without pw_forward_combine
             if self.nsplit <= capability.KV90_MAX_CLUSTER:  # built for KV90_CLUSTERS
                 self.cluster = self.nsplit
             main = Variant("kvdecode_sm90", s.dtype, s.D, tiles, False, cluster=self.cluster,
-                           rotary=s.rotary)
+                           rotary=s.rotary, rot_stage=staged)
             fn, smem = launch._kernel(s.device, main)
             dims = (s.pages, s.Hkv, s.block_size or s.capacity, s.D)
             st = dict(s.strides)

@@ -150,7 +150,7 @@ def _kernel(device: int, variant: Variant) -> tuple[int, int]:
 
     if variant.phase == "kvdecode_sm90":  # its ring depth rides in the tiles
         smem = capability.kv90_shared_bytes(variant.head_dim, variant.tiles.stages,
-                                            bool(variant.rotary))
+                                            bool(variant.rotary), variant.rot_stage)
     elif variant.phase in HOPPER_KERNELS:
         smem = _HOPPER_SMEM.get(variant.phase, lambda d: 0)(variant.head_dim)
     else:

@@ -15,12 +15,12 @@
 # KVPROBE_CONFIGS (default "base;PW_COMBINE_PREFETCH=0;m=16;m=128": the split merge's earlier
 # form, bench/results/2026-12-05-h100-combine-prefetch, and split counts), about 1-2 minutes
 # per macro set.
-# kvrot (not in all): the staged rotary decode with its table rows in shared memory
-# (-DKV90_ROT_STAGE=1, kernels_cu/sm90/kvdecode.cu): its GPU tests first
-# (PW_TEST_MACROS, tests/test_kvcache_rotary_gpu.py), then scripts/kvdecode_probe.py with
-# ReRoPE (rot=1) and SelfExtend (rot=8) against the default forms, also at 3 stages (D = 64
-# at its default 6 stages then fits one block per SM); about 6-8 minutes, logs in
-# logs/kvrot_*.
+# kvrot (not in all): the staged rotary decode (table rows in shared memory: the kernel's TAB,
+# kernels_cu/sm90/kvdecode.cu; every rotary form with -DKV90_ROT_STAGE=1, or by name where the
+# decode does not split with capability.KV90_ROT_STAGE_UNSPLIT, the probe's rsu=1): its rotary
+# GPU tests and racecheck + synccheck on the rotary sanitizer cases under the macro, then
+# scripts/kvdecode_probe.py, ReRoPE (rot=1) and SelfExtend (rot=8) against rsu=1 (first run:
+# bench/results/2026-12-06-h100-mma-d64-decode-ncu/kvrot); about 5-7 minutes, logs in logs/kvrot_*.
 # mma_probes (not in all): the mma.sync backward against SDPA flash (scripts/mma_bwd_probe.py,
 # bfloat16 and float16), then the forward's earlier forms -DPW_FWD_RAW_MAX=0 and =1
 # (kernels_cu/forward.cu: the default, 2, scales raw scores inside the exponential's fma in
@@ -319,10 +319,19 @@ if asked kvrot; then
   PW_TEST_MACROS="KV90_ROT_STAGE=1" timeout 300 python3 -m pytest -q -ra -m gpu -p no:cacheprovider \
     tests/test_kvcache_rotary_gpu.py 2>&1 | tee "$logs/kvrot_pytest.log" | tail -6
   status=$((status | ${PIPESTATUS[0]}))
-  configs="rot=1;rot=8;rot=1 KV90_ROT_STAGE=1;rot=8 KV90_ROT_STAGE=1"
-  configs="$configs;rot=1 KV90_ROT_STAGE=1 s=3;rot=8 KV90_ROT_STAGE=1 s=3"
-  timeout 420 python3 scripts/kvdecode_probe.py --rounds 2 --configs "$configs" \
-    --out "$logs/kvrot_probe.txt" > "$logs/kvrot_probe.log" 2>&1
+  for tool in racecheck synccheck; do
+    PW_TEST_MACROS="KV90_ROT_STAGE=1" SANITIZE_SKIP=dense,kvcache,varlen,torch timeout 300 \
+      compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_cases.py \
+      > "$logs/kvrot_sanitize_$tool.log" 2>&1 &
+  done
+  for tool in racecheck synccheck; do wait -n; rc=$?; status=$((status | rc)); done
+  for tool in racecheck synccheck; do
+    echo "compute-sanitizer $tool (staged rotary):"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Traceback" "$logs/kvrot_sanitize_$tool.log" | tail -3
+  done
+  timeout 300 python3 scripts/kvdecode_probe.py --rounds 2 \
+    --configs "rot=1;rot=1 rsu=1;rot=8;rot=8 rsu=1" --out "$logs/kvrot_probe.txt" \
+    > "$logs/kvrot_probe.log" 2>&1
   rc=$?; echo "kvrot probe: exit $rc"; tail -16 "$logs/kvrot_probe.log"
   status=$((status | rc))
 fi

@@ -13,7 +13,8 @@ KV90_TILES), ``c=N`` (most splits merged in a cluster, KV90_MAX_CLUSTER) and ``m
 key tiles per split, KV90_MIN_TILES), the last three for the shape's head dim; ``rot=G``
 times attention_with_rotary_kvcache instead (one raw key cache, halves layout, k1 rotated at
 n, k2 at n // G; ``rot=1`` is ReRoPE's raw k2, ``rot=8`` SelfExtend with G = 8), and
-``wp=P`` sets w to P% of N (default 25); ``base`` is the package's defaults. Configs with the same macros share one
+``wp=P`` sets w to P% of N (default 25); ``rsu=0|1`` the rotary decode's staged-table form
+where it does not split (capability.KV90_ROT_STAGE_UNSPLIT); ``base`` is the package's defaults. Configs with the same macros share one
 worker process (a fresh process per macro set and round, so each build is compiled once and
 cached by CuPy); within a worker the configs are timed back to back per shape, in an order
 rotated every round, after SDPA cuDNN on the same shape. Rounds interleave the workers, and the table gives each cell's
@@ -38,7 +39,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: host-side knobs a config may set (everything else is a -D macro of the kernel)
-TOGGLES = ("pdl", "pdld", "l2", "s", "c", "m", "rot", "wp")
+TOGGLES = ("pdl", "pdld", "l2", "s", "c", "m", "rot", "wp", "rsu")
 SHAPES = [(1, 32, 32, 4096), (1, 32, 32, 32768), (1, 32, 32, 131072), (8, 32, 32, 4096),
           (8, 32, 32, 32768), (4, 32, 8, 32768)]
 
@@ -101,7 +102,8 @@ def settings(toggles, head_dim):
 
     t = toggles
     return kernel_choice(stages=t["s"], head_dim=head_dim, min_tiles=t["m"], max_cluster=t["c"],
-                         pdl=t["pdl"], pdl_decode=t["pdld"], l2=t["l2"])
+                         pdl=t["pdl"], pdl_decode=t["pdld"], l2=t["l2"],
+                         rot_stage_unsplit=t["rsu"])
 
 
 def worker(macros, configs, dims, dtypes, seed):

@@ -127,12 +127,13 @@ def test_hopper_kernels_build_for_sm90a(capsys, nvrtc):
     for), with no spills: 20 forward (D 64, 80, 96, 128, 256), 32 backward (D 64, 80, 96,
     128; fused dQ or deterministic), 8 prep and 8 dQ-convert kernels, each dense and packed
     (VARLEN). 80 and 96 are the D = 128 kernels with DV columns stored. Plus the KV-cache
-    decode: 96 builds (D 64 and 128, two dtypes, clusters of 1-8, without rotation and with
-    each rotary layout)."""
+    decode: 104 builds (D 64 and 128, two dtypes, clusters of 1-8, without rotation and with
+    each rotary layout; and the rotary layouts' staged-table forms at cluster 1)."""
     assert build_check.main(["--arch", "sm_90a"]) == 0
     out = capsys.readouterr().out
-    assert "232 variants compiled for sm_90a" in out
+    assert "240 variants compiled for sm_90a" in out
     assert "pw90_kvdecode_rot<bf16_t, 128, 3, 4, 4, 2>" in out and "pw90_kvdecode<half_t, 64, 6, 1, 4>" in out
+    assert "pw90_kvdecode_rot<bf16_t, 128, 3, 1, 4, 1, true>" in out
     for name in ("pw90_forward<pw90::f16, 256, true, true>", "pw90_forward<pw90::bf16, 128, false, false, 96>",
                  "pw90_bwd<pw90::f16, 128, true, true, true, 80>", "pw90_bwd_prep<pw90::bf16, 128, false, 96>",
                  "pw90_bwd_dq_convert<pw90::f16, 128, true, 80>"):
@@ -446,6 +447,21 @@ def test_combine_prefetch_builds_without_spills(nvrtc, monkeypatch, prefetch):
         for r in compile_offline(cc, vs):
             assert r.ok and r.registers, (cc, r.variant, r.log)
             assert not (r.spill_stores or r.spill_loads), (cc, r.variant, r.log)
+
+
+def test_named_staged_rotary_forms_build_without_spills(nvrtc):
+    """The staged-table rotary decode asked for by name (Variant.rot_stage: the kernel's
+    TAB = true without -DKV90_ROT_STAGE, what kvcache_launch.staged_tables picks under
+    capability.KV90_ROT_STAGE_UNSPLIT) builds at cluster 1 for every head dim, dtype and
+    rotary layout without spills, and the build check lists those forms."""
+    vs = sorted({v for v in build_check.variants_for(SM90, hopper=True) if v.rot_stage}, key=str)
+    assert {(v.head_dim, v.rotary, v.dtype) for v in vs} == {
+        (d, r, dt) for d in capability.KV90_HEAD_DIMS for r in (1, 2)
+        for dt in capability.HALF_DTYPES}
+    assert all(v.cluster == 1 and v.name_expression.endswith(", true>") for v in vs)
+    for r in compile_offline(SM90, vs):
+        assert r.ok and r.registers, (r.variant, r.log)
+        assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
 def test_staged_rotary_tables_build_without_spills(nvrtc, monkeypatch):

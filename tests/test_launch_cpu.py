@@ -755,3 +755,48 @@ def test_rotary_kvcache_plan_carries_its_tables(fake_gpu, fake_maps, monkeypatch
         assert (p["rot_cos"], p["rot_sin"], p["rot_group1"], p["rot_group2"]) == (
             0x1000, 0x2000, 1, 4)
         assert p["k1.ptr"] == p["k2.ptr"] == 64 and p["k1n.ptr"] == p["k2n.ptr"] == 112
+
+
+@pytest.mark.parametrize("B,switch,staged", [(8, True, True), (1, True, False), (8, False, False)])
+def test_rotary_decode_takes_staged_tables_only_where_it_does_not_split(
+        fake_gpu, fake_maps, monkeypatch, B, switch, staged):
+    """capability.KV90_ROT_STAGE_UNSPLIT: the Hopper rotary decode asks for its staged-table
+    form by name (Variant.rot_stage, `, true>`) only where the default form's plan runs one
+    key split (B·Hkv = 256 at D = 128 fills an H200's 132 SMs two blocks each); at B = 1 the
+    decode splits 8 ways and keeps the default form (the staged ring would halve the splits,
+    bench/results/2026-12-06-h100-mma-d64-decode-ncu), and with the switch off nothing
+    changes. A two-cache decode is never staged."""
+    from cupy_piecewise import kvcache_launch as kl
+    from cupy_piecewise.compile import ROTARY_LAYOUTS
+
+    drv, _ = fake_gpu
+    monkeypatch.delenv(capability.PATH_VAR, raising=False)
+    capability.refresh_env_override()
+    monkeypatch.setattr(capability, "KV90_ROT_STAGE_UNSPLIT", switch)
+    monkeypatch.setattr(capability, "KV90_ROT_STAGE", False)
+    H, N, D = 32, 32768, 128
+    q, kv = _contiguous((B, H, 1, D)), _contiguous((B, H, N, D))
+    names = (("q1", q), ("q2", q), ("o", q), ("k1", kv), ("k2", kv), ("v", kv))
+    shape = kl.KVShape(0, "bfloat16", B, H, H, 1, D, N, B, 0, 0, False, True, N // 4, 0.125,
+                       tuple((n, st[:3]) for n, st in names), ROTARY_LAYOUTS["half"], (1, 0))
+    plan = kl.KVPlan(shape)
+    main = plan._steps[0][0]
+    assert main.phase == "kvdecode_sm90" and main.rot_stage == staged
+    assert main.name_expression.endswith(", 1, true>" if staged else ", 1>")
+    assert plan.nsplit == (1 if B == 8 else 8)
+    assert kl.staged_tables(shape, plan.nsplit) == staged
+    assert not kl.staged_tables(shape._replace(rotary=0, rot_groups=(0, 0)), 1)
+    monkeypatch.setattr(capability, "KV90_ROT_STAGE", True)  # every rotary form staged already
+    assert not kl.staged_tables(shape, 1)
+
+
+def test_rot_stage_names_only_rotary_forms():
+    """Variant.rot_stage adds the kernel's TAB = true to a rotary form's name; a two-cache
+    form has no tables to stage."""
+    from cupy_piecewise.compile import Variant
+
+    tiles = capability.kv90_tiles(64)
+    v = Variant("kvdecode_sm90", "float16", 64, tiles, False, cluster=1, rotary=2, rot_stage=True)
+    assert v.name_expression == f"pw90_kvdecode_rot<half_t, 64, {tiles.stages}, 1, 4, 2, true>"
+    with pytest.raises(ValueError, match="rot_stage"):
+        Variant("kvdecode_sm90", "float16", 64, tiles, False, rot_stage=True).name_expression

@@ -233,8 +233,12 @@ def test_hopper_decode_shared_bytes_match_the_kernel(nvrtc, monkeypatch, stages)
         monkeypatch.setattr(capability, "KV90_ROT_STAGE", False)
         plain = capability.kv90_shared_bytes(d, st)
         assert capability.kv90_shared_bytes(d, st, rotary=True) == plain
+        # a staged form asked for by name (Variant.rot_stage) carves what the macro's does
+        by_name = capability.kv90_shared_bytes(d, st, rotary=True, staged=True)
+        assert capability.kv90_shared_bytes(d, st, rotary=False, staged=True) == plain
         monkeypatch.setattr(capability, "KV90_ROT_STAGE", True)
         staged = capability.kv90_shared_bytes(d, st, rotary=True)
+        assert by_name == staged
         assert staged - plain == (st * 4 + 1) * 2 * 16 * (d // 2) * 4
         if stages is None:
             assert staged <= capability.SHARED_LIMIT[(9, 0)], (d, staged)

@@ -54,14 +54,18 @@
 #define KV90_ROT_AHEAD 1
 #endif
 
-// KV90_ROT_STAGE (staged, 0 by default; host mirror capability.KV90_ROT_STAGE): 1 makes the
+// KV90_ROT_STAGE (0 by default; host mirror capability.KV90_ROT_STAGE): 1 makes the
 // rotary forms' producer warp bring each chunk's cos and sin rows into the stage with its
 // keys (plain bulk copies: a chunk's rows n0 / g .. (n0 + 15) / g are contiguous in the
 // packed tables), so the consumers rotate from shared memory instead of waiting on a
 // dependent global load per table row: the rotary decode runs at 44-56% of DRAM peak with
 // its cost per table row touched (bench/NOTES.md, thirty-fourth section). Per stage it adds
 // 64 * D bytes per chunk (D = 128: 32 KB a stage), plus one chunk's worth for the straddling
-// chunk's K2. Built offline only.
+// chunk's K2. It is the default of pw90_kvdecode_rot's TAB parameter; the host asks for
+// TAB = true by name where it picks the staged form for a shape (capability.
+// KV90_ROT_STAGE_UNSPLIT). First GPU run (H100, bench/results/2026-12-06-h100-mma-d64-decode-ncu):
+// correct; +2-19% where the decode does not split, 15-44% slower where it does (one block
+// per SM at D = 128, so the host's split rule halves the splits).
 #ifndef KV90_ROT_STAGE
 #define KV90_ROT_STAGE 0
 #endif
@@ -143,11 +147,12 @@ PW_DEVICE float ld_cluster(const float* local, int rank) {
 
 // The kernels' body (pw90_kvdecode, pw90_kvdecode_rot below): the tensor maps are the
 // kernels' __grid_constant__ parameters, passed by reference.
-template <typename T, int D, int STAGES, int CLUSTER, int CW, int ROT>
+// TAB: the rotary forms' table rows staged by the producer (KV90_ROT_STAGE above).
+template <typename T, int D, int STAGES, int CLUSTER, int CW, int ROT, bool TAB>
 PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc& tk2,
                                   const pw90::TmaDesc& tv, const KVParams& p) {
   using namespace pw90kv;
-  constexpr bool TAB = ROT != 0 && KV90_ROT_STAGE != 0;  // table rows staged by the producer
+  static_assert(!TAB || ROT != 0, "only the rotary forms read tables");
   using Sm = Smem<D, STAGES, TAB>;
   static_assert(CW == CHUNKS, "a consumer warp per 16-key chunk of a tile");
   static_assert(CW * BM * (D + 2) * 4 <= STAGES * Sm::stage_bytes,
@@ -473,7 +478,7 @@ template <typename T, int D, int STAGES, int CLUSTER, int CW>
 __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
     pw90_kvdecode(const __grid_constant__ pw90::TmaDesc tk1, const __grid_constant__ pw90::TmaDesc tk2,
                   const __grid_constant__ pw90::TmaDesc tv, const KVParams p) {
-  pw90_kvdecode_body<T, D, STAGES, CLUSTER, CW, 0>(tk1, tk2, tv, p);
+  pw90_kvdecode_body<T, D, STAGES, CLUSTER, CW, 0, false>(tk1, tk2, tv, p);
 }
 
 // The rotary forms (ROT 1: halves, 2: interleaved pairs), a kernel of their own for their
@@ -494,11 +499,13 @@ __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
 #else
 #define KV90_ROT_BOUNDS(threads) __launch_bounds__(threads)
 #endif
-template <typename T, int D, int STAGES, int CLUSTER, int CW, int ROT>
+// TAB: the staged table rows (KV90_ROT_STAGE, its default), chosen per shape by the host.
+template <typename T, int D, int STAGES, int CLUSTER, int CW, int ROT,
+          bool TAB = (KV90_ROT_STAGE != 0)>
 __global__ void __cluster_dims__(1, CLUSTER, 1) KV90_ROT_BOUNDS((CW + 1) * 32)
     pw90_kvdecode_rot(const __grid_constant__ pw90::TmaDesc tk1,
                       const __grid_constant__ pw90::TmaDesc tk2,
                       const __grid_constant__ pw90::TmaDesc tv, const KVParams p) {
   static_assert(ROT == 1 || ROT == 2, "rotary forms only");
-  pw90_kvdecode_body<T, D, STAGES, CLUSTER, CW, ROT>(tk1, tk2, tv, p);
+  pw90_kvdecode_body<T, D, STAGES, CLUSTER, CW, ROT, TAB>(tk1, tk2, tv, p);
 }
