@@ -99,12 +99,15 @@ def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatc
         if not v.varlen and v.phase != "kvdecode_sm90"}
     assert {v.phase for v in hopper if v.varlen} == set(HOPPER_KERNELS) - {"kvdecode_sm90"}
     # the decode: one build per dtype, KV90 head dim, cluster size (no causal flag: M = 1
-    # sees every key) and rotary form (none, halves, interleaved)
-    decode = [(v.head_dim, v.dtype, v.causal, v.cluster, v.rotary) for v in hopper
+    # sees every key) and rotary form (none, halves, interleaved); the rotary forms' staged
+    # tables (rot_stage) at cluster 1 besides
+    decode = [(v.head_dim, v.dtype, v.causal, v.cluster, v.rotary, v.rot_stage) for v in hopper
               if v.phase == "kvdecode_sm90"]
     assert len(decode) == len(set(decode)) and set(decode) == set(itertools.product(
         capability.KV90_HEAD_DIMS, capability.HALF_DTYPES, (False,), range(1, 9),
-        (0,) + tuple(ROTARY_LAYOUTS.values())))
+        (0,) + tuple(ROTARY_LAYOUTS.values()), (False,))) | set(itertools.product(
+        capability.KV90_HEAD_DIMS, capability.HALF_DTYPES, (False,), (1,),
+        tuple(ROTARY_LAYOUTS.values()), (True,)))
     # the cp.async KV-cache kernels: both rotary forms of every selectable variant
     kv = {(v.phase, v.head_dim, v.dtype, v.causal, v.tiles) for v in variants
           if v.phase in capability.KV_PHASES and not v.rotary}
