@@ -249,6 +249,13 @@ def main(argv=None) -> int:
                          "separated, each of s<ring stages>, c<largest cluster>, m<fewest key "
                          "tiles per split> (e.g. c1,c4m16,s4)")
     args = ap.parse_args(argv)
+    # an A/B build of kernels_cu/ timed through the whole table (PW_TEST_MACROS, as the GPU
+    # suite takes it: compile.apply_test_macros), named in the output and the JSON's command
+    from cupy_piecewise import compile as C
+
+    macros = " ".join(m.removeprefix("-D") for m in C.apply_test_macros())
+    if macros:
+        print(f"PW_TEST_MACROS: {macros} (every kernel built with these -D options)", flush=True)
     cb = copy_gbps()
     print(f"device copy bandwidth {cb:.0f} GB/s", flush=True)
     # (B, H, Hkv, N): B*H = 32 and 256, short and long caches, one GQA shape
@@ -289,7 +296,8 @@ def main(argv=None) -> int:
                 results, cb, date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(),
                 versions={"torch": torch.__version__, "cupy": cupy.__version__,
                           "numpy": numpy.__version__},
-                command="PYTHONPATH=$PWD python3 bench/kvcache_decode.py "
+                command=(f"PW_TEST_MACROS='{macros}' " if macros else "")
+                + "PYTHONPATH=$PWD python3 bench/kvcache_decode.py "
                         + " ".join(argv if argv is not None else sys.argv[1:])), f, indent=1)
     return 0
 

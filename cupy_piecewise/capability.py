@@ -442,9 +442,16 @@ KV90_ROT_STAGE = False
 #: planned, like the other KV90_* settings.
 KV90_ROT_STAGE_UNSPLIT = False
 
-#: kernel macro -> this module's mirror of it (the launch's shared-memory size depends on it)
+#: Host mirror of the Hopper decode's -DKV90_TILE_BOX (kernels_cu/sm90/kvdecode.cu; an A/B
+#: build, off by default): the plain decode kernel takes six tensor maps, the last three of
+#: 64-row boxes where a 64-key tile lies in one page (:func:`kvcache_launch.kv90_tile_box`),
+#: which its producer loads whole. Only :func:`apply_kernel_macros` changes it.
+KV90_TILE_BOX = False
+
+#: kernel macro -> this module's mirror of it (the launch's shared-memory size or its
+#: arguments depend on it)
 _MACRO_MIRRORS = {"PW_FWD_Q_ROTATE": "FWD_Q_ROTATE", "PW_FWD_ONE_K_D64": "FWD_ONE_K_D64",
-                  "KV90_ROT_STAGE": "KV90_ROT_STAGE"}
+                  "KV90_ROT_STAGE": "KV90_ROT_STAGE", "KV90_TILE_BOX": "KV90_TILE_BOX"}
 #: the mirrors' values without any macro (tests restore them: tests/test_capability.py)
 _MIRROR_DEFAULTS = {name: globals()[name] for name in _MACRO_MIRRORS.values()}
 

@@ -157,8 +157,12 @@ class KVPlan:
             fn, smem = launch._kernel(s.device, main)
             dims = (s.pages, s.Hkv, s.block_size or s.capacity, s.D)
             st = dict(s.strides)
-            self._maps = launch._TensorMaps([dims] * 3, [st[n] + (1,) for n in ("k1", "k2", "v")],
-                                            (16,) * 3, s.dtype)
+            strides = [st[n] + (1,) for n in ("k1", "k2", "v")]
+            boxes = (16,) * 3
+            if capability.KV90_TILE_BOX and not s.rotary:  # three more maps (kvdecode.cu)
+                strides = strides * 2
+                boxes += (64 if kv90_tile_box(s) else 16,) * 3
+            self._maps = launch._TensorMaps([dims] * len(boxes), strides, boxes, s.dtype)
         else:
             # one new token: every key has one distance, so one key slot per stage (kvdecode)
             phase = "kvdecode" if s.M == 1 else "kvcache"
@@ -235,7 +239,8 @@ class KVPlan:
         if self._append:
             _launch(self.shape.device, self._append, stream, block)
         if self._steps and self._maps is not None:  # tensor maps of k1, k2, v, then KVParams
-            maps, keep = self._maps.addresses((ptrs["k1"], ptrs["k2"], ptrs["v"]))
+            kv = (ptrs["k1"], ptrs["k2"], ptrs["v"])
+            maps, keep = self._maps.addresses(kv * (self._maps.count() // 3))
             _launch(self.shape.device, self._steps, stream, block, maps,
                     programmatic=self.programmatic[0])
             del keep  # the launch has copied the maps
@@ -249,6 +254,14 @@ class KVPlan:
             c[launch._SLOT["lse_part"]] = workspace + self._ws_offset
             _launch(self.shape.device, self._combine, stream, launch._PACKER.pack(*c),
                     programmatic=self.programmatic[1])
+
+
+def kv90_tile_box(shape: KVShape) -> bool:
+    """Whether the Hopper decode built with ``-DKV90_TILE_BOX=1`` loads ``shape``'s key tiles
+    that do not straddle d = w as whole 64-row boxes: where every 64-key tile lies in one
+    page (a contiguous cache of at least 64 rows, or pages of a multiple of 64 rows). The
+    kernel decides by the same rule (``wide_ok``, kernels_cu/sm90/kvdecode.cu)."""
+    return (shape.block_size % 64 == 0) if shape.block_size else shape.capacity >= 64
 
 
 def _launch(device: int, steps, stream: int, block: bytes, maps=(), programmatic=False) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot tilebox rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -21,6 +21,11 @@
 # GPU tests and racecheck + synccheck on the rotary sanitizer cases under the macro, then
 # scripts/kvdecode_probe.py, ReRoPE (rot=1) and SelfExtend (rot=8) against rsu=1 (first run:
 # bench/results/2026-12-06-h100-mma-d64-decode-ncu/kvrot); about 5-7 minutes, logs in logs/kvrot_*.
+# tilebox (not in all): the Hopper decode's whole-tile TMA boxes (-DKV90_TILE_BOX=1, an A/B
+# build): scripts/racecheck_bulk_probe.py under racecheck, then the KV-cache GPU tests, the
+# probe against the default, the decode table (paged 64 too) with and without the macro,
+# and memcheck, racecheck and synccheck on the KV-cache cases under it; about 6-7 minutes,
+# logs in logs/tilebox_*, logs/decode*.json, logs/racecheck_bulk_*.
 # mma_probes (not in all): the mma.sync backward against SDPA flash (scripts/mma_bwd_probe.py,
 # bfloat16 and float16), then the forward's earlier forms -DPW_FWD_RAW_MAX=0 and =1
 # (kernels_cu/forward.cu: the default, 2, scales raw scores inside the exponential's fma in
@@ -334,6 +339,41 @@ if asked kvrot; then
     > "$logs/kvrot_probe.log" 2>&1
   rc=$?; echo "kvrot probe: exit $rc"; tail -16 "$logs/kvrot_probe.log"
   status=$((status | rc))
+fi
+if asked tilebox; then
+  # the Hopper decode's whole-tile boxes (-DKV90_TILE_BOX=1, kernels_cu/sm90/kvdecode.cu): its
+  # KV-cache GPU tests and memcheck, racecheck and synccheck on the KV-cache sanitizer cases
+  # under the macro, the probe against the default, and the decode table (paged 64 too)
+  # with and without it; first, scripts/racecheck_bulk_probe.py under racecheck (whether it
+  # credits an mbarrier with ordering a bulk copy after reads: the staged rotary form's report)
+  for form in mbar bar; do
+    timeout 120 compute-sanitizer --tool racecheck python3 scripts/racecheck_bulk_probe.py \
+      --barrier $form > "$logs/racecheck_bulk_$form.log" 2>&1
+    echo "racecheck_bulk_probe $form: exit $?"; grep -E "sums|RACECHECK SUMMARY|Error" "$logs/racecheck_bulk_$form.log" | head -4
+  done
+  PW_TEST_MACROS="KV90_TILE_BOX=1" timeout 240 python3 -m pytest -q -ra -m gpu -p no:cacheprovider \
+    tests/test_kvcache_gpu.py 2>&1 | tee "$logs/tilebox_pytest.log" | tail -3
+  status=$((status | ${PIPESTATUS[0]}))
+  timeout 360 python3 scripts/kvdecode_probe.py --rounds 3 --configs "base;KV90_TILE_BOX=1" \
+    --out "$logs/tilebox_probe.txt" > "$logs/tilebox_probe.log" 2>&1
+  rc=$?; echo "tilebox probe: exit $rc"; tail -16 "$logs/tilebox_probe.log"; status=$((status | rc))
+  for m in "" "KV90_TILE_BOX=1"; do
+    tag=decode${m:+_tilebox}
+    PW_TEST_MACROS="$m" timeout 150 python3 bench/kvcache_decode.py --paged 64 \
+      --out "$logs/$tag.json" > "$logs/$tag.log" 2>&1
+    rc=$?; echo "kvcache_decode $tag: exit $rc"; status=$((status | rc))
+  done
+  for tool in memcheck racecheck synccheck; do
+    extra=""; [[ $tool == memcheck ]] && extra="--report-api-errors no"
+    PW_TEST_MACROS="KV90_TILE_BOX=1" SANITIZE_SKIP=dense,rotary,varlen,torch timeout 300 \
+      compute-sanitizer --tool $tool $extra --error-exitcode 9 python3 scripts/sanitize_cases.py \
+      > "$logs/tilebox_sanitize_$tool.log" 2>&1 &
+  done
+  for tool in memcheck racecheck synccheck; do wait -n; rc=$?; status=$((status | rc)); done
+  for tool in memcheck racecheck synccheck; do
+    echo "compute-sanitizer $tool (tile boxes):"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Traceback" "$logs/tilebox_sanitize_$tool.log" | tail -3
+  done
 fi
 if asked rotary; then
   CUPY_PIECEWISE_FUZZ_GPU_EXAMPLES=${FUZZ_EXAMPLES:-120} timeout 420 python3 -m pytest -q -ra -m gpu \

@@ -228,3 +228,39 @@ def test_dry_run_end_to_end(tmp_path):
     assert len(pngs) == len(configs), pngs
     for p in pngs:
         assert (out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------- decode targets
+def test_decode_targets_judges_each_shape(tmp_path):
+    """bench/decode_targets.py reads a kvcache_decode.py JSON and judges issue 13's three
+    targets per shape: 90% of copy only where B·H >= 32 and N >= 32768, >= 1.0x cuDNN,
+    paged >= 0.95x contiguous; with counts and the worst shortfall."""
+    spec = importlib.util.spec_from_file_location(
+        "decode_targets", os.path.join(ROOT, "bench", "decode_targets.py"))
+    dt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dt)
+
+    def row(provider, N, B, gbps, pct, vs_cudnn, vs_contig):
+        return dict(provider=provider, dtype="bfloat16", D=64, B=B, H=32, Hkv=32, N=N,
+                    gbps=gbps, pct_of_copy_bw=pct, vs_cudnn=vs_cudnn, vs_contiguous=vs_contig)
+
+    results = {"header": {"gpu": "G", "date": "D", "command": "c"},
+               "copy_bandwidth": {"gbps": 4000.0},
+               "decode": [row("piecewise_kvcache", 4096, 1, 3000, 75.0, 1.02, 1.0),
+                          row("piecewise_kvcache_paged64", 4096, 1, 2800, 70.0, 0.95, 0.933),
+                          row("piecewise_kvcache", 32768, 8, 3800, 95.0, 0.97, 1.0),
+                          row("piecewise_kvcache_paged64", 32768, 8, 3700, 92.5, 0.94, 0.974),
+                          row("sdpa_cudnn", 32768, 8, 3918, 97.9, 1.0, 1.031)]}
+    rows = dt.rows_of(results, 64)
+    assert [(r["N"], r["copy_applies"]) for r in rows] == [(4096, False), (32768, True)]
+    text = dt.table(rows, 64)
+    assert "| 75.0 - | 1.020 met | 0.933 missed |" in text
+    assert "| 95.0 met | 0.970 missed | 0.974 met |" in text
+    assert "% of copy >= 90: met on 1 of 1 rows" in text
+    assert "x cuDNN >= 1.0: met on 1 of 2 rows; range 0.970-1.020, worst 3.0% short" in text
+    assert "paged64 >= 0.95: met on 1 of 2 rows; range 0.933-0.974, worst 1.8% short" in text
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(results))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "decode_targets.py"),
+                          str(path)], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("G, D: `c`; device copy 4000 GB/s") and text in out

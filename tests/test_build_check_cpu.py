@@ -452,6 +452,25 @@ def test_combine_prefetch_builds_without_spills(nvrtc, monkeypatch, prefetch):
             assert not (r.spill_stores or r.spill_loads), (cc, r.variant, r.log)
 
 
+@pytest.mark.parametrize("tile_box", (0, 1))
+def test_tile_box_decode_builds_without_spills(nvrtc, monkeypatch, tile_box):
+    """The Hopper decode with whole-tile TMA boxes (-DKV90_TILE_BOX=1, an A/B build:
+    kernels_cu/sm90/kvdecode.cu; six tensor maps, a stage's K and V panel-major) builds every
+    plain sm_90a decode variant (every head dim, dtype and cluster size) and leaves the
+    rotary forms as they are, without spills; its default, 0, builds the same variants."""
+    from cupy_piecewise import compile as comp
+
+    base = comp.arch_options
+    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
+        f"-DKV90_TILE_BOX={tile_box}",))
+    vs = sorted({v for v in build_check.variants_for(SM90, hopper=True)
+                 if v.phase == "kvdecode_sm90"}, key=str)
+    assert {v.cluster for v in vs if not v.rotary} == set(capability.KV90_CLUSTERS)
+    for r in compile_offline(SM90, vs):
+        assert r.ok and r.registers, (r.variant, r.log)
+        assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+
+
 def test_named_staged_rotary_forms_build_without_spills(nvrtc):
     """The staged-table rotary decode asked for by name (Variant.rot_stage: the kernel's
     TAB = true without -DKV90_ROT_STAGE, what kvcache_launch.staged_tables picks under

@@ -328,6 +328,7 @@ DECODE_CASES = [  # (dtype, D, H, Hkv, layout): layouts of the cache memory
     ("bfloat16", 128, 8, 2, "contig"), ("float16", 64, 8, 8, "contig"),
     ("bfloat16", 64, 40, 2, "transposed"), ("float16", 128, 4, 4, "paged16"),
     ("bfloat16", 128, 20, 1, "paged64"), ("bfloat16", 32, 4, 2, "contig"),
+    ("float16", 128, 8, 2, "contig500"),  # a capacity that ends inside a 64-key tile
 ]
 
 
@@ -341,7 +342,9 @@ def test_decode_never_reads_cache_rows_past_the_lengths(dtype, D, H, Hkv, layout
     cache row past a sequence's length, and every unused page, holds NaN, so a kernel that
     lets one reach P·V (0 * NaN) or a score fails. Lengths end inside and on the edge of
     16-key chunks and 64-key tiles; w puts the d = w boundary inside a chunk, on a chunk
-    edge, before every key and after every key; groups of 20 heads need two 16-row tiles."""
+    edge, before every key and after every key; groups of 20 heads need two 16-row tiles.
+    ``contig500``: a cache of 500 rows, whose last 64-key tile runs past it (the TMA loads
+    fill those rows with zeros; under -DKV90_TILE_BOX=1 as one 64-row box)."""
     import cupy
 
     from cupy_piecewise import capability, kvcache_launch as kl, launch
@@ -351,7 +354,7 @@ def test_decode_never_reads_cache_rows_past_the_lengths(dtype, D, H, Hkv, layout
     _poisoned_outputs(monkeypatch)
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    B, N = 6, 512
+    B, N = 6, 500 if layout == "contig500" else 512
     seq = np.array([0, 1, 15, 64, 300, N], np.int32)
     nd = _np_dtype(dtype)
     q1, q2 = (round_to(rng.standard_normal((B, H, 1, D)).astype(np.float32) * 1.5, dtype)

@@ -69,6 +69,20 @@
 #ifndef KV90_ROT_STAGE
 #define KV90_ROT_STAGE 0
 #endif
+// KV90_TILE_BOX (0 by default; host mirror capability.KV90_TILE_BOX; an A/B build, not
+// timed yet): 1 gives the plain decode (ROT == 0) three more tensor maps, of 64-row boxes
+// (kvcache_launch builds them), and the producer loads each tile that does not straddle
+// d = w as one box per 64-column panel of K and of V (lane 0: 2 * D / 64 loads of 8 KB)
+// instead of 16-row boxes per chunk (four lanes: 8 * D / 64 loads of 2 KB), where a tile
+// lies in one page (contiguous caches of at least 64 rows, or pages of a multiple of 64
+// rows). The aim is cuDNN's DRAM efficiency: its decode reads 32 KB tiles and ran at 92.6%
+// of DRAM peak against our 89.0% on the same grid and bytes (H100, bench/NOTES.md,
+// thirty-fifth section). A stage's K and V are then kept panel-major (panel j of the tile
+// at j * 8 KB; chunk c at c * 2 KB inside it), which at D = 64 (one panel) is the same
+// layout as the chunk-major one of the default.
+#ifndef KV90_TILE_BOX
+#define KV90_TILE_BOX 0
+#endif
 
 namespace pw90kv {
 
@@ -107,8 +121,10 @@ template <int D, int STAGES, bool TAB = false> struct Smem {
 // Address of the 16-byte column group `g` (0 .. D/8-1) of row r (0..15) of a chunk at `base`:
 // panel g / 8, and inside the panel's 128-byte row the 128-byte swizzle's XOR of g % 8 with
 // r % 8.
-PW_DEVICE u32 swz(u32 base, int r, int g) {
-  return base + (u32)((g >> 3) * BOX_BYTES + r * 128 + (((g & 7) ^ (r & 7)) << 4));
+// PSTRIDE: bytes from one 64-column panel of the chunk to the next (a stage's panel-major
+// layout under KV90_TILE_BOX: a tile's 64 rows).
+template <int PSTRIDE = BOX_BYTES> PW_DEVICE u32 swz(u32 base, int r, int g) {
+  return base + (u32)((g >> 3) * PSTRIDE + r * 128 + (((g & 7) ^ (r & 7)) << 4));
 }
 
 // Page and first row (in the page) of the chunk starting at key n of sequence b.
@@ -148,12 +164,20 @@ PW_DEVICE float ld_cluster(const float* local, int rank) {
 // The kernels' body (pw90_kvdecode, pw90_kvdecode_rot below): the tensor maps are the
 // kernels' __grid_constant__ parameters, passed by reference.
 // TAB: the rotary forms' table rows staged by the producer (KV90_ROT_STAGE above).
+// tk1w, tk2w, tvw: the maps of 64-row boxes (KV90_TILE_BOX; the others pass tk1, tk2, tv).
 template <typename T, int D, int STAGES, int CLUSTER, int CW, int ROT, bool TAB>
 PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc& tk2,
-                                  const pw90::TmaDesc& tv, const KVParams& p) {
+                                  const pw90::TmaDesc& tv, const pw90::TmaDesc& tk1w,
+                                  const pw90::TmaDesc& tk2w, const pw90::TmaDesc& tvw,
+                                  const KVParams& p) {
   using namespace pw90kv;
   static_assert(!TAB || ROT != 0, "only the rotary forms read tables");
   using Sm = Smem<D, STAGES, TAB>;
+  // KV90_TILE_BOX (plain forms): whole-tile boxes where a tile lies in one page, and the
+  // stage's K and V panel-major: PS from a panel to the next, COFF from a chunk to the next
+  constexpr bool TILE_BOX = KV90_TILE_BOX != 0 && ROT == 0;
+  constexpr int PS = TILE_BOX ? BN * 128 : BOX_BYTES;
+  constexpr int COFF = TILE_BOX ? BOX_BYTES : Sm::chunk_bytes;
   static_assert(CW == CHUNKS, "a consumer warp per 16-key chunk of a tile");
   static_assert(CW * BM * (D + 2) * 4 <= STAGES * Sm::stage_bytes,
                 "the warps' merge scratch fits in the ring");
@@ -183,6 +207,11 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
     pw90::tma_prefetch_desc(&tk1);
     pw90::tma_prefetch_desc(&tk2);
     pw90::tma_prefetch_desc(&tv);
+    if constexpr (TILE_BOX) {
+      pw90::tma_prefetch_desc(&tk1w);
+      pw90::tma_prefetch_desc(&tk2w);
+      pw90::tma_prefetch_desc(&tvw);
+    }
   }
   __syncthreads();
   // Programmatic dependent launch (common.cuh). When pw_forward_combine merges the splits,
@@ -212,6 +241,10 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
 
   if (warp == CW) {  // ------------------------------------------------ producer
     // lane c < CHUNKS loads chunk c of each tile; its page is looked up a tile ahead
+    // (TILE_BOX: lane 0 loads a whole tile where the tile lies in one page: its chunk 0's
+    // page and row are the tile's; the host builds the 64-row maps by the same rule)
+    const bool wide_ok =
+        TILE_BOX && (p.block_table == nullptr ? p.capacity >= BN : p.block_size % BN == 0);
     int page = 0, prow = 0;
     if (lane < CHUNKS && t_begin < t_end && t_begin * BN + lane * CHUNK < L)
       chunk_place(p, b, t_begin * BN + lane * CHUNK, page, prow);
@@ -223,6 +256,11 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
       u32 bytes = (load ? 2u : 0u) * Sm::chunk_bytes + (both ? Sm::chunk_bytes : 0u);
       // TAB: the table rows of the chunk's keys (group gk: K2's for chunks wholly at d >= w,
       // else K1's) and of the straddling chunk's K2 (group g2), rows n / g .. last / g
+      // TILE_BOX: a tile wholly at d >= w (K2) or wholly at d < w (K1) in whole-tile boxes;
+      // their bytes are the stage's, rows past the length or the cache included (TMA fills
+      // rows past the cache with zeros; the consumers skip or mask the rows past L)
+      const int tn0 = tile * BN;
+      const bool wide = wide_ok && (tn0 + BN <= nfar || tn0 >= nfar);
       const int last = min(n + CHUNK, L) - 1;
       const int gk =
           TAB && load ? (n + CHUNK <= nfar ? (int)p.rot_group2 : (int)p.rot_group1) : 0;
@@ -230,19 +268,30 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
       const u32 tab_k = gk ? (u32)(last / gk - n / gk + 1) * (D / 2) * 4u : 0u;
       const u32 tab_x = gx ? (u32)(last / gx - n / gx + 1) * (D / 2) * 4u : 0u;
       bytes += 2u * (tab_k + tab_x);
-      const u32 total = __reduce_add_sync(0xffffffffu, bytes);
+      const u32 total = wide ? 2u * CHUNKS * Sm::chunk_bytes
+                             : __reduce_add_sync(0xffffffffu, bytes);
       pw90::mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);  // fresh barriers pass at once
       if (lane == 0) pw90::mbar_expect_tx(full(s), total);
       __syncwarp();
-      if (load) {
+      if (wide) {
+        if (lane == 0) {
+          const u32 st = base + (u32)(s * Sm::stage_bytes);
+          const pw90::TmaDesc* kmap = tn0 + BN <= nfar ? &tk2w : &tk1w;
+#pragma unroll
+          for (int j = 0; j < PANELS; ++j) {
+            pw90::tma_load_4d(st + Sm::k_off + j * PS, kmap, j * 64, prow, (int)hk, page, full(s));
+            pw90::tma_load_4d(st + Sm::v_off + j * PS, &tvw, j * 64, prow, (int)hk, page, full(s));
+          }
+        }
+      } else if (load) {
         const u32 st = base + (u32)(s * Sm::stage_bytes);
-        const u32 kdst = st + Sm::k_off + lane * Sm::chunk_bytes;
-        const u32 vdst = st + Sm::v_off + lane * Sm::chunk_bytes;
+        const u32 kdst = st + Sm::k_off + lane * COFF;
+        const u32 vdst = st + Sm::v_off + lane * COFF;
         const pw90::TmaDesc* kmap = n < nfar && !both ? &tk2 : &tk1;
 #pragma unroll
         for (int j = 0; j < PANELS; ++j) {
-          pw90::tma_load_4d(kdst + j * BOX_BYTES, kmap, j * 64, prow, (int)hk, page, full(s));
-          pw90::tma_load_4d(vdst + j * BOX_BYTES, &tv, j * 64, prow, (int)hk, page, full(s));
+          pw90::tma_load_4d(kdst + j * PS, kmap, j * 64, prow, (int)hk, page, full(s));
+          pw90::tma_load_4d(vdst + j * PS, &tv, j * 64, prow, (int)hk, page, full(s));
           if (both)
             pw90::tma_load_4d(base + Sm::x_off + j * BOX_BYTES, &tk2, j * 64, prow, (int)hk, page,
                               full(s));
@@ -317,8 +366,8 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
     pw90::mbar_wait(full(s), (i / STAGES) & 1);
     if (n0 < L) {  // chunks past the length were not loaded
       const u32 st = base + (u32)(s * Sm::stage_bytes);
-      const u32 sk = st + Sm::k_off + warp * Sm::chunk_bytes;
-      const u32 sv = st + Sm::v_off + warp * Sm::chunk_bytes;
+      const u32 sk = st + Sm::k_off + warp * COFF;
+      const u32 sv = st + Sm::v_off + warp * COFF;
       const bool both = n0 < nfar && n0 + CHUNK > nfar;  // straddles d = w: K2 in the x slot
       const bool far_only = n0 + CHUNK <= nfar;
       bool wrote = false;  // ROT: rows of a stage rewritten (generic proxy) by this warp
@@ -365,7 +414,7 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
           u32 a1[1][4], a2[1][4], bk[4], bx[4];
           load_a<D, 1>(a1, sq1, k, lane);
           load_a<D, 1>(a2, sq2, k, lane);
-          ldsm_x4(bk, swz(sk, kr, 2 * k + kg));
+          ldsm_x4(bk, swz<PS>(sk, kr, 2 * k + kg));
           ldsm_x4(bx, swz(base + Sm::x_off, kr, 2 * k + kg));
           Elem<T>::mma(sc[0], a1[0], bk[0], bk[1]);
           Elem<T>::mma(sc[1], a1[0], bk[2], bk[3]);
@@ -383,7 +432,7 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
         for (int k = 0; k < D / 16; ++k) {
           u32 a[1][4], bk[4];
           load_a<D, 1>(a, sq, k, lane);
-          ldsm_x4(bk, swz(sk, kr, 2 * k + kg));
+          ldsm_x4(bk, swz<PS>(sk, kr, 2 * k + kg));
           Elem<T>::mma(sc[0], a[0], bk[0], bk[1]);
           Elem<T>::mma(sc[1], a[0], bk[2], bk[3]);
         }
@@ -402,7 +451,7 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
         for (int idx = lane; idx < CHUNK * PANELS * 8; idx += 32) {
           const int r = idx / (PANELS * 8), g = idx % (PANELS * 8);
           if (n0 + r >= L)
-            *reinterpret_cast<uint4*>(smem + (swz(sv, r, g) - base)) = make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(smem + (swz<PS>(sv, r, g) - base)) = make_uint4(0, 0, 0, 0);
         }
         __syncwarp();
       }
@@ -415,7 +464,7 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         u32 bv[4];
-        ldsm_x4_trans(bv, swz(sv, vr, 2 * dp + vg));
+        ldsm_x4_trans(bv, swz<PS>(sv, vr, 2 * dp + vg));
         Elem<T>::mma(acc[2 * dp], pa, bv[0], bv[1]);
         Elem<T>::mma(acc[2 * dp + 1], pa, bv[2], bv[3]);
       }
@@ -474,12 +523,25 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
   }
 }
 
+#if KV90_TILE_BOX
+// three more maps, of 64-row boxes (KV90_TILE_BOX above); the host passes six
+template <typename T, int D, int STAGES, int CLUSTER, int CW>
+__global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
+    pw90_kvdecode(const __grid_constant__ pw90::TmaDesc tk1, const __grid_constant__ pw90::TmaDesc tk2,
+                  const __grid_constant__ pw90::TmaDesc tv,
+                  const __grid_constant__ pw90::TmaDesc tk1w,
+                  const __grid_constant__ pw90::TmaDesc tk2w,
+                  const __grid_constant__ pw90::TmaDesc tvw, const KVParams p) {
+  pw90_kvdecode_body<T, D, STAGES, CLUSTER, CW, 0, false>(tk1, tk2, tv, tk1w, tk2w, tvw, p);
+}
+#else
 template <typename T, int D, int STAGES, int CLUSTER, int CW>
 __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
     pw90_kvdecode(const __grid_constant__ pw90::TmaDesc tk1, const __grid_constant__ pw90::TmaDesc tk2,
                   const __grid_constant__ pw90::TmaDesc tv, const KVParams p) {
-  pw90_kvdecode_body<T, D, STAGES, CLUSTER, CW, 0, false>(tk1, tk2, tv, p);
+  pw90_kvdecode_body<T, D, STAGES, CLUSTER, CW, 0, false>(tk1, tk2, tv, tk1, tk2, tv, p);
 }
+#endif
 
 // The rotary forms (ROT 1: halves, 2: interleaved pairs), a kernel of their own for their
 // register cap: with the table entries held a chunk ahead at D = 128 (KV90_ROT_AHEAD=2:
@@ -507,5 +569,5 @@ __global__ void __cluster_dims__(1, CLUSTER, 1) KV90_ROT_BOUNDS((CW + 1) * 32)
                       const __grid_constant__ pw90::TmaDesc tk2,
                       const __grid_constant__ pw90::TmaDesc tv, const KVParams p) {
   static_assert(ROT == 1 || ROT == 2, "rotary forms only");
-  pw90_kvdecode_body<T, D, STAGES, CLUSTER, CW, ROT, TAB>(tk1, tk2, tv, p);
+  pw90_kvdecode_body<T, D, STAGES, CLUSTER, CW, ROT, TAB>(tk1, tk2, tv, tk1, tk2, tv, p);
 }
