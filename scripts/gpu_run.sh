@@ -23,9 +23,9 @@
 # bench/results/2026-12-06-h100-mma-d64-decode-ncu/kvrot); about 5-7 minutes, logs in logs/kvrot_*.
 # tilebox (not in all): the Hopper decode's whole-tile TMA boxes (-DKV90_TILE_BOX=1, an A/B
 # build): scripts/racecheck_bulk_probe.py under racecheck, then the KV-cache GPU tests, the
-# probe against the default, the decode table (paged 64 too) with and without the macro,
-# and memcheck, racecheck and synccheck on the KV-cache cases under it; about 6-7 minutes,
-# logs in logs/tilebox_*, logs/decode*.json, logs/racecheck_bulk_*.
+# probe against the default, the decode table (paged 64 too) under the macro, and memcheck,
+# racecheck and synccheck on the KV-cache cases under it; about 5-6 minutes, logs in
+# logs/tilebox_*, logs/decode_tilebox.*, logs/racecheck_bulk_*.
 # mma_probes (not in all): the mma.sync backward against SDPA flash (scripts/mma_bwd_probe.py,
 # bfloat16 and float16), then the forward's earlier forms -DPW_FWD_RAW_MAX=0 and =1
 # (kernels_cu/forward.cu: the default, 2, scales raw scores inside the exponential's fma in
@@ -354,15 +354,14 @@ if asked tilebox; then
   PW_TEST_MACROS="KV90_TILE_BOX=1" timeout 240 python3 -m pytest -q -ra -m gpu -p no:cacheprovider \
     tests/test_kvcache_gpu.py 2>&1 | tee "$logs/tilebox_pytest.log" | tail -3
   status=$((status | ${PIPESTATUS[0]}))
-  timeout 360 python3 scripts/kvdecode_probe.py --rounds 3 --configs "base;KV90_TILE_BOX=1" \
+  timeout 300 python3 scripts/kvdecode_probe.py --rounds 2 --configs "base;KV90_TILE_BOX=1" \
     --out "$logs/tilebox_probe.txt" > "$logs/tilebox_probe.log" 2>&1
   rc=$?; echo "tilebox probe: exit $rc"; tail -16 "$logs/tilebox_probe.log"; status=$((status | rc))
-  for m in "" "KV90_TILE_BOX=1"; do
-    tag=decode${m:+_tilebox}
-    PW_TEST_MACROS="$m" timeout 150 python3 bench/kvcache_decode.py --paged 64 \
-      --out "$logs/$tag.json" > "$logs/$tag.log" 2>&1
-    rc=$?; echo "kvcache_decode $tag: exit $rc"; status=$((status | rc))
-  done
+  # (the default's table: bench/results/2026-12-06-h200-decode-mma-tables/decode.json)
+  PW_TEST_MACROS="KV90_TILE_BOX=1" timeout 150 python3 bench/kvcache_decode.py --paged 64 \
+    --out "$logs/decode_tilebox.json" > "$logs/decode_tilebox.log" 2>&1
+  rc=$?; echo "kvcache_decode tilebox: exit $rc"; status=$((status | rc))
+  python3 bench/decode_targets.py "$logs/decode_tilebox.json" | tail -3
   for tool in memcheck racecheck synccheck; do
     extra=""; [[ $tool == memcheck ]] && extra="--report-api-errors no"
     PW_TEST_MACROS="KV90_TILE_BOX=1" SANITIZE_SKIP=dense,rotary,varlen,torch timeout 300 \
