@@ -438,14 +438,18 @@ KV90_ROT_STAGE = False
 #: there: its ring (218672 bytes at D = 128) leaves one block per SM, so where the decode
 #: splits, :func:`kvcache_launch.split_count` halves the splits and the step runs 15-44%
 #: slower; where it does not split, the staged form ran +2-19% (H100,
-#: bench/results/2026-12-06-h100-mma-d64-decode-ncu). Read when a call signature is first
-#: planned, like the other KV90_* settings.
+#: bench/results/2026-12-06-h100-mma-d64-decode-ncu), but on an H200 it was slower there
+#: too at D = 64 (0.83 -> 0.60x cuDNN) and even at D = 128
+#: (bench/results/2026-12-06-h200-decode-mma-tables), hence off. Read when a call signature
+#: is first planned, like the other KV90_* settings.
 KV90_ROT_STAGE_UNSPLIT = False
 
 #: Host mirror of the Hopper decode's -DKV90_TILE_BOX (kernels_cu/sm90/kvdecode.cu; an A/B
 #: build, off by default): the plain decode kernel takes six tensor maps, the last three of
 #: 64-row boxes where a 64-key tile lies in one page (:func:`kvcache_launch.kv90_tile_box`),
-#: which its producer loads whole. Only :func:`apply_kernel_macros` changes it.
+#: which its producer loads whole. On an H100 +0.4-1.7% at D = 128 and -0.1-6% at D = 64
+#: (bench/results/2026-12-06-h100-tilebox), hence off. Only :func:`apply_kernel_macros`
+#: changes it.
 KV90_TILE_BOX = False
 
 #: kernel macro -> this module's mirror of it (the launch's shared-memory size or its

@@ -24,8 +24,8 @@
 # tilebox (not in all): the Hopper decode's whole-tile TMA boxes (-DKV90_TILE_BOX=1, an A/B
 # build): scripts/racecheck_bulk_probe.py under racecheck, then the KV-cache GPU tests, the
 # probe against the default, the decode table (paged 64 too) under the macro, and memcheck,
-# racecheck and synccheck on the KV-cache cases under it; about 5-6 minutes, logs in
-# logs/tilebox_*, logs/decode_tilebox.*, logs/racecheck_bulk_*.
+# racecheck and synccheck on the KV-cache cases under it (TILEBOX_SANITIZE=0: not); about
+# 5-6 minutes, logs in logs/tilebox_*, logs/decode_tilebox.*, logs/racecheck_bulk_*.
 # mma_probes (not in all): the mma.sync backward against SDPA flash (scripts/mma_bwd_probe.py,
 # bfloat16 and float16), then the forward's earlier forms -DPW_FWD_RAW_MAX=0 and =1
 # (kernels_cu/forward.cu: the default, 2, scales raw scores inside the exponential's fma in
@@ -362,14 +362,17 @@ if asked tilebox; then
     --out "$logs/decode_tilebox.json" > "$logs/decode_tilebox.log" 2>&1
   rc=$?; echo "kvcache_decode tilebox: exit $rc"; status=$((status | rc))
   python3 bench/decode_targets.py "$logs/decode_tilebox.json" | tail -3
-  for tool in memcheck racecheck synccheck; do
+  # TILEBOX_SANITIZE=0 leaves the sanitizers out (a timing call)
+  for tool in $([[ ${TILEBOX_SANITIZE:-1} == 1 ]] && echo memcheck racecheck synccheck); do
     extra=""; [[ $tool == memcheck ]] && extra="--report-api-errors no"
     PW_TEST_MACROS="KV90_TILE_BOX=1" SANITIZE_SKIP=dense,rotary,varlen,torch timeout 300 \
       compute-sanitizer --tool $tool $extra --error-exitcode 9 python3 scripts/sanitize_cases.py \
       > "$logs/tilebox_sanitize_$tool.log" 2>&1 &
   done
-  for tool in memcheck racecheck synccheck; do wait -n; rc=$?; status=$((status | rc)); done
-  for tool in memcheck racecheck synccheck; do
+  for tool in $([[ ${TILEBOX_SANITIZE:-1} == 1 ]] && echo memcheck racecheck synccheck); do
+    wait -n; rc=$?; status=$((status | rc))
+  done
+  for tool in $([[ ${TILEBOX_SANITIZE:-1} == 1 ]] && echo memcheck racecheck synccheck); do
     echo "compute-sanitizer $tool (tile boxes):"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Traceback" "$logs/tilebox_sanitize_$tool.log" | tail -3
   done

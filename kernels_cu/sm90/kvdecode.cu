@@ -65,12 +65,17 @@
 // TAB = true by name where it picks the staged form for a shape (capability.
 // KV90_ROT_STAGE_UNSPLIT). First GPU run (H100, bench/results/2026-12-06-h100-mma-d64-decode-ncu):
 // correct; +2-19% where the decode does not split, 15-44% slower where it does (one block
-// per SM at D = 128, so the host's split rule halves the splits).
+// per SM at D = 128, so the host's split rule halves the splits). On an H200
+// (bench/results/2026-12-06-h200-decode-mma-tables) slower where it does not split too
+// (D = 64 B = 8: 0.83 -> 0.60x cuDNN), and racecheck reported the table copies (bulk_load)
+// against kv_rotate_rows_staged's reads once the ring wraps: the copies follow the stage's
+// empty-barrier wait as the K/V refills do, and racecheck flags that order for any bulk
+// copy (scripts/racecheck_bulk_probe.py: a one-slot ring drew the same report, its
+// control with a block barrier none; bench/results/2026-12-06-h100-tilebox).
 #ifndef KV90_ROT_STAGE
 #define KV90_ROT_STAGE 0
 #endif
-// KV90_TILE_BOX (0 by default; host mirror capability.KV90_TILE_BOX; an A/B build, not
-// timed yet): 1 gives the plain decode (ROT == 0) three more tensor maps, of 64-row boxes
+// KV90_TILE_BOX (0 by default; host mirror capability.KV90_TILE_BOX; an A/B build): 1 gives the plain decode (ROT == 0) three more tensor maps, of 64-row boxes
 // (kvcache_launch builds them), and the producer loads each tile that does not straddle
 // d = w as one box per 64-column panel of K and of V (lane 0: 2 * D / 64 loads of 8 KB)
 // instead of 16-row boxes per chunk (four lanes: 8 * D / 64 loads of 2 KB), where a tile
@@ -79,7 +84,10 @@
 // of DRAM peak against our 89.0% on the same grid and bytes (H100, bench/NOTES.md,
 // thirty-fifth section). A stage's K and V are then kept panel-major (panel j of the tile
 // at j * 8 KB; chunk c at c * 2 KB inside it), which at D = 64 (one panel) is the same
-// layout as the chunk-major one of the default.
+// layout as the chunk-major one of the default. Timed on an H100
+// (bench/results/2026-12-06-h100-tilebox): +0.4-1.7% at D = 128, -0.1-6% at D = 64 (the
+// eight-split N = 4096 row), paged (block size 64) within 3% of contiguous everywhere; not
+// the default. Next A/B: the boxes at D = 128 and for paged caches only.
 #ifndef KV90_TILE_BOX
 #define KV90_TILE_BOX 0
 #endif
