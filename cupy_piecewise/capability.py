@@ -448,9 +448,10 @@ KV90_ROT_STAGE_UNSPLIT = False
 #: build, off by default): the plain decode kernel takes six tensor maps, the last three of
 #: 64-row boxes where a 64-key tile lies in one page (:func:`kvcache_launch.kv90_tile_box`),
 #: which its producer loads whole. On an H100 +0.4-1.7% at D = 128 and -0.1-6% at D = 64
-#: (bench/results/2026-12-06-h100-tilebox), hence off. Only :func:`apply_kernel_macros`
+#: (bench/results/2026-12-06-h100-tilebox), hence off; 2 (the next A/B) keeps the boxes to
+#: head dim 128 and paged caches. An int: 0, 1 or 2. Only :func:`apply_kernel_macros`
 #: changes it.
-KV90_TILE_BOX = False
+KV90_TILE_BOX = 0
 
 #: kernel macro -> this module's mirror of it (the launch's shared-memory size or its
 #: arguments depend on it)
@@ -470,8 +471,9 @@ def apply_kernel_macros(macros) -> None:
     for m in macros:
         name, _, value = m.partition("=")
         if name in _MACRO_MIRRORS:
-            try:
-                globals()[_MACRO_MIRRORS[name]] = bool(int(value or "1"))
+            mirror = _MACRO_MIRRORS[name]
+            try:  # each mirror keeps its type: a switch (bool) or a mode (int)
+                globals()[mirror] = type(_MIRROR_DEFAULTS[mirror])(int(value or "1"))
             except ValueError:
                 raise ValueError(f"kernel macro {m!r}: expected an integer value") from None
 

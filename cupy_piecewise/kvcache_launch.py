@@ -161,7 +161,7 @@ class KVPlan:
             boxes = (16,) * 3
             if capability.KV90_TILE_BOX and not s.rotary:  # three more maps (kvdecode.cu)
                 strides = strides * 2
-                boxes += (64 if kv90_tile_box(s) else 16,) * 3
+                boxes += (64 if kv90_tile_box(s, capability.KV90_TILE_BOX) else 16,) * 3
             self._maps = launch._TensorMaps([dims] * len(boxes), strides, boxes, s.dtype)
         else:
             # one new token: every key has one distance, so one key slot per stage (kvdecode)
@@ -256,11 +256,14 @@ class KVPlan:
                     programmatic=self.programmatic[1])
 
 
-def kv90_tile_box(shape: KVShape) -> bool:
-    """Whether the Hopper decode built with ``-DKV90_TILE_BOX=1`` loads ``shape``'s key tiles
-    that do not straddle d = w as whole 64-row boxes: where every 64-key tile lies in one
-    page (a contiguous cache of at least 64 rows, or pages of a multiple of 64 rows). The
-    kernel decides by the same rule (``wide_ok``, kernels_cu/sm90/kvdecode.cu)."""
+def kv90_tile_box(shape: KVShape, mode: int = 1) -> bool:
+    """Whether the Hopper decode built with ``-DKV90_TILE_BOX=<mode>`` loads ``shape``'s key
+    tiles that do not straddle d = w as whole 64-row boxes: where every 64-key tile lies in
+    one page (a contiguous cache of at least 64 rows, or pages of a multiple of 64 rows), and
+    with ``mode`` 2 only at head dim 128 or from a paged cache. The kernel decides by the
+    same rule (``wide_ok``, kernels_cu/sm90/kvdecode.cu)."""
+    if mode == 2 and not (shape.D == 128 or shape.block_size):
+        return False
     return (shape.block_size % 64 == 0) if shape.block_size else shape.capacity >= 64
 
 

@@ -21,8 +21,10 @@
 # GPU tests and racecheck + synccheck on the rotary sanitizer cases under the macro, then
 # scripts/kvdecode_probe.py, ReRoPE (rot=1) and SelfExtend (rot=8) against rsu=1 (first run:
 # bench/results/2026-12-06-h100-mma-d64-decode-ncu/kvrot); about 5-7 minutes, logs in logs/kvrot_*.
-# tilebox (not in all): the Hopper decode's whole-tile TMA boxes (-DKV90_TILE_BOX=1, an A/B
-# build): scripts/racecheck_bulk_probe.py under racecheck, then the KV-cache GPU tests, the
+# tilebox (not in all): the Hopper decode's whole-tile TMA boxes (TILEBOX_MACRO, default
+# KV90_TILE_BOX=2: at D = 128 and for paged caches only; =1 everywhere, timed in
+# bench/results/2026-12-06-h100-tilebox; an A/B build): scripts/racecheck_bulk_probe.py
+# under racecheck, then the KV-cache GPU tests, the
 # probe against the default, the decode table (paged 64 too) under the macro, and memcheck,
 # racecheck and synccheck on the KV-cache cases under it (TILEBOX_SANITIZE=0: not); about
 # 5-6 minutes, logs in logs/tilebox_*, logs/decode_tilebox.*, logs/racecheck_bulk_*.
@@ -351,21 +353,22 @@ if asked tilebox; then
       --barrier $form > "$logs/racecheck_bulk_$form.log" 2>&1
     echo "racecheck_bulk_probe $form: exit $?"; grep -E "sums|RACECHECK SUMMARY|Error" "$logs/racecheck_bulk_$form.log" | head -4
   done
-  PW_TEST_MACROS="KV90_TILE_BOX=1" timeout 240 python3 -m pytest -q -ra -m gpu -p no:cacheprovider \
+  tbm=${TILEBOX_MACRO:-KV90_TILE_BOX=2}
+  PW_TEST_MACROS="$tbm" timeout 240 python3 -m pytest -q -ra -m gpu -p no:cacheprovider \
     tests/test_kvcache_gpu.py 2>&1 | tee "$logs/tilebox_pytest.log" | tail -3
   status=$((status | ${PIPESTATUS[0]}))
-  timeout 300 python3 scripts/kvdecode_probe.py --rounds 2 --configs "base;KV90_TILE_BOX=1" \
+  timeout 300 python3 scripts/kvdecode_probe.py --rounds 2 --configs "base;$tbm" \
     --out "$logs/tilebox_probe.txt" > "$logs/tilebox_probe.log" 2>&1
   rc=$?; echo "tilebox probe: exit $rc"; tail -16 "$logs/tilebox_probe.log"; status=$((status | rc))
   # (the default's table: bench/results/2026-12-06-h200-decode-mma-tables/decode.json)
-  PW_TEST_MACROS="KV90_TILE_BOX=1" timeout 150 python3 bench/kvcache_decode.py --paged 64 \
+  PW_TEST_MACROS="$tbm" timeout 150 python3 bench/kvcache_decode.py --paged 64 \
     --out "$logs/decode_tilebox.json" > "$logs/decode_tilebox.log" 2>&1
   rc=$?; echo "kvcache_decode tilebox: exit $rc"; status=$((status | rc))
   python3 bench/decode_targets.py "$logs/decode_tilebox.json" | tail -3
   # TILEBOX_SANITIZE=0 leaves the sanitizers out (a timing call)
   for tool in $([[ ${TILEBOX_SANITIZE:-1} == 1 ]] && echo memcheck racecheck synccheck); do
     extra=""; [[ $tool == memcheck ]] && extra="--report-api-errors no"
-    PW_TEST_MACROS="KV90_TILE_BOX=1" SANITIZE_SKIP=dense,rotary,varlen,torch timeout 300 \
+    PW_TEST_MACROS="$tbm" SANITIZE_SKIP=dense,rotary,varlen,torch timeout 300 \
       compute-sanitizer --tool $tool $extra --error-exitcode 9 python3 scripts/sanitize_cases.py \
       > "$logs/tilebox_sanitize_$tool.log" 2>&1 &
   done

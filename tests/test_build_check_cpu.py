@@ -452,12 +452,13 @@ def test_combine_prefetch_builds_without_spills(nvrtc, monkeypatch, prefetch):
             assert not (r.spill_stores or r.spill_loads), (cc, r.variant, r.log)
 
 
-@pytest.mark.parametrize("tile_box", (0, 1))
+@pytest.mark.parametrize("tile_box", (0, 1, 2))
 def test_tile_box_decode_builds_without_spills(nvrtc, monkeypatch, tile_box):
     """The Hopper decode with whole-tile TMA boxes (-DKV90_TILE_BOX=1, an A/B build:
-    kernels_cu/sm90/kvdecode.cu; six tensor maps, a stage's K and V panel-major) builds every
-    plain sm_90a decode variant (every head dim, dtype and cluster size) and leaves the
-    rotary forms as they are, without spills; its default, 0, builds the same variants."""
+    kernels_cu/sm90/kvdecode.cu; six tensor maps, a stage's K and V panel-major; 2: the
+    boxes at D = 128 and from pages only) builds every plain sm_90a decode variant (every
+    head dim, dtype and cluster size) and leaves the rotary forms as they are, without
+    spills; its default, 0, builds the same variants."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options

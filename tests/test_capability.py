@@ -576,3 +576,18 @@ def test_grid_backward_tiles_follow_the_table(cc, monkeypatch):
             cap.grid_backward_tiles(cc, 64, "bfloat16", True)
     monkeypatch.delenv(cap.ENV_VAR)
     cap.refresh_env_override()
+
+
+def test_mode_mirrors_keep_their_type(monkeypatch):
+    """apply_kernel_macros keeps each mirror's type: a switch stays a bool
+    (PW_FWD_Q_ROTATE=0 -> False), a mode an int (KV90_TILE_BOX=2 -> 2, the kernel's
+    D = 128 / paged-only form; a bare name means 1)."""
+    for name in ("FWD_Q_ROTATE", "KV90_TILE_BOX"):
+        monkeypatch.setattr(cap, name, getattr(cap, name))  # restored after the test
+    cap.apply_kernel_macros(["PW_FWD_Q_ROTATE=0", "KV90_TILE_BOX=2"])
+    assert cap.FWD_Q_ROTATE is False and cap.KV90_TILE_BOX == 2
+    assert type(cap.KV90_TILE_BOX) is int
+    cap.apply_kernel_macros(["KV90_TILE_BOX"])
+    assert cap.KV90_TILE_BOX == 1
+    with pytest.raises(ValueError, match="KV90_TILE_BOX=x"):
+        cap.apply_kernel_macros(["KV90_TILE_BOX=x"])

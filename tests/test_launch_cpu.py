@@ -790,23 +790,25 @@ def test_rotary_decode_takes_staged_tables_only_where_it_does_not_split(
     assert not kl.staged_tables(shape, 1)
 
 
-@pytest.mark.parametrize("capacity,block_size,rotary,wide", [
-    (4096, 0, 0, True), (32, 0, 0, False), (4096, 64, 0, True), (4096, 128, 0, True),
-    (4096, 16, 0, False), (4096, 48, 0, False), (4096, 0, 1, None)])
-def test_tile_box_decode_passes_six_maps(fake_gpu, fake_maps, monkeypatch, capacity, block_size,
-                                         rotary, wide):
-    """capability.KV90_TILE_BOX (the host mirror of -DKV90_TILE_BOX=1): the plain Hopper
+@pytest.mark.parametrize("D,capacity,block_size,rotary,wide,wide2", [
+    (64, 4096, 0, 0, True, False), (128, 4096, 0, 0, True, True), (64, 32, 0, 0, False, False),
+    (64, 4096, 64, 0, True, True), (64, 4096, 128, 0, True, True),
+    (64, 4096, 16, 0, False, False), (128, 4096, 48, 0, False, False),
+    (64, 4096, 0, 1, None, None)])
+def test_tile_box_decode_passes_six_maps(fake_gpu, fake_maps, monkeypatch, D, capacity,
+                                         block_size, rotary, wide, wide2):
+    """capability.KV90_TILE_BOX (the host mirror of -DKV90_TILE_BOX=1 or 2): the plain Hopper
     decode takes k1, k2, v's maps of 16-row boxes, then the same three of 64-row boxes where
     every 64-key tile lies in one page (kvcache_launch.kv90_tile_box: a contiguous cache of
-    at least 64 rows, pages of a multiple of 64 rows), else of 16-row boxes again (the
-    kernel, deciding by the same rule, never reads them); the rotary forms keep three maps.
-    Without the mirror, three maps."""
+    at least 64 rows, pages of a multiple of 64 rows; mode 2: and the head dim is 128 or the
+    cache paged), else of 16-row boxes again (the kernel, deciding by the same rule, never
+    reads them); the rotary forms keep three maps. Without the mirror, three maps."""
     from cupy_piecewise import kvcache_launch as kl
     from cupy_piecewise.compile import ROTARY_LAYOUTS
 
     monkeypatch.delenv(capability.PATH_VAR, raising=False)
     capability.refresh_env_override()
-    B, H, D = 2, 8, 64
+    B, H = 2, 8
     pages = B * capacity // block_size if block_size else B
     rows = block_size or capacity
     q, kv = _contiguous((B, H, 1, D)), _contiguous((pages, H, rows, D))
@@ -816,8 +818,8 @@ def test_tile_box_decode_passes_six_maps(fake_gpu, fake_maps, monkeypatch, capac
                        0.125, tuple((n, st[:3]) for n, st in names),
                        ROTARY_LAYOUTS["half"] if rotary else 0, (1, 0) if rotary else (0, 0))
     if wide is not None:
-        assert kl.kv90_tile_box(shape) == wide
-    for mirror in (False, True):
+        assert kl.kv90_tile_box(shape) == wide and kl.kv90_tile_box(shape, 2) == wide2
+    for mirror in (0, 1, 2):
         monkeypatch.setattr(capability, "KV90_TILE_BOX", mirror)
         plan = kl.KVPlan(shape)
         assert plan._maps is not None
@@ -826,7 +828,7 @@ def test_tile_box_decode_passes_six_maps(fake_gpu, fake_maps, monkeypatch, capac
         boxes = [info[4] for info in fake_maps]
         if mirror and not rotary:
             assert maps == (0x1001, 0x2001, 0x3001) * 2
-            assert boxes == [16] * 3 + [64 if wide else 16] * 3
+            assert boxes == [16] * 3 + [64 if (wide, wide2)[mirror - 1] else 16] * 3
         else:
             assert maps == (0x1001, 0x2001, 0x3001) and boxes == [16] * 3
 

@@ -87,7 +87,8 @@
 // layout as the chunk-major one of the default. Timed on an H100
 // (bench/results/2026-12-06-h100-tilebox): +0.4-1.7% at D = 128, -0.1-6% at D = 64 (the
 // eight-split N = 4096 row), paged (block size 64) within 3% of contiguous everywhere; not
-// the default. Next A/B: the boxes at D = 128 and for paged caches only.
+// the default. KV90_TILE_BOX=2 (the next A/B, not timed yet) keeps the boxes to D = 128 and
+// paged caches, where they did not lose.
 #ifndef KV90_TILE_BOX
 #define KV90_TILE_BOX 0
 #endif
@@ -250,9 +251,11 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
   if (warp == CW) {  // ------------------------------------------------ producer
     // lane c < CHUNKS loads chunk c of each tile; its page is looked up a tile ahead
     // (TILE_BOX: lane 0 loads a whole tile where the tile lies in one page: its chunk 0's
-    // page and row are the tile's; the host builds the 64-row maps by the same rule)
+    // page and row are the tile's; with KV90_TILE_BOX=2 only at D = 128 or from pages; the
+    // host builds the 64-row maps by the same rule, kvcache_launch.kv90_tile_box)
     const bool wide_ok =
-        TILE_BOX && (p.block_table == nullptr ? p.capacity >= BN : p.block_size % BN == 0);
+        TILE_BOX && (KV90_TILE_BOX == 1 || D == 128 || p.block_table != nullptr) &&
+        (p.block_table == nullptr ? p.capacity >= BN : p.block_size % BN == 0);
     int page = 0, prow = 0;
     if (lane < CHUNKS && t_begin < t_end && t_begin * BN + lane * CHUNK < L)
       chunk_place(p, b, t_begin * BN + lane * CHUNK, page, prow);
