@@ -125,18 +125,30 @@ def staged_tables(shape: KVShape, nsplit: int) -> bool:
         not capability.KV90_ROT_STAGE)
 
 
+def kv90_tile_box(shape: KVShape, mode: int = 1) -> bool:
+    """Whether the Hopper decode built with ``-DKV90_TILE_BOX=<mode>`` loads ``shape``'s key
+    tiles that do not straddle d = w as whole 64-row boxes: where every 64-key tile lies in
+    one page (a contiguous cache of at least 64 rows, or pages of a multiple of 64 rows), and
+    with ``mode`` 2 only at head dim 128 or from a paged cache. The kernel decides by the
+    same rule (``wide_ok``, kernels_cu/sm90/kvdecode.cu)."""
+    if mode == 2 and not (shape.D == 128 or shape.block_size):
+        return False
+    return (shape.block_size % 64 == 0) if shape.block_size else shape.capacity >= 64
+
+
 class KVPlan:
     """The launches of one KV-cache call signature (:class:`KVShape`), prepared once;
     :meth:`run` writes the pointers and launches. Immutable: safe from several threads."""
 
     __slots__ = ("shape", "nsplit", "cluster", "workspace_bytes", "_append", "_steps",
                  "_combine", "_template", "_combine_template", "_ws_offset", "_maps",
-                 "programmatic")
+                 "_map_sets", "programmatic")
 
     def __init__(self, shape: KVShape):
         self.shape = s = shape
         cc = launch._compute_capability(s.device)
         self._maps = None
+        self._map_sets = 1  # k1, k2, v's maps once; twice under KV90_TILE_BOX
         self.cluster = 1
         #: (decode, merge): programmatic dependent launches (capability.KV90_PDL*)
         self.programmatic = (False, False)
@@ -160,6 +172,7 @@ class KVPlan:
             strides = [st[n] + (1,) for n in ("k1", "k2", "v")]
             boxes = (16,) * 3
             if capability.KV90_TILE_BOX and not s.rotary:  # three more maps (kvdecode.cu)
+                self._map_sets = 2
                 strides = strides * 2
                 boxes += (64 if kv90_tile_box(s, capability.KV90_TILE_BOX) else 16,) * 3
             self._maps = launch._TensorMaps([dims] * len(boxes), strides, boxes, s.dtype)
@@ -240,7 +253,7 @@ class KVPlan:
             _launch(self.shape.device, self._append, stream, block)
         if self._steps and self._maps is not None:  # tensor maps of k1, k2, v, then KVParams
             kv = (ptrs["k1"], ptrs["k2"], ptrs["v"])
-            maps, keep = self._maps.addresses(kv * (self._maps.count() // 3))
+            maps, keep = self._maps.addresses(kv * self._map_sets)
             _launch(self.shape.device, self._steps, stream, block, maps,
                     programmatic=self.programmatic[0])
             del keep  # the launch has copied the maps
@@ -254,17 +267,6 @@ class KVPlan:
             c[launch._SLOT["lse_part"]] = workspace + self._ws_offset
             _launch(self.shape.device, self._combine, stream, launch._PACKER.pack(*c),
                     programmatic=self.programmatic[1])
-
-
-def kv90_tile_box(shape: KVShape, mode: int = 1) -> bool:
-    """Whether the Hopper decode built with ``-DKV90_TILE_BOX=<mode>`` loads ``shape``'s key
-    tiles that do not straddle d = w as whole 64-row boxes: where every 64-key tile lies in
-    one page (a contiguous cache of at least 64 rows, or pages of a multiple of 64 rows), and
-    with ``mode`` 2 only at head dim 128 or from a paged cache. The kernel decides by the
-    same rule (``wide_ok``, kernels_cu/sm90/kvdecode.cu)."""
-    if mode == 2 and not (shape.D == 128 or shape.block_size):
-        return False
-    return (shape.block_size % 64 == 0) if shape.block_size else shape.capacity >= 64
 
 
 def _launch(device: int, steps, stream: int, block: bytes, maps=(), programmatic=False) -> None:

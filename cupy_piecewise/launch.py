@@ -434,10 +434,6 @@ class _TensorMaps:
         self._maps: dict = {}
         self._lock = threading.Lock()
 
-    def count(self) -> int:
-        """How many maps :meth:`addresses` returns (one per shape)."""
-        return len(self._shapes)
-
     def addresses(self, ptrs) -> tuple:
         """``(addresses, keepalive)``: host addresses of the 128-byte maps of ``ptrs`` (one
         per shape), in ``order``, and the objects that own them. Hold ``keepalive`` until the

@@ -74,6 +74,8 @@ def main(argv=None) -> int:
                          "bar: a block-wide bar.sync too (the control)")
     ap.add_argument("--rounds", type=int, default=8)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds: at least 1, got {args.rounds}")
     import cupy
 
     opts = ("-std=c++17", f"-I{os.path.join(ROOT, 'kernels_cu')}", "-arch=sm_90a",

@@ -824,7 +824,8 @@ def test_tile_box_decode_passes_six_maps(fake_gpu, fake_maps, monkeypatch, D, ca
         plan = kl.KVPlan(shape)
         assert plan._maps is not None
         fake_maps.clear()
-        maps, _ = plan._maps.addresses((0x1000, 0x2000, 0x3000) * (plan._maps.count() // 3))
+        assert plan._map_sets == (2 if mirror and not rotary else 1)
+        maps, _ = plan._maps.addresses((0x1000, 0x2000, 0x3000) * plan._map_sets)
         boxes = [info[4] for info in fake_maps]
         if mirror and not rotary:
             assert maps == (0x1001, 0x2001, 0x3001) * 2
