@@ -28,6 +28,9 @@ from .validate import GPU_MAX_LENGTH, KV_DTYPES
 #: Head dims of the KV-cache kernels (the capability table's kvcache and kvdecode rows;
 #: 80, 96 and 256 have no KV-cache tiles yet).
 KV_HEAD_DIMS = (16, 32, 64, 128)
+#: dtypes a call may have on any library (the host paths compute in float64, NumPy's
+#: bfloat16 being ml_dtypes'; the GPU further narrows to KV_DTYPES)
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 __all__ = ["attention_with_kvcache", "reference_with_kvcache", "KVArgs", "check_kvcache_args"]
 
@@ -68,13 +71,16 @@ def check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cach
     """Check a call of :func:`attention_with_kvcache` from metadata alone (no values read).
 
     Raises:
-        TypeError: an argument of the wrong type or dtype (arrays of mixed libraries,
+        TypeError: an argument of the wrong type or dtype (arrays of mixed libraries, a
+            dtype not in FLOAT_DTYPES,
             ``cache_seqlens``/``block_table`` not int32, ``dist_threshold`` not an integer,
             ``causal`` not a bool).
-        ValueError: shapes that do not agree, arrays on different devices, only some of
-            ``k1_new``/``k2_new``/``v_new``, a paged block size that is not a multiple of
-            16, lengths of ``2**30`` or more, a bad ``sm_scale``; on the GPU a dtype or head
-            dim the kernels lack, or a cache whose strides the kernels cannot use in place.
+        ValueError: shapes that do not agree (head dim 0 included), arrays on different
+            devices, only some of ``k1_new``/``k2_new``/``v_new``, a paged block size that
+            is not a multiple of 16, lengths of ``2**30`` or more, a bad ``sm_scale``, a
+            cache with a stride-0 (expanded) axis when new keys are written into it; on the
+            GPU a dtype or head dim the kernels lack, or a cache whose strides the kernels
+            cannot use in place.
     """
     library = validate.library_of(q1, "q1")
     named = {"q1": q1, "q2": q2, "k1_cache": k1_cache, "k2_cache": k2_cache, "v_cache": v_cache,
@@ -104,6 +110,9 @@ def check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cach
                          f"{shape['q2']}")
     B, H, M, D = shape["q1"]
     dtype = validate.dtype_name(q1)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"q1 has dtype {dtype}; queries, caches and new keys must be one of "
+                        f"{', '.join(FLOAT_DTYPES)}")
     for name in ("q2",) + _CACHES + (_NEW if "k1_new" in named else ()):
         if validate.dtype_name(named[name]) != dtype:
             raise TypeError(f"{name} has dtype {validate.dtype_name(named[name])}, q1 {dtype}: "
@@ -115,6 +124,8 @@ def check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cach
     pages, Hkv, rows, Dc = cshape
     if Dc != D:
         raise ValueError(f"k1_cache: head dim {Dc} differs from q1's {D}")
+    if D < 1:
+        raise ValueError("q1 has head_dim 0; head_dim (last dimension) must be at least 1")
     if Hkv < 1 or H % Hkv:
         raise ValueError(f"q1's heads ({H}) must be a multiple of k1_cache's key/value heads "
                          f"({Hkv})")
@@ -170,7 +181,10 @@ def check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cach
                     f"{name}: the kernels read and write caches in place, which needs unit "
                     "stride along D, every other stride a non-negative multiple of 8 elements "
                     f"and a 16-byte aligned pointer; got strides {strides}")
-            if "k1_new" in named and any(st == 0 and n > 1 for n, st in zip(cshape, strides)):
+    if "k1_new" in named:
+        for name in _CACHES:
+            strides = _strides(named[name], library)
+            if any(st == 0 and n > 1 for n, st in zip(cshape, strides)):
                 raise ValueError(f"{name}: new keys are written into the cache, whose rows must "
                                  f"not alias (a stride-0, expanded axis); got strides {strides}")
     return KVArgs(library, index if on_gpu else None, dtype, B, H, Hkv, M, D, paged, rows,
@@ -183,8 +197,8 @@ def _rows(cache, b, n, block_table):
         return cache[b, :, :n]
     bs = cache.shape[2]
     pages = [cache[int(p)] for p in block_table[b, :math.ceil(n / bs)]]
-    if not pages:
-        return cache[0, :, :0]
+    if not pages:  # (also when the cache has no pages at all)
+        return np.empty((cache.shape[1], 0, cache.shape[3]), cache.dtype)
     return np.concatenate(pages, axis=1)[:, :n]
 
 
@@ -199,18 +213,33 @@ def _append(cache, b, pos, rows, block_table):
             cache[int(block_table[b, n // bs]), :, n % bs] = rows[:, t]
 
 
-def host_lengths(a: KVArgs, cache_seqlens) -> np.ndarray:
+def host_lengths(a: KVArgs, cache_seqlens, block_table=None) -> np.ndarray:
     """``cache_seqlens`` (host values: NumPy, or a CPU tensor's ``.numpy()``) as int64, after
-    checking that every sequence's length plus the appended rows fits the cache.
+    checking that every sequence's length plus the appended rows fits the cache and, for a
+    paged cache, that every ``block_table`` entry those rows use (host values) names a page
+    of the cache. Entries past a sequence's last used block are not read: they may hold
+    anything. The checks run before the append writes anything.
 
     Raises:
-        ValueError: a negative length, or one that the append would take past the capacity.
+        ValueError: a negative length, one that the append would take past the capacity, or
+            a used ``block_table`` entry outside ``[0, num_blocks)``.
     """
     seq = np.asarray(cache_seqlens, np.int64)
     extra = a.M if a.appended else 0
     if (seq < 0).any() or (seq + extra > a.capacity).any():
         raise ValueError(f"cache_seqlens {seq.tolist()} plus {extra} appended rows must lie in "
                          f"[0, {a.capacity}] (the cache's capacity)")
+    if block_table is not None:
+        table = np.asarray(block_table, np.int64)
+        used = -(-(seq + extra) // a.block_size)  # blocks holding rows 0 .. length - 1
+        for b in range(a.B):
+            row = table[b, :used[b]]
+            bad = row[(row < 0) | (row >= a.pages)]
+            if bad.size:
+                raise ValueError(f"block_table[{b}] uses page {int(bad[0])}, outside the "
+                                 f"cache's {a.pages} pages (k1_cache's dim 0); the first "
+                                 f"{int(used[b])} entries of the row must lie in "
+                                 f"[0, {a.pages})")
     return seq
 
 
@@ -247,7 +276,7 @@ def reference_with_kvcache(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, 
     """
     a = check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cache_seqlens,
                            k1_new, k2_new, v_new, block_table, causal, sm_scale)
-    seq = host_lengths(a, cache_seqlens)
+    seq = host_lengths(a, cache_seqlens, block_table)
     extra = a.M if a.appended else 0
     o = np.zeros((a.B, a.H, a.M, a.D))
     lse = np.full((a.B, a.H, a.M), -np.inf)
@@ -307,7 +336,8 @@ def attention_with_kvcache(q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, 
 
     Raises:
         TypeError, ValueError: as :func:`check_kvcache_args`; on NumPy and torch CPU also a
-            length beyond the capacity (values are on the host there).
+            length beyond the capacity or a used ``block_table`` entry that names no page
+            (values are on the host there; checked before anything is written).
     """
     library = validate.library_of(q1, "q1")
     args = (q1, q2, k1_cache, k2_cache, v_cache, dist_threshold, cache_seqlens, k1_new, k2_new,

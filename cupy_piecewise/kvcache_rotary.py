@@ -216,13 +216,14 @@ def reference_with_rotary_kvcache(q1, q2, k_cache, v_cache, dist_threshold, cos,
 
     Raises:
         TypeError, ValueError: as :func:`check_rotary_args`, and a sequence whose cached length
-            plus appended rows exceeds the cache's capacity, or a negative length.
+            plus appended rows exceeds the cache's capacity, a negative length, or a used
+            ``block_table`` entry that names no page.
     """
     r = check_rotary_args(q1, q2, k_cache, v_cache, dist_threshold, cos, sin, cache_seqlens,
                           k_new, v_new, block_table, k1_group_size, k2_group_size, interleaved,
                           causal, sm_scale)
     a = r.kv
-    seq = kvcache.host_lengths(a, cache_seqlens)
+    seq = kvcache.host_lengths(a, cache_seqlens, block_table)
     extra = a.M if a.appended else 0
     o = np.zeros((a.B, a.H, a.M, a.D))
     lse = np.full((a.B, a.H, a.M), -np.inf)
@@ -287,7 +288,8 @@ def attention_with_rotary_kvcache(q1, q2, k_cache, v_cache, dist_threshold, *, c
 
     Raises:
         TypeError, ValueError: as :func:`check_rotary_args`; on NumPy and torch CPU also a
-            length beyond the capacity.
+            length beyond the capacity or a used ``block_table`` entry that names no page
+            (checked before anything is written).
     """
     library = validate.library_of(q1, "q1")
     args = (q1, q2, k_cache, v_cache, dist_threshold, cos, sin, cache_seqlens, k_new, v_new,

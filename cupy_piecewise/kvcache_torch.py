@@ -42,8 +42,8 @@ def _append_on_host(a, cache_seqlens, block_table, caches, news):
     """The CPU paths' append: checks the lengths (kvcache.host_lengths), writes ``news`` into
     ``caches`` (CPU tensors, in place) when the call appends, and returns the attended
     lengths (int32 NumPy) and the block table as NumPy (or None)."""
-    seq = kvcache.host_lengths(a, cache_seqlens.numpy())
     table = block_table.numpy() if block_table is not None else None
+    seq = kvcache.host_lengths(a, cache_seqlens.numpy(), table)
     if a.appended:
         with torch.no_grad():
             for cache, new in zip(caches, news):
@@ -98,8 +98,8 @@ def attention_with_kvcache(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens
     only what the schema takes is resolved first, each scalar checked so that errors name
     it: ``dist_threshold`` clamped to the cache (|d| <= capacity + M: the same comparisons,
     and an int64 for any integer) and ``sm_scale`` from None."""
-    tensors = (q1, q2, k1_cache, k2_cache, v_cache, cache_seqlens) + (
-        () if block_table is None else (block_table,))
+    tensors = (q1, q2, k1_cache, k2_cache, v_cache, cache_seqlens) + tuple(
+        x for x in (k1_new, k2_new, v_new, block_table) if x is not None)
     if not all(isinstance(x, Tensor) for x in tensors) or k1_cache.dim() != 4 or (
             block_table is not None and block_table.dim() != 2) or q1.dim() != 4:
         kvcache.check_kvcache_args(q1, q2, k1_cache, k2_cache, v_cache, w, cache_seqlens,
@@ -191,8 +191,8 @@ def attention_with_rotary_kvcache(q1, q2, k_cache, v_cache, w, cos, sin, cache_s
     so that errors name it (as :func:`attention_with_kvcache` does)."""
     from . import kvcache_rotary
 
-    tensors = (q1, q2, k_cache, v_cache, cos, sin, cache_seqlens) + (
-        () if block_table is None else (block_table,))
+    tensors = (q1, q2, k_cache, v_cache, cos, sin, cache_seqlens) + tuple(
+        x for x in (k_new, v_new, block_table) if x is not None)
     if not all(isinstance(x, Tensor) for x in tensors) or k_cache.dim() != 4 or (
             block_table is not None and block_table.dim() != 2) or q1.dim() != 4:
         kvcache_rotary.check_rotary_args(q1, q2, k_cache, v_cache, w, cos, sin, cache_seqlens,

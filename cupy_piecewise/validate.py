@@ -219,6 +219,8 @@ def check_deterministic(deterministic) -> bool:
 
 def _check_sm_scale(sm_scale, D: int) -> float:
     if sm_scale is None:
+        if D < 1:  # (callers that check shapes first never get here with D = 0)
+            raise ValueError("q1 has head_dim 0; head_dim (last dimension) must be at least 1")
         return 1.0 / math.sqrt(D)
     if isinstance(sm_scale, (bool, np.bool_)) or not isinstance(sm_scale, numbers.Real):
         raise TypeError(

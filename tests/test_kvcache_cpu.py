@@ -266,3 +266,99 @@ def test_negative_lengths_are_refused_on_the_host_paths():
     with pytest.raises(ValueError, match="capacity"):
         cupy_piecewise.attention_with_kvcache(q1, q2, *caches, 2,
                                               cache_seqlens=np.array([1, -1, 3], np.int32))
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("entry", [-1, 99])
+def test_a_used_block_table_entry_outside_the_pages_is_refused_before_any_write(lib, entry):
+    """Paged host paths: a used entry that names no page raises ValueError naming
+    block_table, and the caches are unchanged (no partial append); garbage in entries past
+    a sequence's last used block is never read."""
+    rng = np.random.default_rng(11)
+    B, H, Hkv, M, D = 2, 2, 1, 2, 16
+    q1, q2 = (rng.standard_normal((B, H, M, D)) for _ in range(2))
+    pages = [rng.standard_normal((4, Hkv, 16, D)) for _ in range(3)]
+    new = [rng.standard_normal((B, Hkv, M, D)) for _ in range(3)]
+    seq = np.array([15, 3], np.int32)  # sequence 0's append spills into its second block
+    table = np.array([[0, entry], [2, entry]], np.int32)  # sequence 1 uses only block 0
+    conv = (lambda x: torch.from_numpy(x)) if lib == "torch" else (lambda x: x)
+    if lib == "torch":
+        pytest.importorskip("torch")
+    work = [conv(p.copy()) for p in pages]
+    with pytest.raises(ValueError, match=r"block_table\[0\] uses page"):
+        cupy_piecewise.attention_with_kvcache(
+            conv(q1), conv(q2), *work, 3, cache_seqlens=conv(seq), block_table=conv(table),
+            k1_new=conv(new[0]), k2_new=conv(new[1]), v_new=conv(new[2]))
+    for w_, p in zip(work, pages):
+        np.testing.assert_array_equal(np.asarray(w_), p)
+    # sequence 0 now fits its first block: entry 1 of both rows is unused garbage
+    seq = np.array([13, 3], np.int32)
+    o = cupy_piecewise.attention_with_kvcache(
+        conv(q1), conv(q2), *work, 3, cache_seqlens=conv(seq), block_table=conv(table),
+        k1_new=conv(new[0]), k2_new=conv(new[1]), v_new=conv(new[2]))
+    assert np.isfinite(np.asarray(o)).all()
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", ["int32", "bool", "complex128"])
+def test_non_float_dtypes_are_refused(lib, dtype):
+    if lib == "torch":
+        pytest.importorskip("torch")
+    q = np.ones((1, 1, 1, 16), dtype)
+    c = np.ones((1, 1, 8, 16), dtype)
+    conv = (lambda x: torch.from_numpy(x)) if lib == "torch" else (lambda x: x)
+    with pytest.raises(TypeError, match="q1 has dtype"):
+        cupy_piecewise.attention_with_kvcache(conv(q), conv(q), conv(c), conv(c), conv(c), 0,
+                                              cache_seqlens=conv(np.array([3], np.int32)))
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_head_dim_zero_is_refused_naming_q1(lib):
+    if lib == "torch":
+        pytest.importorskip("torch")
+    conv = (lambda x: torch.from_numpy(x)) if lib == "torch" else (lambda x: x)
+    q = np.ones((1, 1, 1, 0))
+    c = np.ones((1, 1, 8, 0))
+    with pytest.raises(ValueError, match="q1 has head_dim 0"):
+        cupy_piecewise.attention_with_kvcache(conv(q), conv(q), conv(c), conv(c), conv(c), 0,
+                                              cache_seqlens=conv(np.array([3], np.int32)))
+
+
+def test_torch_new_keys_that_are_not_tensors_are_refused_by_name():
+    torch = pytest.importorskip("torch")
+    q = torch.ones(1, 1, 1, 16, dtype=torch.float64)
+    c = [torch.ones(1, 1, 8, 16, dtype=torch.float64) for _ in range(3)]
+    with pytest.raises(TypeError, match="k1_new"):
+        cupy_piecewise.attention_with_kvcache(
+            q, q, *c, 0, cache_seqlens=torch.tensor([3], dtype=torch.int32),
+            k1_new=np.ones((1, 1, 1, 16)), k2_new=q, v_new=q)
+
+
+def test_a_paged_cache_without_pages_attends_nothing():
+    q = np.ones((2, 1, 1, 16))
+    pages = [np.ones((0, 1, 16, 16)) for _ in range(3)]
+    o, lse = cupy_piecewise.attention_with_kvcache(
+        q, q, *pages, 0, cache_seqlens=np.zeros(2, np.int32),
+        block_table=np.zeros((2, 0), np.int32), return_lse=True)
+    assert (o == 0).all() and np.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_an_expanded_cache_is_refused_when_new_keys_are_written(lib):
+    """A stride-0 (broadcast) cache axis would alias rows: refused naming the cache on
+    every path, not only on the GPU."""
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+        row = torch.ones(1, 1, 1, 16, dtype=torch.float64)
+        cache = row.expand(1, 1, 8, 16)
+        conv = torch.from_numpy
+    else:
+        cache = np.lib.stride_tricks.as_strided(np.ones(16), (1, 1, 8, 16), (0, 0, 0, 8),
+                                                writeable=True)
+        conv = lambda x: x  # noqa: E731
+    q = conv(np.ones((1, 1, 1, 16)))
+    fresh = [conv(np.ones((1, 1, 8, 16))) for _ in range(2)]
+    with pytest.raises(ValueError, match="k1_cache: new keys are written"):
+        cupy_piecewise.attention_with_kvcache(
+            q, q, cache, *fresh, 0, cache_seqlens=conv(np.array([3], np.int32)),
+            k1_new=q, k2_new=q, v_new=q)
