@@ -371,3 +371,46 @@ def test_bitwise_ab_decode_cases():
                                       (128, "float16", 1, 4096), (128, "float16", 4, 4096)]
     a.decode = False
     assert bitwise_ab.cases_of(a)[:2] == [(64, "float16", False, 4096), (64, "float16", True, 4096)]
+
+
+def test_offline_sass_parses_tiles_opcodes_and_loops():
+    offline_sass = pytest.importorskip("offline_sass")
+    assert str(offline_sass.parse_tiles("64x128x8")) == "64x128x8x2"
+    with pytest.raises(ValueError, match="--tiles"):
+        offline_sass.parse_tiles("64x128")
+    assert offline_sass.opcode("@!P0 LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]") == \
+        "LDGSTS.E.BYPASS.128"
+    assert offline_sass.opcode("@UPT HMMA.16816.F32.BF16 R0, R4, R8, R0") == \
+        "HMMA.16816.F32.BF16"
+    text = ["        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+            "        /*0010*/                   HMMA.16816.F32.BF16 R0, R4, R8, R0 ;",
+            "        /*0020*/                   HMMA.16816.F32.BF16 R0, R4, R8, R0 ;",
+            "        /*0030*/               @P0 BRA 0x10 ;",
+            "        /*0040*/                   FADD R0, R0, R1 ;",
+            "        /*0050*/              @!P1 BRA `(.L_x_3) 0x0 ;",
+            "        /*0060*/                   BRA 0x70 ;"]
+    instrs = [(int(m.group(1), 16), m.group(2))
+              for m in map(offline_sass._ADDR.match, text) if m]
+    assert len(instrs) == 7
+    found = offline_sass.loops(instrs, 5)
+    # two backward branches (to 0x10 and to 0x0), the larger first; the forward one is none
+    assert [(lo, hi) for lo, hi, _ in found] == [(0x0, 0x50), (0x10, 0x30)]
+    assert found[1][2] == {"HMMA.16816.F32.BF16": 2, "BRA": 1}
+
+
+def test_offline_sass_builds_the_d64_grid_backward():
+    """The whole path (NVRTC PTX -> ptxas -> cuobjdump) where the tools are installed."""
+    offline_sass = pytest.importorskip("offline_sass")
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    if not (offline_sass.find_tool("ptxas") and offline_sass.find_tool("cuobjdump")):
+        pytest.skip("ptxas or cuobjdump not installed (CUDA toolkit or nvidia-cuda-* wheels)")
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = offline_sass.main(["--phase", "bwd_grid", "--head-dim", "64", "--tiles",
+                                "64x64x4", "--loops", "1"])
+    out = buf.getvalue()
+    assert rc == 0, out
+    assert "pw_backward_grid<bf16_t, 64, 64, 64, 4, false> sm_90 default" in out
+    assert "spills 0/0" in out and "HMMA.16816.F32.BF16" in out
