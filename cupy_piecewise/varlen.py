@@ -17,6 +17,8 @@ differentiable) run each sequence through :func:`cupy_piecewise.attention`.
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from . import api, validate
@@ -24,12 +26,16 @@ from . import api, validate
 __all__ = ["attention_varlen", "attention_varlen_backward"]
 
 
-def _host_ints(cu, name: str, library: str):
+def _host_ints(cu, name: str, library: str, device):
     """``cu`` as a list of Python ints, checked: a 1-D integer array of the inputs' library
-    with at least two entries, starting at 0, non-decreasing."""
+    and device with at least two entries, starting at 0, non-decreasing."""
     lib = validate.library_of(cu, name)
     if lib != library:
         raise TypeError(f"{name} is a {lib} array but the inputs are {library} arrays")
+    dev = validate._device_key(cu, library)
+    if dev != device:
+        raise ValueError(f"{name} is on {validate._describe_device(dev)}; the running totals "
+                         f"must be on the inputs' device ({validate._describe_device(device)})")
     shape = tuple(int(n) for n in cu.shape)
     if len(shape) != 1 or shape[0] < 2:
         raise ValueError(f"{name} must be 1-D with B + 1 >= 2 entries, got shape {shape}")
@@ -45,26 +51,62 @@ def _host_ints(cu, name: str, library: str):
     return values
 
 
-def _plan(q1, k1, cu_q, cu_k, max_q, max_k):
-    """Checked (cu_q, cu_k) lists for CPU inputs of the given library and packed lengths."""
+def _as_4d(library: str, x):
+    """A packed (total, heads, D) array as a (1, heads, total, D) view (for the checks)."""
+    if len(x.shape) != 3:
+        return x  # check_inputs names it with the right message after the rank test below
+    return x.transpose(0, 1)[None] if library == "torch" else x.transpose(1, 0, 2)[None]
+
+
+def _check_max(value, name: str, total: int) -> int:
+    """A ``max_seqlen`` argument as an int in [0, total]; TypeError / ValueError naming it."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int or None, got bool")
+    try:
+        value = operator.index(value)  # int and NumPy integers
+    except TypeError:
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}") from None
+    if not 0 <= value <= total:
+        raise ValueError(f"{name}={value} must lie in [0, {total}] (the packed length)")
+    return value
+
+
+def _plan(q1, k1, q2, k2, v, cu_q, cu_k, max_q, max_k, w, causal, sm_scale):
+    """Checked (cu_q, cu_k) lists for a CPU call: the five packed arrays as
+    :func:`cupy_piecewise.validate.check_inputs` checks a (1, H, total, D) call (ranks,
+    shapes, one dtype, library and device), the running totals and the max_seqlen bounds."""
     library = validate.library_of(q1, "q1")
-    for name, x in (("q1", q1), ("k1", k1)):
+    for name, x in (("q1", q1), ("k1", k1), ("q2", q2), ("k2", k2), ("v", v)):
+        validate.library_of(x, name)
         if len(x.shape) != 3:
             raise ValueError(f"{name} must have 3 dimensions (total, heads, head_dim) in a packed "
                              f"batch, got shape {tuple(x.shape)}")
-    cq = _host_ints(cu_q, "cu_seqlens_q", library)
-    ck = _host_ints(cu_k, "cu_seqlens_k", library)
+    dense = validate.check_inputs(*(_as_4d(library, x) for x in (q1, k1, q2, k2, v)), w, causal,
+                                  sm_scale)
+    device = validate._device_key(q1, library)
+    cq = _host_ints(cu_q, "cu_seqlens_q", library, device)
+    ck = _host_ints(cu_k, "cu_seqlens_k", library, device)
     if len(cq) != len(ck):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
                          f"sequences, got {len(cq) - 1} and {len(ck) - 1}")
-    for name, cu, total in (("cu_seqlens_q", cq, int(q1.shape[0])), ("cu_seqlens_k", ck, int(k1.shape[0]))):
+    for name, cu, total in (("cu_seqlens_q", cq, dense.M), ("cu_seqlens_k", ck, dense.N)):
         if cu[-1] != total:
             raise ValueError(f"{name} must end at the packed length {total}, got {cu[-1]}")
-    for name, cu, limit in (("max_seqlen_q", cq, max_q), ("max_seqlen_k", ck, max_k)):
+    for name, cu, limit, total in (("max_seqlen_q", cq, max_q, dense.M),
+                                   ("max_seqlen_k", ck, max_k, dense.N)):
         longest = max(b - a for a, b in zip(cu, cu[1:]))
-        if limit is not None and int(limit) < longest:
+        if limit is not None and _check_max(limit, name, total) < longest:
             raise ValueError(f"{name}={limit} is below the longest sequence ({longest})")
     return library, cq, ck
+
+
+def _check_backward_shapes(q1, k1, do, o, lse, dlse):
+    """``do`` and ``o`` of q1's packed shape, ``lse`` and ``dlse`` (H, total_q)."""
+    total_q, H, D = (int(n) for n in q1.shape)
+    for name, x, shape in (("do", do, (total_q, H, D)), ("o", o, (total_q, H, D)),
+                           ("lse", lse, (H, total_q)), ("dlse", dlse, (H, total_q))):
+        if x is not None and tuple(int(n) for n in x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
 
 
 def _seq(x, a: int, b: int):
@@ -160,7 +202,8 @@ def attention_varlen(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, dist_thresho
                                 dist_threshold, max_seqlen_q, max_seqlen_k, causal, sm_scale)
         o, lse = varlen_gpu.forward(pk, ad.OPS, q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k)
         return (o, lse) if return_lse else o
-    library, cq, ck = _plan(q1, k1, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    library, cq, ck = _plan(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, dist_threshold, causal, sm_scale)
     os, ls = [], []
     for (qa, qb), (ka, kb) in zip(zip(cq, cq[1:]), zip(ck, ck[1:])):
         o, lse = api.attention(_seq(q1, qa, qb), _seq(k1, ka, kb), _seq(q2, qa, qb),
@@ -202,7 +245,13 @@ def attention_varlen_backward(do, q1, k1, q2, k2, v, o, lse, cu_seqlens_q, cu_se
                                 dist_threshold, max_seqlen_q, max_seqlen_k, causal, sm_scale)
         return varlen_gpu.backward(pk, ad.OPS, do, q1, k1, q2, k2, v, o, lse, cu_seqlens_q,
                                    cu_seqlens_k, dlse, deterministic)
-    library, cq, ck = _plan(q1, k1, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    library, cq, ck = _plan(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, dist_threshold, causal, sm_scale)
+    for name, x in (("do", do), ("o", o), ("lse", lse), ("dlse", dlse)):
+        if x is not None and validate.library_of(x, name) != library:
+            raise TypeError(f"{name} is a {validate.library_of(x, name)} array but the inputs "
+                            f"are {library} arrays")
+    _check_backward_shapes(q1, k1, do, o, lse, dlse)
     parts = [[] for _ in range(5)]
     for (qa, qb), (ka, kb) in zip(zip(cq, cq[1:]), zip(ck, ck[1:])):
         d = None if dlse is None else dlse[:, qa:qb][None]

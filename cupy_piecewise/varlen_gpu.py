@@ -8,11 +8,11 @@ host synchronisation when both ``max_seqlen_q`` and ``max_seqlen_k`` are given.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import replace
 from typing import NamedTuple
 
 from . import core, launch, validate, varlen_launch
+from .varlen import _as_4d, _check_max
 from .core import ArrayOps
 from .core.memo import Memo
 
@@ -28,13 +28,6 @@ class Packed(NamedTuple):
 
     problem: validate.Problem
     shape: varlen_launch.VarlenShape
-
-
-def _as_4d(library: str, x):
-    """A packed (total, heads, D) array as a (1, heads, total, D) view (for the checks)."""
-    if len(x.shape) != 3:
-        return x  # check_inputs names it with the right message after the rank test below
-    return x.transpose(0, 1)[None] if library == "torch" else x.transpose(1, 0, 2)[None]
 
 
 def _check_cu(cu, name: str, library: str, device: int) -> int:
@@ -67,18 +60,6 @@ def _longest(cu, name: str, total: int) -> int:
     if values[-1] != total:
         raise ValueError(f"{name} must end at the packed length {total}, got {values[-1]}")
     return max(b - a for a, b in zip(values, values[1:]))
-
-
-def _check_max(value, name: str, total: int) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or None, got bool")
-    try:
-        value = operator.index(value)  # int and NumPy integers
-    except TypeError:
-        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}") from None
-    if not 0 <= value <= total:
-        raise ValueError(f"{name}={value} must lie in [0, {total}] (the packed length)")
-    return value
 
 
 def prepare(ops: ArrayOps, q1, k1, q2, k2, v, cu_q, cu_k, w, max_q, max_k, causal,

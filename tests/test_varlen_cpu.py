@@ -166,3 +166,42 @@ def test_torch_varlen_backward_formula_binds_its_arguments(monkeypatch):
     assert (bound["w"], bound["max_seqlen_q"], bound["max_seqlen_k"], bound["causal"],
             bound["sm_scale"], bound["deterministic"]) == (7, 10, 12, True, 0.5, True)
     assert bound["dlse"] is dlse
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_every_packed_array_and_bound_is_checked_by_name(lib):
+    """The CPU paths check all five packed arrays (not only q1 and k1), the backward's do,
+    o, lse and dlse, the max_seqlen bounds' type and range, and the totals' device: extra
+    rows are refused, never silently ignored."""
+    (q1, k1, q2, k2, v), (cq, ck) = packed([3, 0, 4], [5, 0, 4])
+    conv = torch.from_numpy if lib == "torch" else (lambda x: x)
+    cat = (lambda x: torch.cat([x, x[:2]])) if lib == "torch" else (
+        lambda x: np.concatenate([x, x[:2]]))
+    q1, k1, q2, k2, v, cq, ck = map(conv, (q1, k1, q2, k2, v, cq, ck))
+    call = cpw.attention_varlen
+    for args, match in (((q1, k1, cat(q2), k2, v), "q2 has length"),
+                        ((q1, k1, q2, k2, cat(v)), "v has length"),
+                        ((q1, k1, q2[None], k2, v), "q2 must have 3 dimensions"),
+                        ((q1, k1, q2, k2, v[:, :, 0]), "v must have 3 dimensions")):
+        with pytest.raises(ValueError, match=match):
+            call(*args, cq, ck, 1)
+    for bound, err, match in ((3.5, TypeError, "max_seqlen_q must be an int"),
+                              ("x", TypeError, "max_seqlen_q must be an int"),
+                              (True, TypeError, "max_seqlen_q must be an int"),
+                              (10 ** 6, ValueError, r"max_seqlen_q=1000000 must lie in \[0, 7\]"),
+                              (3, ValueError, "below the longest sequence")):
+        with pytest.raises(err, match=match):
+            call(q1, k1, q2, k2, v, cq, ck, 1, max_seqlen_q=bound)
+    o, lse = call(q1, k1, q2, k2, v, cq, ck, 1, return_lse=True, max_seqlen_q=4, max_seqlen_k=5)
+    do = o * 0.5
+    bwd = cpw.attention_varlen_backward
+    for kw, match in ((dict(do=cat(do)), r"do must have shape \(7, 4, 16\)"),
+                      (dict(o=o[:3]), r"o must have shape \(7, 4, 16\)"),
+                      (dict(lse=lse[:, :3]), r"lse must have shape \(4, 7\)"),
+                      (dict(dlse=lse[None]), r"dlse must have shape \(4, 7\)")):
+        a = dict(do=do, o=o, lse=lse, dlse=None) | kw
+        with pytest.raises(ValueError, match=match):
+            bwd(a["do"], q1, k1, q2, k2, v, a["o"], a["lse"], cq, ck, 1, dlse=a["dlse"])
+    if lib == "torch":
+        with pytest.raises(ValueError, match="cu_seqlens_q is on meta"):
+            call(q1, k1, q2, k2, v, cq.to("meta"), ck, 1)
