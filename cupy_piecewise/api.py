@@ -100,7 +100,7 @@ def attention(q1, k1, q2, k2, v, dist_threshold, *, causal=False, sm_scale=None,
             difference. ``q_offset=None`` (default) means ``k_offset + N - M``:
             the queries end where the keys end, the rule above. Use them to
             split the keys of one attention into chunks (and merge the chunks
-            by ``lse``: docs/semantics.md, "Merging partial attentions").
+            by ``lse``: docs/semantics.md, "Gradient through lse").
 
     All five arrays come from one library (NumPy, CuPy, torch, or any other
     with ``__dlpack__``), live on one device and share one dtype:

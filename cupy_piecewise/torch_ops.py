@@ -28,9 +28,9 @@ float64 for float64 inputs, processing query rows in chunks so that the score
 matrices stay below a fixed memory budget.
 
 ``lse`` is float32, except for float64 CPU inputs where it is float64 (the CPU path
-keeps full precision so that ``torch.autograd.gradcheck`` holds). ``lse`` is an
-auxiliary output: it is marked non-differentiable (a gradient flowing into it is
-not propagated). Double backward is not supported (``bwd`` has no autograd formula).
+keeps full precision so that ``torch.autograd.gradcheck`` holds). ``lse`` carries
+gradients (``ds = p * (dp - delta + dlse)``; :func:`attention`'s Returns). Double
+backward is not supported (``bwd`` has no autograd formula).
 
 Per-call cost: the argument checks (:func:`cupy_piecewise.validate.check_inputs`) and
 the launch planning (tile lookup, grid, the packed kernel parameters:
@@ -48,7 +48,6 @@ does not ask for ``lse`` neither allocates nor stores it.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -357,11 +356,16 @@ def attention(
         # (memoised, so once per signature); the fake implementation gives shapes.
         # Offsets are checked here, before the operator's int64 schema sees them (eager
         # calls check them in _call, once per signature).
+        # The scalars are checked here too: the schema would turn w=True into 1 and
+        # causal=1 into True before the body could refuse them (a symbolic w or scale,
+        # under dynamic shapes, passes through to the body's checks).
         validate.check_offsets(q_offset, k_offset)
-        scale = 1.0 / math.sqrt(q1.shape[-1]) if sm_scale is None else float(sm_scale)
-        w = dist_threshold
-        if isinstance(w, int) and not isinstance(w, bool):
-            w = max(-_W_LIMIT, min(_W_LIMIT, w))
+        w, scale = dist_threshold, sm_scale
+        if not isinstance(w, torch.SymInt):
+            w = max(-_W_LIMIT, min(_W_LIMIT, validate._check_w(w)))
+        causal = validate._check_causal(causal)
+        if not isinstance(scale, torch.SymFloat):
+            scale = validate._check_sm_scale(scale, q1.shape[-1])
         o, lse = fwd_op(q1, k1, q2, k2, v, w, causal, scale, det, q_offset, k_offset)
     else:
         call = _call(q1, k1, q2, k2, v, dist_threshold, causal, sm_scale, q_offset, k_offset)

@@ -426,3 +426,21 @@ def test_example_script_runs():
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("w,kw,match", [
+    (True, {}, "dist_threshold"), (2.5, {}, "dist_threshold"), (2, {"causal": 1}, "causal"),
+    (2, {"causal": "yes"}, "causal"), (2, {"sm_scale": True}, "sm_scale"),
+    (2, {"sm_scale": -1.0}, "sm_scale"),
+])
+def test_bad_scalars_are_refused_under_torch_compile_as_in_eager(w, kw, match):
+    """The compiled call checks its scalars before the operator's schema converts them
+    (w=True would become 1, causal=1 True): the same TypeError/ValueError as eager."""
+    g = torch.Generator().manual_seed(3)
+    x = [torch.randn(1, 2, 8, 16, generator=g) for _ in range(5)]
+    with pytest.raises((TypeError, ValueError), match=match):
+        cupy_piecewise.attention(*x, w, **kw)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda *a: cupy_piecewise.attention(*a, w, **kw), backend="eager")
+    with pytest.raises((TypeError, ValueError), match=match):
+        fn(*x)
