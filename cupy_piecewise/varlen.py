@@ -53,8 +53,6 @@ def _host_ints(cu, name: str, library: str, device):
 
 def _as_4d(library: str, x):
     """A packed (total, heads, D) array as a (1, heads, total, D) view (for the checks)."""
-    if len(x.shape) != 3:
-        return x  # check_inputs names it with the right message after the rank test below
     return x.transpose(0, 1)[None] if library == "torch" else x.transpose(1, 0, 2)[None]
 
 
@@ -71,18 +69,25 @@ def _check_max(value, name: str, total: int) -> int:
     return value
 
 
-def _plan(q1, k1, q2, k2, v, cu_q, cu_k, max_q, max_k, w, causal, sm_scale):
-    """Checked (cu_q, cu_k) lists for a CPU call: the five packed arrays as
-    :func:`cupy_piecewise.validate.check_inputs` checks a (1, H, total, D) call (ranks,
-    shapes, one dtype, library and device), the running totals and the max_seqlen bounds."""
-    library = validate.library_of(q1, "q1")
+def check_packed(library: str, q1, k1, q2, k2, v, w, causal, sm_scale) -> validate.Problem:
+    """The five packed arrays checked as :func:`cupy_piecewise.validate.check_inputs` checks
+    a (1, H, total, D) call (after a rank check that names the array): ranks, shapes, one
+    dtype, library and device, and the scalars. Returns that (1, H, total, D) Problem."""
     for name, x in (("q1", q1), ("k1", k1), ("q2", q2), ("k2", k2), ("v", v)):
         validate.library_of(x, name)
         if len(x.shape) != 3:
             raise ValueError(f"{name} must have 3 dimensions (total, heads, head_dim) in a packed "
                              f"batch, got shape {tuple(x.shape)}")
-    dense = validate.check_inputs(*(_as_4d(library, x) for x in (q1, k1, q2, k2, v)), w, causal,
-                                  sm_scale)
+    return validate.check_inputs(*(_as_4d(library, x) for x in (q1, k1, q2, k2, v)), w, causal,
+                                 sm_scale)
+
+
+def _plan(q1, k1, q2, k2, v, cu_q, cu_k, max_q, max_k, w, causal, sm_scale):
+    """Checked (cu_q, cu_k) lists for a CPU call: the five packed arrays as
+    :func:`cupy_piecewise.validate.check_inputs` checks a (1, H, total, D) call (ranks,
+    shapes, one dtype, library and device), the running totals and the max_seqlen bounds."""
+    library = validate.library_of(q1, "q1")
+    dense = check_packed(library, q1, k1, q2, k2, v, w, causal, sm_scale)
     device = validate._device_key(q1, library)
     cq = _host_ints(cu_q, "cu_seqlens_q", library, device)
     ck = _host_ints(cu_k, "cu_seqlens_k", library, device)

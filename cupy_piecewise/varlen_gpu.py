@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from . import core, launch, validate, varlen_launch
-from .varlen import _as_4d, _check_max
+from .varlen import _check_max, check_packed
 from .core import ArrayOps
 from .core.memo import Memo
 
@@ -94,13 +94,7 @@ def prepare(ops: ArrayOps, q1, k1, q2, k2, v, cu_q, cu_k, w, max_q, max_k, causa
             key = hit = None
         if hit is not None:
             return hit
-    for name, x in (("q1", q1), ("k1", k1), ("q2", q2), ("k2", k2), ("v", v)):
-        validate.library_of(x, name)
-        if len(x.shape) != 3:
-            raise ValueError(f"{name} must have 3 dimensions (total, heads, head_dim) in a "
-                             f"packed batch, got shape {tuple(x.shape)}")
-    dense = validate.check_inputs(*(_as_4d(library, x) for x in (q1, k1, q2, k2, v)), w, causal,
-                                  sm_scale)
+    dense = check_packed(library, q1, k1, q2, k2, v, w, causal, sm_scale)
     if dense.library != library:
         raise TypeError(f"q1 is a {dense.library} array; expected {library} arrays here")
     validate.check_gpu_support(dense)
