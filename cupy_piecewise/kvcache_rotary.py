@@ -166,16 +166,27 @@ def apply_rotary(x, cos, sin, positions, interleaved=False):
         float64 array of ``x``'s shape.
 
     Raises:
-        ValueError: an odd head dim, or tables not of shape (positions, D // 2).
+        ValueError: an odd head dim, tables not of shape (positions, D // 2), or
+            ``positions`` not of shape (n,) with every entry in [0, len(cos)).
     """
     x = np.asarray(x, np.float64)
     D = x.shape[-1]
     c = np.asarray(cos, np.float64)
     s = np.asarray(sin, np.float64)
-    if D % 2 or c.ndim != 2 or c.shape[1] != D // 2 or s.shape != c.shape:
-        raise ValueError(f"apply_rotary: x of head dim {D} (even) takes (positions, {D // 2}) "
-                         f"tables, got cos {c.shape} and sin {s.shape}")
-    pos = np.asarray(positions, np.int64)
+    if D % 2:
+        raise ValueError(f"apply_rotary: x's head dim must be even, got {D}")
+    if c.ndim != 2 or c.shape[1] != D // 2 or s.shape != c.shape:
+        raise ValueError(f"apply_rotary: x of head dim {D} takes (positions, {D // 2}) tables, "
+                         f"got cos {c.shape} and sin {s.shape}")
+    pos = np.asarray(positions)
+    n = x.shape[-2] if x.ndim >= 2 else None
+    if pos.shape != (n,) or (pos.size and not np.issubdtype(pos.dtype, np.integer)):
+        raise ValueError(f"apply_rotary: positions must be ({n},) integers, one per row of x, "
+                         f"got shape {pos.shape} of {pos.dtype}")
+    if pos.size and (pos.min() < 0 or pos.max() >= c.shape[0]):
+        raise ValueError(f"apply_rotary: positions must lie in [0, {c.shape[0]}) (the tables' "
+                         f"rows), got {int(pos.min())} .. {int(pos.max())}")
+    pos = pos.astype(np.int64)
     c, s = c[pos], s[pos]
     out = np.empty_like(x)
     if interleaved:

@@ -149,7 +149,7 @@ def attention_varlen(q1, k1, q2, k2, v, cu_seqlens_q, cu_seqlens_k, dist_thresho
 
     Args:
         q1, q2: ``(total_q, H, D)`` packed queries; k1, k2, v: ``(total_k, Hkv, D)`` packed
-            keys and values (NumPy arrays or torch CPU tensors, one dtype).
+            keys and values (NumPy, CuPy or torch arrays: one library, device and dtype).
         cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 (or int64) running totals of the
             sequences' lengths, arrays of the inputs' library: 0, then non-decreasing, ending
             at ``total_q`` / ``total_k``. Zero-length sequences are allowed.

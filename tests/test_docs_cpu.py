@@ -57,3 +57,21 @@ def test_rerope_example_runs_its_checks_on_the_cpu():
     torch = pytest.importorskip("torch")
     example["check"]("cpu", torch.float64, 1e-10)
     example["check"]("cpu", torch.float32, 1e-5)
+
+
+def test_readme_numpy_api_block_prints_its_comment():
+    """README's first code block (## API, NumPy arrays) runs as written and prints what
+    its trailing comment says."""
+    import contextlib
+    import io
+    import re
+
+    readme = SEMANTICS.parents[1] / "README.md"
+    text = readme.read_text()
+    api = text[text.index("\n## API\n"):]
+    block = re.search(r"```python\n(.*?)```", api, re.S).group(1)
+    expected = re.search(r"print\(.*\)\s+#\s*(.+)", block).group(1).strip()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(block, "README.md (## API)", "exec"), {})
+    assert out.getvalue().strip() == expected

@@ -273,6 +273,16 @@ def test_apply_rotary_matches_complex_rotation_and_refuses_bad_tables():
                                    rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="apply_rotary"):
         cpw.apply_rotary(x, cos[:, :5], sin[:, :5], pos)
+    with pytest.raises(ValueError, match="head dim must be even, got 11"):
+        cpw.apply_rotary(x[..., :11], cos, sin, pos)
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 9\)"):
+        cpw.apply_rotary(x, cos, sin, np.array([0, 3, 9, 8, 1]))
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 9\)"):
+        cpw.apply_rotary(x, cos, sin, np.array([0, -1, 2, 8, 1]))
+    with pytest.raises(ValueError, match=r"positions must be \(5,\) integers"):
+        cpw.apply_rotary(x, cos, sin, pos[:4])
+    with pytest.raises(ValueError, match=r"positions must be \(5,\) integers"):
+        cpw.apply_rotary(x, cos, sin, pos.astype(float))
 
 
 def test_the_gpu_tests_host_code_runs_on_numpy():
