@@ -35,6 +35,14 @@ class Runner:
         self.args = args
         self.env = env
         self.timer = Timer(env, args.warmup_ms, args.rep_ms)
+        # an A/B build of kernels_cu/ timed through the whole table (PW_TEST_MACROS, as the GPU
+        # suite takes it), before any provider compiles a kernel; named in the header
+        from cupy_piecewise import compile as _compile
+
+        self.macros = " ".join(m.removeprefix("-D") for m in _compile.apply_test_macros())
+        if self.macros:
+            print(f"PW_TEST_MACROS: {self.macros} (every kernel built with these -D options)",
+                  flush=True)
         self.providers = make_providers(args.providers, env, args.plain_mem_gb * 1e9)
         self.t_start = time.perf_counter()
         self.results = {
@@ -75,7 +83,8 @@ class Runner:
             "cuda_runtime": torch.version.cuda,
             "python": platform.python_version(),
             "host": platform.node(),
-            "command": "python3 " + " ".join(shlex.quote(x) for x in sys.argv),
+            "command": (f"PW_TEST_MACROS={shlex.quote(self.macros)} " if self.macros else "")
+            + "python3 " + " ".join(shlex.quote(x) for x in sys.argv),
             "dry_run": a.dry_run,
             "quick": a.quick,
             "timer": self.timer.describe(),
@@ -84,7 +93,8 @@ class Runner:
                            "forward graph built outside the timed region; fwd_bwd = forward + autograd.grad",
             "flop_convention": "fwd 4*B*H*M*N*D (x0.5 when causal and M == N); bwd 2.5x fwd; fwd_bwd 3.5x fwd",
             "git_commit": _git_commit(),
-            "env": {k: os.environ.get(k) for k in ("CUPY_PIECEWISE_PATH", "CUPY_PIECEWISE_TILES")},
+            "env": {k: os.environ.get(k) for k in ("CUPY_PIECEWISE_PATH", "CUPY_PIECEWISE_TILES",
+                                                     "PW_TEST_MACROS")},
             # where a provider's code came from, when that can differ (flag_attn: the package or
             # FlagAttention's piecewise.py and the tile table it ran with)
             "provider_origins": {n: p.origin for n, p in self.providers.items()

@@ -104,6 +104,19 @@ template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
 // PW_GRID_GROUP1 (1, the default; 0 for A/B): the warp-grid backward skips the integer
 // division that maps a pass's tile index to (query head, tile) when there is no GQA
 // (pw_backward_grid, tile_of).
+// PW_GRID_TID_RELOAD (1, the default): the warp-grid backward's tile body re-reads
+// threadIdx.x (tid_reload) for its lane- and warp-derived offsets, which ptxas then
+// recomputes every tile instead of holding them across the loop: at D = 128 (64x128x8) the
+// held form spills 84-92 bytes. 0: never re-read; 2 (staged for an A/B, not yet timed):
+// re-read at D > 64 only. At D = 64 (64x64x4) the held form builds in 244-246 registers
+// without spills and its tile loop is 7% shorter (1546 -> 1437 instructions non-causal,
+// 1604 -> 1488 causal; bf16, NVRTC 13.5 PTX through ptxas 13.0, scripts/offline_sass.py,
+// 2026-12-06). At D = 64 time follows the instruction count more closely than at D = 128
+// (bench/NOTES.md, thirty-third section: 4.57 G instructions against FlashAttention-2's
+// 2.88 G for 1.29x its time), which is the reason to time it.
+#ifndef PW_GRID_TID_RELOAD
+#define PW_GRID_TID_RELOAD 1
+#endif
 #ifndef PW_GRID_GROUP1
 #define PW_GRID_GROUP1 1
 #endif
@@ -730,8 +743,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_grid(const Params p
     pipelined_tiles(0, per_head > 0 ? per_head * group : 0, issue, [&](int it, int stage) {
       // lane- and warp-derived offsets recomputed per tile from a fresh threadIdx read
       // (tid_reload): held across the loop they spill about 210 bytes at D = 128 (ptxas,
-      // NVRTC 13.5); recomputed, every entry builds without spills
-      const int lane = tid_reload() % 32, warp = tid_reload() / 32;
+      // NVRTC 13.5); recomputed, every entry builds without spills (PW_GRID_TID_RELOAD)
+      constexpr bool RELOAD = PW_GRID_TID_RELOAD == 1 || (PW_GRID_TID_RELOAD == 2 && D > 64);
+      const int lane = (RELOAD ? tid_reload() : (int)threadIdx.x) % 32,
+                warp = (RELOAD ? tid_reload() : (int)threadIdx.x) / 32;
       const int wk = warp % WK, wq = warp / WK;
       const i64 krow0 = n0 + wk * 32;
       const int keys = (int)clamp64(N - krow0, 0, 32);  // the warp's keys inside K

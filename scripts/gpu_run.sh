@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot tilebox rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot tilebox grid_reload grid_reload_bench rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -28,6 +28,16 @@
 # probe against the default, the decode table (paged 64 too) under the macro, and memcheck,
 # racecheck and synccheck on the KV-cache cases under it (TILEBOX_SANITIZE=0: not); about
 # 5-6 minutes, logs in logs/tilebox_*, logs/decode_tilebox.*, logs/racecheck_bulk_*.
+# grid_reload (not in all): the warp-grid backward with its lane/warp offsets held across
+# the tile loop at D = 64 (-DPW_GRID_TID_RELOAD=2, kernels_cu/backward.cu: 7% fewer static
+# instructions in the tile body, no spills; an A/B build): test_grid_backward_forced and the
+# mma.sync GPU cases of test_kernels_gpu.py under the macro, scripts/mma_bwd_ab.py (backward
+# alone, D 64 and 128, the 128 rows a control the macro does not change), memcheck and
+# racecheck on the D = 64 one-kernel backward under it; about 6-8 minutes, logs in
+# logs/grid_reload_*. grid_reload_bench (not in all): issue 15's D = 64 table (bench.py,
+# piecewise_mma beside sdpa_flash, sdpa_cudnn and flag_attn (carry .baselines), L 2048-16384)
+# under the macro, about 6 minutes, results in logs/grid_reload_bench (compare with the
+# mma_bench step's D = 64 rows, or run both in one call).
 # mma_probes (not in all): the mma.sync backward against SDPA flash (scripts/mma_bwd_probe.py,
 # bfloat16 and float16), then the forward's earlier forms -DPW_FWD_RAW_MAX=0 and =1
 # (kernels_cu/forward.cu: the default, 2, scales raw scores inside the exponential's fma in
@@ -341,6 +351,34 @@ if asked kvrot; then
     > "$logs/kvrot_probe.log" 2>&1
   rc=$?; echo "kvrot probe: exit $rc"; tail -16 "$logs/kvrot_probe.log"
   status=$((status | rc))
+fi
+if asked grid_reload; then
+  m="PW_GRID_TID_RELOAD=2"
+  PW_TEST_MACROS="$m" CUPY_PIECEWISE_PATH=mma timeout 420 python3 -m pytest -q -m gpu -x \
+    tests/test_kernels_gpu.py -k "grid_backward_forced or (mma and (64 or 128) and not hopper)" \
+    2>&1 | tee "$logs/grid_reload_pytest.log" | tail -3
+  rc=${PIPESTATUS[0]}; echo "grid_reload tests: exit $rc"; status=$((status | rc))
+  timeout 300 python3 scripts/mma_bwd_ab.py --modes default --dims 64,128 --lengths 2048,8192 \
+    --dtypes bf16,fp16 --rounds 3 --reps 20 --variants "$m" \
+    --out "$logs/grid_reload_ab.txt" > "$logs/grid_reload_ab.log" 2>&1
+  rc=$?; echo "grid_reload ab: exit $rc"; tail -20 "$logs/grid_reload_ab.log"; status=$((status | rc))
+  for tool in memcheck racecheck; do
+    extra=""; [[ $tool == memcheck ]] && extra="--report-api-errors no"
+    PW_TEST_MACROS="$m" SANITIZE_DIMS=64 SANITIZE_PATHS=mma SANITIZE_SKIP=kvcache,rotary,varlen,torch \
+      timeout 240 compute-sanitizer --tool $tool $extra --kernel-name regex:pw_backward_grid \
+      --error-exitcode 9 python3 scripts/sanitize_cases.py \
+      > "$logs/grid_reload_sanitize_$tool.log" 2>&1
+    rc=$?; echo "grid_reload $tool: exit $rc"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Traceback" "$logs/grid_reload_sanitize_$tool.log" | tail -3
+    status=$((status | rc))
+  done
+fi
+if asked grid_reload_bench; then
+  PW_TEST_MACROS="PW_GRID_TID_RELOAD=2" timeout 420 python3 bench/bench.py --lengths 2048,8192,16384 --dims 64 \
+    --dtypes bf16,fp16 --providers piecewise_mma,sdpa_flash,sdpa_cudnn,flag_attn --phases fwd,fwd_bwd \
+    --sections main --budget-s 300 --no-plots --out "$logs/grid_reload_bench" \
+    > "$logs/grid_reload_bench.log" 2>&1
+  rc=$?; echo "grid_reload bench: exit $rc"; status=$((status | rc))
 fi
 if asked tilebox; then
   # the Hopper decode's whole-tile boxes (-DKV90_TILE_BOX=1, kernels_cu/sm90/kvdecode.cu): its

@@ -148,6 +148,7 @@ def test_dry_run_end_to_end(tmp_path):
     out = tmp_path / "res"
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PW_TEST_MACROS"] = "PW_GRID_TID_RELOAD=2"  # an A/B build is named in the header
     proc = subprocess.run([sys.executable, BENCH, "--dry-run", "--out", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -158,6 +159,8 @@ def test_dry_run_end_to_end(tmp_path):
     for k in ("date_utc", "gpu", "torch", "cupy", "triton", "command", "timer", "flop_convention"):
         assert k in h, k
     assert h["dry_run"] is True
+    assert h["command"].startswith("PW_TEST_MACROS=PW_GRID_TID_RELOAD=2 python3 "), h["command"]
+    assert h["env"]["PW_TEST_MACROS"] == "PW_GRID_TID_RELOAD=2"
 
     assert res["main"], "no main-sweep measurements"
     for r in res["main"]:

@@ -411,6 +411,31 @@ def test_grid_backward_division_forms_build_without_spills(nvrtc, monkeypatch, g
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
+@pytest.mark.parametrize("cc", sorted(capability.TABLE))
+def test_grid_backward_reload_mode_2_builds_without_spills(nvrtc, monkeypatch, cc):
+    """-DPW_GRID_TID_RELOAD=2 (kernels_cu/backward.cu, staged for an A/B): the warp-grid
+    backward holds its lane- and warp-derived offsets across the tile loop at D = 64 and
+    re-reads threadIdx.x per tile above it. Every bwd_grid entry of every listed
+    architecture builds without spills in that form; the D = 64 entries' reports differ
+    from the default's (the macro reached them), the D = 128 ones do not."""
+    from cupy_piecewise import compile as comp
+
+    vs = sorted({Variant(phase, dt, d, t, c)
+                 for phase, d, dt, c, t in capability.selectable_configs(cc)
+                 if phase == "bwd_grid"}, key=str)
+    if not vs:
+        pytest.skip(f"no bwd_grid entry for {cc}")
+    base = comp.arch_options
+    default = {r.variant: (r.registers, r.spill_stores) for r in compile_offline(cc, vs)}
+    monkeypatch.setattr(comp, "arch_options",
+                        lambda c, hopper=False: base(c, hopper) + ("-DPW_GRID_TID_RELOAD=2",))
+    for r in compile_offline(cc, vs):
+        assert r.ok and r.registers, (r.variant, r.log)
+        assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+        moved = (r.registers, r.spill_stores) != default[r.variant]
+        assert moved == (r.variant.head_dim == 64), (r.variant, default[r.variant], r.registers)
+
+
 @pytest.mark.parametrize("reload", [0, 1])
 def test_one_key_d64_forward_builds_without_spills(nvrtc, monkeypatch, reload):
     """The D = 64 one-key-slot forward (PW_FWD_ONE_K_D64, the default: 128-key tiles),
