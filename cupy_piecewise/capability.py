@@ -453,10 +453,17 @@ KV90_ROT_STAGE_UNSPLIT = False
 #: changes it.
 KV90_TILE_BOX = 0
 
+#: Host mirror of -DPW_GRID_TWO_DS (kernels_cu/traits.cuh; an A/B build, off by default):
+#: the warp-grid backward keeps Pᵀ and dSᵀ in two buffers at head dim 64 with 4 warps too
+#: (:func:`grid_two_ds_buffers`), 102400 bytes a block, over sm_86/89's limit. Only
+#: :func:`apply_kernel_macros` changes it.
+GRID_TWO_DS_D64 = False
+
 #: kernel macro -> this module's mirror of it (the launch's shared-memory size or its
 #: arguments depend on it)
 _MACRO_MIRRORS = {"PW_FWD_Q_ROTATE": "FWD_Q_ROTATE", "PW_FWD_ONE_K_D64": "FWD_ONE_K_D64",
-                  "KV90_ROT_STAGE": "KV90_ROT_STAGE", "KV90_TILE_BOX": "KV90_TILE_BOX"}
+                  "KV90_ROT_STAGE": "KV90_ROT_STAGE", "KV90_TILE_BOX": "KV90_TILE_BOX",
+                  "PW_GRID_TWO_DS": "GRID_TWO_DS_D64"}
 #: the mirrors' values without any macro (tests restore them: tests/test_capability.py)
 _MIRROR_DEFAULTS = {name: globals()[name] for name in _MACRO_MIRRORS.values()}
 
@@ -483,8 +490,9 @@ def grid_two_ds_buffers(head_dim: int, cfg: TileConfig) -> bool:
     (else dSᵀ overwrites Pᵀ after dV's product): head dims up to 64 with 8 warps, where the
     second buffer fits every listed architecture that can run the entry. The kernel's rule is
     ``grid_two_ds_buffers`` of kernels_cu/traits.cuh (tests/test_traits_cpu.py compares the
-    layouts)."""
-    return head_dim <= 64 and cfg.num_warps == 8
+    layouts). With :data:`GRID_TWO_DS_D64` (the mirror of -DPW_GRID_TWO_DS, an A/B build)
+    also at 4 warps."""
+    return head_dim <= 64 and (cfg.num_warps == 8 or (GRID_TWO_DS_D64 and cfg.num_warps == 4))
 
 
 def _grid_dq_tiles_fit(head_dim: int, warps: int) -> bool:

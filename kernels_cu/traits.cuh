@@ -242,8 +242,17 @@ struct BwdDkvTraits : TileTraitsBase<D, BN, WARPS> {
 // with two, over sm_86/89's 101376). At D = 128 one buffer takes 8 warps to 228352 bytes
 // (sm_90 only) and 4 warps to 166912, an A100's whole 163 KiB. capability.grid_two_ds_buffers
 // mirrors it.
+// PW_GRID_TWO_DS=1 (staged for an A/B on the H200, not timed; host mirror
+// capability.GRID_TWO_DS_D64): two buffers at D <= 64 with 4 warps as well, which saves the
+// tile's third barrier (dSᵀ waiting for every warp's dV product to finish reading Pᵀ). The
+// 4-warp D = 64 layout then takes 102400 bytes: two blocks per SM on sm_80 (163 KiB) and
+// sm_90 (227 KiB), but over sm_86/89's 99 KiB per block, so a default made of it would have
+// to depend on the architecture.
+#ifndef PW_GRID_TWO_DS
+#define PW_GRID_TWO_DS 0
+#endif
 __host__ __device__ constexpr bool grid_two_ds_buffers(int D, int WARPS) {
-  return D <= 64 && WARPS == 8;
+  return D <= 64 && (WARPS == 8 || (PW_GRID_TWO_DS && WARPS == 4));
 }
 template <int D, int BM, int BN, int WARPS> struct BwdGridTraits {
   static_assert(BM == 64 && (WARPS == 4 || WARPS == 8) && BN == 16 * WARPS,

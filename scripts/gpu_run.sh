@@ -28,11 +28,13 @@
 # probe against the default, the decode table (paged 64 too) under the macro, and memcheck,
 # racecheck and synccheck on the KV-cache cases under it (TILEBOX_SANITIZE=0: not); about
 # 5-6 minutes, logs in logs/tilebox_*, logs/decode_tilebox.*, logs/racecheck_bulk_*.
-# grid_reload (not in all): the warp-grid backward with its lane/warp offsets held across
-# the tile loop at D = 64 (-DPW_GRID_TID_RELOAD=2, kernels_cu/backward.cu: 7% fewer static
-# instructions in the tile body, no spills; an A/B build): test_grid_backward_forced and the
-# mma.sync GPU cases of test_kernels_gpu.py under the macro, scripts/mma_bwd_ab.py (backward
-# alone, D 64 and 128, the 128 rows a control the macro does not change), memcheck and
+# grid_reload (not in all): two staged A/B builds of the D = 64 warp-grid backward: its
+# lane/warp offsets held across the tile loop (-DPW_GRID_TID_RELOAD=2, kernels_cu/backward.cu:
+# 7% fewer static instructions in the tile body, no spills) and Pᵀ and dSᵀ in two buffers
+# (-DPW_GRID_TWO_DS=1, kernels_cu/traits.cuh: one barrier fewer per tile). GRID_MACROS (default
+# both) for test_grid_backward_forced and the mma.sync GPU cases of test_kernels_gpu.py,
+# scripts/mma_bwd_ab.py of each alone and both against the default (backward alone, D 64 and
+# 128, the 128 rows a control the macros do not change), memcheck and
 # racecheck on the D = 64 one-kernel backward under it; about 6-8 minutes, logs in
 # logs/grid_reload_*. grid_reload_bench (not in all): issue 15's D = 64 table (bench.py,
 # piecewise_mma beside sdpa_flash, sdpa_cudnn and flag_attn (carry .baselines), L 2048-16384)
@@ -353,13 +355,14 @@ if asked kvrot; then
   status=$((status | rc))
 fi
 if asked grid_reload; then
-  m="PW_GRID_TID_RELOAD=2"
+  m=${GRID_MACROS:-"PW_GRID_TID_RELOAD=2 PW_GRID_TWO_DS=1"}
   PW_TEST_MACROS="$m" CUPY_PIECEWISE_PATH=mma timeout 420 python3 -m pytest -q -m gpu -x \
     tests/test_kernels_gpu.py -k "grid_backward_forced or (mma and (64 or 128) and not hopper)" \
     2>&1 | tee "$logs/grid_reload_pytest.log" | tail -3
   rc=${PIPESTATUS[0]}; echo "grid_reload tests: exit $rc"; status=$((status | rc))
   timeout 300 python3 scripts/mma_bwd_ab.py --modes default --dims 64,128 --lengths 2048,8192 \
-    --dtypes bf16,fp16 --rounds 3 --reps 20 --variants "$m" \
+    --dtypes bf16,fp16 --rounds 3 --reps 20 \
+    --variants "PW_GRID_TID_RELOAD=2;PW_GRID_TWO_DS=1;PW_GRID_TID_RELOAD=2,PW_GRID_TWO_DS=1" \
     --out "$logs/grid_reload_ab.txt" > "$logs/grid_reload_ab.log" 2>&1
   rc=$?; echo "grid_reload ab: exit $rc"; tail -20 "$logs/grid_reload_ab.log"; status=$((status | rc))
   for tool in memcheck racecheck; do
@@ -374,7 +377,7 @@ if asked grid_reload; then
   done
 fi
 if asked grid_reload_bench; then
-  PW_TEST_MACROS="PW_GRID_TID_RELOAD=2" timeout 420 python3 bench/bench.py --lengths 2048,8192,16384 --dims 64 \
+  PW_TEST_MACROS=${GRID_MACROS:-"PW_GRID_TID_RELOAD=2 PW_GRID_TWO_DS=1"} timeout 420 python3 bench/bench.py --lengths 2048,8192,16384 --dims 64 \
     --dtypes bf16,fp16 --providers piecewise_mma,sdpa_flash,sdpa_cudnn,flag_attn --phases fwd,fwd_bwd \
     --sections main --budget-s 300 --no-plots --out "$logs/grid_reload_bench" \
     > "$logs/grid_reload_bench.log" 2>&1

@@ -49,10 +49,15 @@ class Build:
         self.caches = ({}, {}, {}, {})
 
     def activate(self, base_options):
-        from cupy_piecewise import compile as comp, launch
+        from cupy_piecewise import capability, compile as comp, launch
 
         comp.BASE_OPTIONS = base_options + tuple(f"-D{m}" for m in self.macros.split() if m)
         comp._functions, comp._modules, launch._kernels, launch._launches = self.caches
+        # the host mirrors of a macro that moves a shared-memory layout (PW_GRID_TWO_DS),
+        # for this build's launch plans (each build keeps its own plan cache)
+        for name, value in capability._MIRROR_DEFAULTS.items():
+            setattr(capability, name, value)
+        capability.apply_kernel_macros(self.macros.split())
 
 
 def precompile(macro_sets, dims, jobs):

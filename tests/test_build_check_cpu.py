@@ -436,6 +436,26 @@ def test_grid_backward_reload_mode_2_builds_without_spills(nvrtc, monkeypatch, c
         assert moved == (r.variant.head_dim == 64), (r.variant, default[r.variant], r.registers)
 
 
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
+@pytest.mark.parametrize("macros", [("PW_GRID_TWO_DS=1",),
+                                    ("PW_GRID_TWO_DS=1", "PW_GRID_TID_RELOAD=2")])
+def test_grid_backward_two_ds_buffers_at_d64_build_without_spills(nvrtc, monkeypatch, cc,
+                                                                  macros):
+    """-DPW_GRID_TWO_DS=1 (kernels_cu/traits.cuh, staged for an A/B): the 4-warp D = 64 grid
+    backward with Pᵀ and dSᵀ in two buffers, alone and with PW_GRID_TID_RELOAD=2, builds
+    without spills on the architectures whose shared memory holds it (sm_80, sm_90)."""
+    from cupy_piecewise import compile as comp
+
+    base = comp.arch_options
+    monkeypatch.setattr(comp, "arch_options",
+                        lambda c, hopper=False: base(c, hopper) + tuple(f"-D{m}" for m in macros))
+    vs = [Variant("bwd_grid", dt, 64, capability.TileConfig(64, 64, 4), c)
+          for dt in ("bfloat16", "float16") for c in (False, True)]
+    for r in compile_offline(cc, vs):
+        assert r.ok and r.registers, (r.variant, r.log)
+        assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+
+
 @pytest.mark.parametrize("reload", [0, 1])
 def test_one_key_d64_forward_builds_without_spills(nvrtc, monkeypatch, reload):
     """The D = 64 one-key-slot forward (PW_FWD_ONE_K_D64, the default: 128-key tiles),

@@ -116,7 +116,8 @@ def test_macro_table_entries_follow_their_mirror(monkeypatch):
     assert cap.FWD_Q_ROTATE and cap._MIRROR_DEFAULTS == {"FWD_Q_ROTATE": True,
                                                          "FWD_ONE_K_D64": True,
                                                          "KV90_ROT_STAGE": False,
-                                                         "KV90_TILE_BOX": False}
+                                                         "KV90_TILE_BOX": False,
+                                                         "GRID_TWO_DS_D64": False}
     for dtype in DTYPES:
         got = lookup((9, 0), "fwd", 128, dtype, False)
         assert got == TileConfig(128, 64, 4) == TABLE[(9, 0)]["fwd"][128]

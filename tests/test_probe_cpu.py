@@ -222,6 +222,14 @@ def test_mma_bwd_ab_table_and_cache_swap(monkeypatch):
     assert comp.BASE_OPTIONS == base and "k" not in comp._functions
     b.activate(base)
     assert comp._functions["k"] == "fn of b" and launch._launches is b.caches[3]
+    # a build's layout macro sets its host mirror while it is active, and only then
+    from cupy_piecewise import capability
+    monkeypatch.setattr(capability, "GRID_TWO_DS_D64", False)
+    c = mma_bwd_ab.Build("PW_GRID_TWO_DS=1 PW_GRID_TID_RELOAD=2")
+    c.activate(base)
+    assert capability.GRID_TWO_DS_D64 is True
+    a.activate(base)
+    assert capability.GRID_TWO_DS_D64 is False
 
 
 def test_fit_vote_model_replays_the_kernel_exponents():

@@ -467,3 +467,27 @@ def test_apply_test_macros_reaches_options_and_mirrors(monkeypatch):
     assert comp.BASE_OPTIONS == ("-std=c++17", "-DPW_FWD_Q_ROTATE=1")
     assert capability.FWD_Q_ROTATE
     assert capability.lookup((9, 0), "fwd", 64, "bfloat16", False) == staged
+
+
+def test_grid_two_ds_macro_layout_matches_its_mirror(nvrtc, monkeypatch):
+    """-DPW_GRID_TWO_DS=1 (an A/B build, kernels_cu/traits.cuh) gives the 4-warp D = 64 grid
+    backward two Pᵀ/dSᵀ buffers; capability.GRID_TWO_DS_D64, set by apply_kernel_macros,
+    sizes the launch the same way (102400 bytes), and the 8-warp and D = 128 layouts do not
+    move. check_config then refuses the 4-warp D = 64 entry on sm_86 (99 KiB a block)."""
+    monkeypatch.setattr(capability, "GRID_TWO_DS_D64", False)
+    capability.apply_kernel_macros(["PW_GRID_TWO_DS=1"])
+    assert capability.GRID_TWO_DS_D64 is True
+    cfgs = [(d, capability.TileConfig(64, 16 * w, w)) for d in (64, 128) for w in (4, 8)]
+    lines = "".join(
+        f"static_assert(BwdGridTraits<{d}, 64, {t.block_n}, {t.num_warps}>::smem_bytes == "
+        f"{capability.shared_bytes('bwd_grid', d, t)}, \"D={d} {t}\");\n" for d, t in cfgs)
+    assert capability.shared_bytes("bwd_grid", 64, capability.TileConfig(64, 64, 4)) == 102400
+    prog = nvrtc.createProgram(source("backward.cu") + "\n" + lines, "backward.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, list(BASE_OPTIONS) + ["-DPW_GRID_TWO_DS=1", "-arch=compute_90"])
+    except nvrtc.NVRTCError:
+        raise AssertionError(nvrtc.getProgramLog(prog)) from None
+    finally:
+        nvrtc.destroyProgram(prog)
+    assert capability.check_config("bwd_grid", 64, capability.TileConfig(64, 64, 4), (8, 6))
+    assert not capability.check_config("bwd_grid", 64, capability.TileConfig(64, 64, 4), (9, 0))
