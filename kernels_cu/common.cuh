@@ -876,10 +876,35 @@ PW_DEVICE void unscale_rows(float out[MW][2], const int ex[MW][2], float factor)
 // Runs body(t, stage) for t in [t0, t1) while the loads of tile t+1 (issued by
 // issue(t, stage)) are in flight. Loads issued before the call join the first group.
 // The trailing barrier frees a stage before the next iteration overwrites it.
+// PW_ONE_BARRIER=1 (staged for an A/B, not timed; 0, the default, keeps every kernel's PTX):
+// one barrier per tile instead of two. Each iteration waits for tile t's loads, then the
+// barrier (tile t visible to every thread, and every thread done with body t - 1, which read
+// the stage and the shared buffers that issue(t + 1) and body t are about to overwrite), then
+// issues tile t + 1 and runs body t. Tile t + 1's copies still overlap body t; they start
+// after tile t's wait instead of just before it, which costs nothing when tile t landed
+// during body t - 1. Every hazard the trailing barrier covered is covered by the next
+// iteration's leading one; the last body's shared-memory reads are followed by the caller's
+// own barriers (the kernels sync before reusing shared memory after the loop).
+#ifndef PW_ONE_BARRIER
+#define PW_ONE_BARRIER 0
+#endif
 template <class Issue, class Body>
 PW_DEVICE void pipelined_tiles(int t0, int t1, Issue issue, Body body) {
   if (t0 < t1) issue(t0, 0);
   cp_async_commit();
+  if constexpr (PW_ONE_BARRIER != 0) {
+    for (int t = t0; t < t1; ++t) {
+      const int stage = (t - t0) & 1;
+      cp_async_wait<0>();
+      __syncthreads();
+      if (t + 1 < t1) issue(t + 1, stage ^ 1);
+      cp_async_commit();
+      body(t, stage);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the last body's reads end before the caller reuses shared memory
+    return;
+  }
   for (int t = t0; t < t1; ++t) {
     const int stage = (t - t0) & 1;
     if (t + 1 < t1) {

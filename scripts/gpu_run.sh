@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot tilebox grid_reload grid_reload_bench rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot tilebox grid_reload grid_reload_bench one_barrier one_barrier_ab rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -40,6 +40,13 @@
 # piecewise_mma beside sdpa_flash, sdpa_cudnn and flag_attn (carry .baselines), L 2048-16384)
 # under the macro, about 6 minutes, results in logs/grid_reload_bench (compare with the
 # mma_bench step's D = 64 rows, or run both in one call).
+# one_barrier (not in all): the mma.sync kernels' tile loop with one barrier per tile instead
+# of two (-DPW_ONE_BARRIER=1, kernels_cu/common.cuh pipelined_tiles; an A/B build): the
+# mma.sync GPU cases of test_kernels_gpu.py and the packed-batch mma cases under it, racecheck
+# and synccheck on the dense mma.sync D 64/128 cases (a barrier change), about 6-8 minutes;
+# one_barrier_ab (not in all): scripts/mma_fwd_probe.py (forward, with its checks and a
+# control build) and scripts/mma_bwd_ab.py (backward alone, both schemes) against the
+# default, about 5 minutes; logs in logs/one_barrier_*.
 # mma_probes (not in all): the mma.sync backward against SDPA flash (scripts/mma_bwd_probe.py,
 # bfloat16 and float16), then the forward's earlier forms -DPW_FWD_RAW_MAX=0 and =1
 # (kernels_cu/forward.cu: the default, 2, scales raw scores inside the exponential's fma in
@@ -382,6 +389,31 @@ if asked grid_reload_bench; then
     --sections main --budget-s 300 --no-plots --out "$logs/grid_reload_bench" \
     > "$logs/grid_reload_bench.log" 2>&1
   rc=$?; echo "grid_reload bench: exit $rc"; status=$((status | rc))
+fi
+if asked one_barrier; then
+  m="PW_ONE_BARRIER=1"
+  PW_TEST_MACROS="$m" CUPY_PIECEWISE_PATH=mma timeout 540 python3 -m pytest -q -m gpu -x \
+    tests/test_kernels_gpu.py tests/test_varlen_gpu.py -k "mma and not hopper" \
+    2>&1 | tee "$logs/one_barrier_pytest.log" | tail -3
+  rc=${PIPESTATUS[0]}; echo "one_barrier tests: exit $rc"; status=$((status | rc))
+  for tool in racecheck synccheck; do
+    PW_TEST_MACROS="$m" SANITIZE_DIMS=64,128 SANITIZE_PATHS=mma \
+      SANITIZE_SKIP=kvcache,rotary,varlen,torch timeout 300 compute-sanitizer --tool $tool \
+      --error-exitcode 9 python3 scripts/sanitize_cases.py > "$logs/one_barrier_$tool.log" 2>&1 &
+  done
+  for tool in racecheck synccheck; do wait -n; rc=$?; status=$((status | rc)); done
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Traceback" "$logs"/one_barrier_{racecheck,synccheck}.log | tail -4
+fi
+if asked one_barrier_ab; then
+  m="PW_ONE_BARRIER=1"
+  timeout 300 python3 scripts/mma_fwd_probe.py --variants "$m" --tiles "128:128x64x4;64:128x128x4" \
+    --lengths 2048,8192 --dtypes bf16,fp16 --rounds 3 --reps 30 --control \
+    --out "$logs/one_barrier_fwd.txt" > "$logs/one_barrier_fwd.log" 2>&1
+  rc=$?; echo "one_barrier fwd probe: exit $rc"; tail -14 "$logs/one_barrier_fwd.log"; status=$((status | rc))
+  timeout 300 python3 scripts/mma_bwd_ab.py --modes default,det --dims 64,128 --lengths 2048,8192 \
+    --dtypes bf16 --rounds 3 --reps 15 --variants "$m" \
+    --out "$logs/one_barrier_bwd.txt" > "$logs/one_barrier_bwd.log" 2>&1
+  rc=$?; echo "one_barrier bwd ab: exit $rc"; tail -20 "$logs/one_barrier_bwd.log"; status=$((status | rc))
 fi
 if asked tilebox; then
   # the Hopper decode's whole-tile boxes (-DKV90_TILE_BOX=1, kernels_cu/sm90/kvdecode.cu): its

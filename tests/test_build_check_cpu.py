@@ -456,6 +456,28 @@ def test_grid_backward_two_ds_buffers_at_d64_build_without_spills(nvrtc, monkeyp
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
+def test_one_barrier_tile_loop_builds_without_spills(nvrtc, monkeypatch):
+    """-DPW_ONE_BARRIER=1 (kernels_cu/common.cuh pipelined_tiles, staged for an A/B): one
+    barrier per tile in every mma.sync kernel's loop. The sm_90 row's dense bfloat16
+    forward, one-kernel backward and deterministic backward entries at head dims 64 and 128
+    build without spills (every mma.sync variant of sm_80/86/89/90 did, offline, when it was
+    staged: bench/NOTES.md, thirty-seventh section)."""
+    from cupy_piecewise import compile as comp
+
+    base = comp.arch_options
+    monkeypatch.setattr(comp, "arch_options",
+                        lambda c, hopper=False: base(c, hopper) + ("-DPW_ONE_BARRIER=1",))
+    vs = sorted({Variant(phase, dt, d, t, c)
+                 for phase, d, dt, c, t in capability.selectable_configs(SM90)
+                 if phase in ("fwd", "bwd_grid", "bwd_dq", "bwd_dkv") and d in (64, 128)
+                 and dt == "bfloat16"}, key=str)
+    assert {v.phase for v in vs} == {"fwd", "bwd_grid", "bwd_dq", "bwd_dkv"}
+    for filename in sorted({v.filename for v in vs}):
+        for r in compile_offline(SM90, [v for v in vs if v.filename == filename]):
+            assert r.ok and r.registers, (r.variant, r.log)
+            assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+
+
 @pytest.mark.parametrize("reload", [0, 1])
 def test_one_key_d64_forward_builds_without_spills(nvrtc, monkeypatch, reload):
     """The D = 64 one-key-slot forward (PW_FWD_ONE_K_D64, the default: 128-key tiles),
