@@ -24,7 +24,7 @@
 # tilebox (not in all): the Hopper decode's whole-tile TMA boxes (TILEBOX_MACRO, default
 # KV90_TILE_BOX=2: at D = 128 and for paged caches only; =1 everywhere, timed in
 # bench/results/2026-12-06-h100-tilebox; an A/B build): scripts/racecheck_bulk_probe.py
-# under racecheck, then the KV-cache GPU tests, the
+# under racecheck (only with TILEBOX_BULK_PROBE=1), then the KV-cache GPU tests, the
 # probe against the default, the decode table (paged 64 too) under the macro, and memcheck,
 # racecheck and synccheck on the KV-cache cases under it (TILEBOX_SANITIZE=0: not); about
 # 5-6 minutes, logs in logs/tilebox_*, logs/decode_tilebox.*, logs/racecheck_bulk_*.
@@ -419,9 +419,10 @@ if asked tilebox; then
   # the Hopper decode's whole-tile boxes (-DKV90_TILE_BOX=1, kernels_cu/sm90/kvdecode.cu): its
   # KV-cache GPU tests and memcheck, racecheck and synccheck on the KV-cache sanitizer cases
   # under the macro, the probe against the default, and the decode table (paged 64 too)
-  # with and without it; first, scripts/racecheck_bulk_probe.py under racecheck (whether it
-  # credits an mbarrier with ordering a bulk copy after reads: the staged rotary form's report)
-  for form in mbar bar; do
+  # with and without it; first, with TILEBOX_BULK_PROBE=1, scripts/racecheck_bulk_probe.py
+  # under racecheck (whether it credits an mbarrier with ordering a bulk copy after reads: the
+  # staged rotary form's report; answered on an H100, bench/results/2026-12-06-h100-tilebox)
+  for form in $([[ ${TILEBOX_BULK_PROBE:-0} == 1 ]] && echo mbar bar); do
     timeout 120 compute-sanitizer --tool racecheck python3 scripts/racecheck_bulk_probe.py \
       --barrier $form > "$logs/racecheck_bulk_$form.log" 2>&1
     echo "racecheck_bulk_probe $form: exit $?"; grep -E "sums|RACECHECK SUMMARY|Error" "$logs/racecheck_bulk_$form.log" | head -4
