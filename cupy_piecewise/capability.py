@@ -453,6 +453,12 @@ KV90_ROT_STAGE_UNSPLIT = False
 #: changes it.
 KV90_TILE_BOX = 0
 
+#: Host mirror of the Hopper decode's -DKV90_ROW_BOX (kernels_cu/sm90/kvdecode.cu; an A/B
+#: build, staged and not yet timed): at head dim 128 the plain decode's k1, k2 and v maps are
+#: 5-d, one box of 16 whole rows per chunk (:func:`kvcache_launch.kv90_row_box`). An int,
+#: 0 or 1. Only :func:`apply_kernel_macros` changes it.
+KV90_ROW_BOX = 0
+
 #: Host mirror of -DPW_GRID_TWO_DS (kernels_cu/traits.cuh; an A/B build, off by default):
 #: the warp-grid backward keeps Pᵀ and dSᵀ in two buffers at head dim 64 with 4 warps too
 #: (:func:`grid_two_ds_buffers`), 102400 bytes a block, over sm_86/89's limit. Only
@@ -463,7 +469,7 @@ GRID_TWO_DS_D64 = False
 #: arguments depend on it)
 _MACRO_MIRRORS = {"PW_FWD_Q_ROTATE": "FWD_Q_ROTATE", "PW_FWD_ONE_K_D64": "FWD_ONE_K_D64",
                   "KV90_ROT_STAGE": "KV90_ROT_STAGE", "KV90_TILE_BOX": "KV90_TILE_BOX",
-                  "PW_GRID_TWO_DS": "GRID_TWO_DS_D64"}
+                  "PW_GRID_TWO_DS": "GRID_TWO_DS_D64", "KV90_ROW_BOX": "KV90_ROW_BOX"}
 #: the mirrors' values without any macro (tests restore them: tests/test_capability.py)
 _MIRROR_DEFAULTS = {name: globals()[name] for name in _MACRO_MIRRORS.values()}
 

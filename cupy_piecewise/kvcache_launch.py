@@ -113,6 +113,16 @@ def split_count(shape: KVShape, tiles, smem: int, sms: int, smem_per_sm: int,
     return max(1, min(want, most, MAX_SPLITS))
 
 
+def kv90_row_box(shape: KVShape):
+    """The Hopper decode's box for ``shape``'s k1, k2 and v maps: 16 rows (an int), or
+    ``(16, D // 64)``, 16 whole rows of ``D // 64`` panels in one 5-d box, under
+    ``capability.KV90_ROW_BOX`` for the plain decode (no rotary) at head dims above 64
+    (kernels_cu/sm90/kvdecode.cu, KV90_ROW_BOX: the kernel's rule)."""
+    if capability.KV90_ROW_BOX and not shape.rotary and shape.D > 64:
+        return (16, shape.D // 64)
+    return 16
+
+
 def staged_tables(shape: KVShape, nsplit: int) -> bool:
     """Whether the Hopper rotary decode of ``shape`` takes the staged-table form (the
     kernel's TAB, asked for by name): with :data:`capability.KV90_ROT_STAGE_UNSPLIT`, for
@@ -170,7 +180,7 @@ class KVPlan:
             dims = (s.pages, s.Hkv, s.block_size or s.capacity, s.D)
             st = dict(s.strides)
             strides = [st[n] + (1,) for n in ("k1", "k2", "v")]
-            boxes = (16,) * 3
+            boxes = (kv90_row_box(s),) * 3
             if capability.KV90_TILE_BOX and not s.rotary:  # three more maps (kvdecode.cu)
                 self._map_sets = 2
                 strides = strides * 2

@@ -444,8 +444,12 @@ class _TensorMaps:
         if hit is None:
             from . import tma
 
-            maps = [tma.tensor_map_bhld(ptr, shape, st, self._dtype, box)
-                    for ptr, shape, st, box in zip(key, self._shapes, self._strides, self._boxes)]
+            maps = []
+            for ptr, shape, st, box in zip(key, self._shapes, self._strides, self._boxes):
+                # a box is its rows, or (rows, panels) for a map of whole rows (tma.py)
+                rows, panels = (box, 1) if isinstance(box, int) else box
+                maps.append(tma.tensor_map_bhld(ptr, shape, st, self._dtype, rows,
+                                                panels=panels))
             hit = (tuple(maps[i].address() for i in self._order), maps)  # maps: keep alive
             with self._lock:
                 if len(self._maps) >= _HOPPER_MAPS_MAX:

@@ -165,7 +165,7 @@ def encode_tiled(address: int, dtype: str, dims, byte_strides, box, *, swizzle: 
 
 
 def tensor_map_bhld(address: int, shape, strides, dtype: str, box_rows: int, *,
-                    box_cols: int = 64, swizzle: int = 128) -> TensorMap:
+                    box_cols: int = 64, swizzle: int = 128, panels: int = 1) -> TensorMap:
     """Tensor map of a ``(B, heads, rows, D)`` view for tiles of ``box_rows x box_cols``.
 
     Args:
@@ -178,10 +178,15 @@ def tensor_map_bhld(address: int, shape, strides, dtype: str, box_rows: int, *,
         dtype: 'float16' or 'bfloat16'.
         box_rows: rows per box (<= 256); box_cols: elements along D per box (64 with the
             128-byte swizzle; D = 128 tiles are loaded as two boxes).
+        panels: with ``panels > 1`` (``D == panels * box_cols``) a 5-D map
+            ``{box_cols, panels, rows, heads, B}`` whose box ``{box_cols, panels, box_rows,
+            1, 1}`` takes whole rows, written to shared memory row by row, each row's panels
+            in order (the Hopper decode's KV90_ROW_BOX); coordinates ``{0, 0, row, head,
+            batch}``.
 
-    Returns a 4-D :class:`TensorMap` with dims ``{D, rows, heads, B}``: the kernel's
-    coordinates are ``{d0, row, head, batch}``. Raises ValueError for a shape or stride the
-    TMA cannot describe.
+    Returns a 4-D :class:`TensorMap` with dims ``{D, rows, heads, B}`` (5-D with
+    ``panels > 1``): the kernel's coordinates are ``{d0, row, head, batch}``. Raises
+    ValueError for a shape or stride the TMA cannot describe.
     """
     B, Hh, L, D = (int(x) for x in shape)
     sb, sh, sr, sd = (int(x) for x in strides)
@@ -205,5 +210,11 @@ def tensor_map_bhld(address: int, shape, strides, dtype: str, box_rows: int, *,
                                  f"positive and a multiple of 16 bytes")
         out.append(s_bytes)
         prev = s_bytes * n
+    if panels > 1:
+        if D != panels * box_cols:
+            raise ValueError(f"panels: {panels} panels of {box_cols} columns must make D = {D}")
+        return encode_tiled(address, dtype, [box_cols, panels, L, Hh, B],
+                            [box_cols * item] + out, [box_cols, panels, box_rows, 1, 1],
+                            swizzle=swizzle)
     return encode_tiled(address, dtype, [D, L, Hh, B], out, [box_cols, box_rows, 1, 1],
                         swizzle=swizzle)

@@ -28,6 +28,9 @@
 # probe against the default, the decode table (paged 64 too) under the macro, and memcheck,
 # racecheck and synccheck on the KV-cache cases under it (TILEBOX_SANITIZE=0: not); about
 # 5-6 minutes, logs in logs/tilebox_*, logs/decode_tilebox.*, logs/racecheck_bulk_*.
+# TILEBOX_MACRO=KV90_ROW_BOX=1 runs the same checks on the D = 128 boxes of whole rows
+# (kvdecode.cu); TILEBOX_PROBE="base;KV90_TILE_BOX=2;KV90_ROW_BOX=1" times both beside the
+# default in the probe.
 # grid_reload (not in all): two staged A/B builds of the D = 64 warp-grid backward: its
 # lane/warp offsets held across the tile loop (-DPW_GRID_TID_RELOAD=2, kernels_cu/backward.cu:
 # 7% fewer static instructions in the tile body, no spills) and Pᵀ and dSᵀ in two buffers
@@ -431,7 +434,7 @@ if asked tilebox; then
   PW_TEST_MACROS="$tbm" timeout 240 python3 -m pytest -q -ra -m gpu -p no:cacheprovider \
     tests/test_kvcache_gpu.py 2>&1 | tee "$logs/tilebox_pytest.log" | tail -3
   status=$((status | ${PIPESTATUS[0]}))
-  timeout 300 python3 scripts/kvdecode_probe.py --rounds 2 --configs "base;$tbm" \
+  timeout 300 python3 scripts/kvdecode_probe.py --rounds 2 --configs "${TILEBOX_PROBE:-base;$tbm}" \
     --out "$logs/tilebox_probe.txt" > "$logs/tilebox_probe.log" 2>&1
   rc=$?; echo "tilebox probe: exit $rc"; tail -16 "$logs/tilebox_probe.log"; status=$((status | rc))
   # (the default's table: bench/results/2026-12-06-h200-decode-mma-tables/decode.json)

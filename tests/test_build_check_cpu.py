@@ -539,6 +539,85 @@ def test_tile_box_decode_builds_without_spills(nvrtc, monkeypatch, tile_box):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
+def test_row_box_decode_builds_without_spills(nvrtc, monkeypatch):
+    """The Hopper decode with boxes of whole rows (-DKV90_ROW_BOX=1, an A/B build:
+    kernels_cu/sm90/kvdecode.cu, 5-d maps at D = 128) builds every sm_90a decode variant
+    (every head dim, dtype and cluster size; the rotary forms and D = 64 unchanged by it)
+    without spills."""
+    from cupy_piecewise import compile as comp
+
+    base = comp.arch_options
+    monkeypatch.setattr(comp, "arch_options",
+                        lambda cc, hopper=False: base(cc, hopper) + ("-DKV90_ROW_BOX=1",))
+    vs = sorted({v for v in build_check.variants_for(SM90, hopper=True)
+                 if v.phase == "kvdecode_sm90"}, key=str)
+    for r in compile_offline(SM90, vs):
+        assert r.ok and r.registers, (r.variant, r.log)
+        assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+
+
+# The shared layout the decode's consumers address (kvdecode.cu swz) against a model of what
+# the producer's TMA boxes write: a box is written innermost dimension first, and the
+# 128-byte swizzle XORs a 1024-byte aligned region's 16-byte chunk index (address bits 4-6)
+# with its 128-byte row index (bits 7-9).
+_LAYOUT_CHECK = r'''
+namespace pw90kv_layout_check {
+__device__ constexpr unsigned tma_swz(unsigned o) { return o ^ (((o >> 7) & 7u) << 4); }
+// byte offset of element (row r, column c) of a chunk as the producer writes it. MODE 0:
+// one 16-row box per 64-column panel at panel * BOX_BYTES (the default); 1: one box of whole
+// rows {64, D / 64, 16} (KV90_ROW_BOX); 2: one 64-row box per panel at panel * 64 * 128 (a
+// KV90_TILE_BOX stage)
+template <int D, int MODE> __device__ constexpr unsigned tma_pos(int r, int c) {
+  return MODE == 1 ? tma_swz(unsigned(((r * (D / 64) + c / 64) * 64 + c % 64) * 2))
+       : MODE == 0 ? unsigned((c / 64) * pw90kv::BOX_BYTES) + tma_swz(unsigned((r * 64 + c % 64) * 2))
+                   : unsigned((c / 64) * 64 * 128) + tma_swz(unsigned((r * 64 + c % 64) * 2));
+}
+template <int D, int MODE> __device__ constexpr bool layout_ok() {
+  for (int r = 0; r < (MODE == 2 ? 64 : 16); ++r)
+    for (int g = 0; g < D / 8; ++g) {
+      const unsigned got = MODE == 1 ? pw90kv::swz<pw90kv::BOX_BYTES, D / 64>(0u, r, g)
+                         : MODE == 0 ? pw90kv::swz<pw90kv::BOX_BYTES>(0u, r, g)
+                                     : pw90kv::swz<64 * 128>(0u, r, g);
+      if (got != tma_pos<D, MODE>(r, 8 * g)) return false;
+    }
+  return true;
+}
+__global__ void layout_check_kernel() {
+  static_assert(layout_ok<64, 0>() && layout_ok<128, 0>(), "default chunk layout");
+  static_assert(layout_ok<64, 2>() && layout_ok<128, 2>(), "tile-box stage layout");
+  static_assert(layout_ok<64, 1>() && layout_ok<128, 1>(), "row-box chunk layout");
+  EXTRA
+}
+}
+'''
+
+
+@pytest.mark.parametrize("extra,ok", [("", True), (
+    "static_assert(pw90kv::swz<pw90kv::BOX_BYTES, 2>(0u, 3, 9) == tma_pos<128, 0>(3, 72), \"\");",
+    False)])
+def test_decode_swizzle_addresses_what_the_boxes_write(nvrtc, extra, ok):
+    """kvdecode.cu's swz (constexpr) against the model above, evaluated by NVRTC: the
+    default chunks and the tile-box stages (both run on GPUs) and the row boxes
+    (KV90_ROW_BOX, not yet) all hold element (r, 8 g) where the consumers read group g of
+    row r; a control (the row-box address against the default layout) must fail to compile,
+    so the check is not vacuous."""
+    from cupy_piecewise.compile import source
+
+    prog = nvrtc.createProgram(source("sm90/kvdecode.cu") + _LAYOUT_CHECK.replace("EXTRA", extra),
+                               "kvdecode.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, ["-std=c++17", "-arch=compute_90a"])
+            compiled, log = True, ""
+        except nvrtc.NVRTCError:
+            compiled, log = False, nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    assert compiled == ok, log[-2000:]
+    if not ok:  # the control's own assertion, not one of the layouts'
+        assert log.count("static assertion failed") == 1 and "layout\"" not in log, log[-2000:]
+
+
 def test_named_staged_rotary_forms_build_without_spills(nvrtc):
     """The staged-table rotary decode asked for by name (Variant.rot_stage: the kernel's
     TAB = true without -DKV90_ROT_STAGE, what kvcache_launch.staged_tables picks under

@@ -152,7 +152,8 @@ def fake_gpu(monkeypatch):
 @pytest.fixture
 def fake_maps(monkeypatch):
     """tma.tensor_map_bhld replaced by a recorder: returns the list of (ptr, shape, strides,
-    dtype, box) encoded; a map's address is its pointer + 1."""
+    dtype, box) encoded, box being the rows, or (rows, panels) for a map of whole rows; a
+    map's address is its pointer + 1."""
     from cupy_piecewise import tma
 
     encoded = []
@@ -166,7 +167,8 @@ def fake_maps(monkeypatch):
             return self.info[0] + 1
 
     monkeypatch.setattr(tma, "tensor_map_bhld",
-                        lambda ptr, shape, strides, dtype, box: FakeMap(ptr, shape, strides, dtype, box))
+                        lambda ptr, shape, strides, dtype, box, panels=1: FakeMap(
+                            ptr, shape, strides, dtype, box if panels == 1 else (box, panels)))
     return encoded
 
 
@@ -832,6 +834,60 @@ def test_tile_box_decode_passes_six_maps(fake_gpu, fake_maps, monkeypatch, D, ca
             assert boxes == [16] * 3 + [64 if (wide, wide2)[mirror - 1] else 16] * 3
         else:
             assert maps == (0x1001, 0x2001, 0x3001) and boxes == [16] * 3
+
+
+@pytest.mark.parametrize("D,block_size,rotary", [(128, 0, 0), (128, 64, 0), (64, 0, 0),
+                                                (128, 0, 1)])
+def test_row_box_decode_maps_take_whole_rows(fake_gpu, fake_maps, monkeypatch, D, block_size,
+                                             rotary):
+    """capability.KV90_ROW_BOX (the host mirror of -DKV90_ROW_BOX=1): the plain Hopper
+    decode's k1, k2 and v maps at head dim 128 take boxes of 16 whole rows of two panels
+    (5-d maps, tma.tensor_map_bhld's panels), contiguous or paged; at head dim 64 (one panel)
+    and for the rotary forms the maps stay 16-row boxes, as without the mirror. Three maps
+    either way."""
+    from cupy_piecewise import kvcache_launch as kl
+    from cupy_piecewise.compile import ROTARY_LAYOUTS
+
+    monkeypatch.delenv(capability.PATH_VAR, raising=False)
+    capability.refresh_env_override()
+    B, H, capacity = 2, 8, 4096
+    pages = B * capacity // block_size if block_size else B
+    rows = block_size or capacity
+    q, kv = _contiguous((B, H, 1, D)), _contiguous((pages, H, rows, D))
+    names = (("q1", q), ("q2", q), ("o", q), ("k1", kv), ("k2", kv), ("v", kv))
+    shape = kl.KVShape(0, "bfloat16", B, H, H, 1, D, capacity, pages, block_size,
+                       capacity // block_size if block_size else 0, False, True, capacity // 4,
+                       0.125, tuple((n, st[:3]) for n, st in names),
+                       ROTARY_LAYOUTS["half"] if rotary else 0, (1, 0) if rotary else (0, 0))
+    whole = D == 128 and not rotary
+    for mirror in (0, 1):
+        monkeypatch.setattr(capability, "KV90_ROW_BOX", mirror)
+        assert kl.kv90_row_box(shape) == ((16, 2) if mirror and whole else 16)
+        plan = kl.KVPlan(shape)
+        fake_maps.clear()
+        maps, _ = plan._maps.addresses((0x1000, 0x2000, 0x3000))
+        assert maps == (0x1001, 0x2001, 0x3001)
+        assert [info[4] for info in fake_maps] == [(16, 2) if mirror and whole else 16] * 3
+
+
+def test_tensor_map_of_whole_rows_is_5d(monkeypatch):
+    """tma.tensor_map_bhld(..., panels=2): dims {64, 2, rows, heads, B}, byte strides
+    {128, row, head, batch}, box {64, 2, rows, 1, 1} (the TMA writes each row's two panels in
+    turn); panels that do not make up D are refused."""
+    from cupy_piecewise import tma
+
+    seen = []
+    monkeypatch.setattr(tma, "encode_tiled", lambda *a, **k: seen.append((a, k)) or "map")
+    B, H, L, D = 3, 4, 1000, 128
+    strides = (H * L * D, D, H * D, 1)  # a (B, L, H, D) cache read as (B, H, L, D)
+    assert tma.tensor_map_bhld(0x10000, (B, H, L, D), strides, "bfloat16", 16, panels=2) == "map"
+    (args, kw), = seen
+    assert args[2] == [64, 2, L, H, B]
+    assert args[3] == [128, H * D * 2, D * 2, H * L * D * 2]
+    assert args[4] == [64, 2, 16, 1, 1] and kw == {"swizzle": 128}
+    with pytest.raises(ValueError, match="panels"):
+        tma.tensor_map_bhld(0x10000, (B, H, L, 192), (H * L * 192, 192, H * 192, 1),
+                            "bfloat16", 16, panels=2)
 
 
 def test_rot_stage_names_only_rotary_forms():

@@ -77,6 +77,17 @@ PW90 void tma_load_4d(u32 dst, const TmaDesc* d, int c0, int c1, int c2, int c3,
       : "memory");
 }
 
+// 5-D tiled load {c0 .. c4, innermost first}, as tma_load_4d (the Hopper decode's row boxes,
+// KV90_ROW_BOX: {column in a 64-column panel, panel, row, head, batch or page}).
+PW90 void tma_load_5d(u32 dst, const TmaDesc* d, int c0, int c1, int c2, int c3, int c4,
+                      u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];" ::"r"(dst),
+      "l"(reinterpret_cast<u64>(d)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
+      : "memory");
+}
+
 // Plain (non-tensor) bulk copy of `bytes` contiguous bytes from global `src` into shared
 // memory at `dst`, completing on the mbarrier `bar` as tma_load_4d does. Both addresses and
 // `bytes` are multiples of 16.

@@ -92,6 +92,22 @@
 #ifndef KV90_TILE_BOX
 #define KV90_TILE_BOX 0
 #endif
+// KV90_ROW_BOX (0 by default; host mirror capability.KV90_ROW_BOX; an A/B build, staged and
+// not yet timed): at D = 128 the plain decode (ROT == 0) loads each 16-key chunk of K and V
+// as one box of whole 256-byte rows (a 5-d map {64 columns, 2 panels, rows, heads, pages};
+// kvcache_launch builds it) instead of two boxes of 128-byte half rows, so each box reads
+// 4 KB of contiguous memory, as the D = 64 decode's boxes read 2 KB. The reason to time it:
+// at D = 64 the decode reached 0.97-0.98x cuDNN on the H100's unsplit rows against 0.945x at
+// D = 128 (bench/results/2026-12-05-h100-combine-prefetch), and cuDNN reads whole rows. The
+// chunk's shared layout becomes row-major over the two panels: 128-byte unit u = 2 r + panel,
+// the 128-byte swizzle XORing the 16-byte group with u % 8 (swz with ROWP = 2), which makes
+// an ldmatrix phase of 8 consecutive rows a 2-way bank conflict (rows r and r + 4 share
+// u % 8); the consumers have slack in this DRAM-bound kernel, which is what the A/B tests.
+// Exclusive with KV90_TILE_BOX.
+#ifndef KV90_ROW_BOX
+#define KV90_ROW_BOX 0
+#endif
+static_assert(!(KV90_ROW_BOX && KV90_TILE_BOX), "KV90_ROW_BOX and KV90_TILE_BOX exclude each other");
 
 namespace pw90kv {
 
@@ -132,8 +148,18 @@ template <int D, int STAGES, bool TAB = false> struct Smem {
 // r % 8.
 // PSTRIDE: bytes from one 64-column panel of the chunk to the next (a stage's panel-major
 // layout under KV90_TILE_BOX: a tile's 64 rows).
-template <int PSTRIDE = BOX_BYTES> PW_DEVICE u32 swz(u32 base, int r, int g) {
-  return base + (u32)((g >> 3) * PSTRIDE + r * 128 + (((g & 7) ^ (r & 7)) << 4));
+// ROWP > 0 (KV90_ROW_BOX): the chunk is row-major over its ROWP panels instead, 128-byte unit
+// u = ROWP r + panel, swizzled by u % 8 (the TMA writes a 5-d box {64, ROWP, rows} in that
+// order, and the 128-byte swizzle XORs address bits 4-6 with bits 7-9 of a 1024-byte aligned
+// chunk). ROWP = 1 is the default layout.
+template <int PSTRIDE = BOX_BYTES, int ROWP = 0>
+constexpr PW_DEVICE u32 swz(u32 base, int r, int g) {
+  if constexpr (ROWP > 0) {
+    const int u = r * ROWP + (g >> 3);
+    return base + (u32)(u * 128 + (((g & 7) ^ (u & 7)) << 4));
+  } else {
+    return base + (u32)((g >> 3) * PSTRIDE + r * 128 + (((g & 7) ^ (r & 7)) << 4));
+  }
 }
 
 // Page and first row (in the page) of the chunk starting at key n of sequence b.
@@ -191,6 +217,10 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
   static_assert(CW * BM * (D + 2) * 4 <= STAGES * Sm::stage_bytes,
                 "the warps' merge scratch fits in the ring");
   constexpr int PANELS = D / 64;
+  // KV90_ROW_BOX (plain forms, D >= 128): one box of whole rows per chunk; RP the swizzle's
+  // row-major form (swz), 0 for the panel-major default
+  constexpr bool ROW_BOX = KV90_ROW_BOX != 0 && ROT == 0 && PANELS > 1;
+  constexpr int RP = ROW_BOX ? PANELS : 0;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // the 128-byte swizzle repeats every 1024 bytes: boxes start 1024-byte aligned
   const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -299,13 +329,20 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
         const u32 kdst = st + Sm::k_off + lane * COFF;
         const u32 vdst = st + Sm::v_off + lane * COFF;
         const pw90::TmaDesc* kmap = n < nfar && !both ? &tk2 : &tk1;
-#pragma unroll
-        for (int j = 0; j < PANELS; ++j) {
-          pw90::tma_load_4d(kdst + j * PS, kmap, j * 64, prow, (int)hk, page, full(s));
-          pw90::tma_load_4d(vdst + j * PS, &tv, j * 64, prow, (int)hk, page, full(s));
+        if constexpr (ROW_BOX) {  // whole rows: the maps are 5-d (kvcache_launch)
+          pw90::tma_load_5d(kdst, kmap, 0, 0, prow, (int)hk, page, full(s));
+          pw90::tma_load_5d(vdst, &tv, 0, 0, prow, (int)hk, page, full(s));
           if (both)
-            pw90::tma_load_4d(base + Sm::x_off + j * BOX_BYTES, &tk2, j * 64, prow, (int)hk, page,
-                              full(s));
+            pw90::tma_load_5d(base + Sm::x_off, &tk2, 0, 0, prow, (int)hk, page, full(s));
+        } else {
+#pragma unroll
+          for (int j = 0; j < PANELS; ++j) {
+            pw90::tma_load_4d(kdst + j * PS, kmap, j * 64, prow, (int)hk, page, full(s));
+            pw90::tma_load_4d(vdst + j * PS, &tv, j * 64, prow, (int)hk, page, full(s));
+            if (both)
+              pw90::tma_load_4d(base + Sm::x_off + j * BOX_BYTES, &tk2, j * 64, prow, (int)hk,
+                                page, full(s));
+          }
         }
         if constexpr (TAB) {
           if (gk) {
@@ -425,8 +462,8 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
           u32 a1[1][4], a2[1][4], bk[4], bx[4];
           load_a<D, 1>(a1, sq1, k, lane);
           load_a<D, 1>(a2, sq2, k, lane);
-          ldsm_x4(bk, swz<PS>(sk, kr, 2 * k + kg));
-          ldsm_x4(bx, swz(base + Sm::x_off, kr, 2 * k + kg));
+          ldsm_x4(bk, swz<PS, RP>(sk, kr, 2 * k + kg));
+          ldsm_x4(bx, swz<BOX_BYTES, RP>(base + Sm::x_off, kr, 2 * k + kg));
           Elem<T>::mma(sc[0], a1[0], bk[0], bk[1]);
           Elem<T>::mma(sc[1], a1[0], bk[2], bk[3]);
           Elem<T>::mma(s2[0], a2[0], bx[0], bx[1]);
@@ -443,7 +480,7 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
         for (int k = 0; k < D / 16; ++k) {
           u32 a[1][4], bk[4];
           load_a<D, 1>(a, sq, k, lane);
-          ldsm_x4(bk, swz<PS>(sk, kr, 2 * k + kg));
+          ldsm_x4(bk, swz<PS, RP>(sk, kr, 2 * k + kg));
           Elem<T>::mma(sc[0], a[0], bk[0], bk[1]);
           Elem<T>::mma(sc[1], a[0], bk[2], bk[3]);
         }
@@ -462,7 +499,8 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
         for (int idx = lane; idx < CHUNK * PANELS * 8; idx += 32) {
           const int r = idx / (PANELS * 8), g = idx % (PANELS * 8);
           if (n0 + r >= L)
-            *reinterpret_cast<uint4*>(smem + (swz<PS>(sv, r, g) - base)) = make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(smem + (swz<PS, RP>(sv, r, g) - base)) =
+                make_uint4(0, 0, 0, 0);
         }
         __syncwarp();
       }
@@ -475,7 +513,7 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         u32 bv[4];
-        ldsm_x4_trans(bv, swz<PS>(sv, vr, 2 * dp + vg));
+        ldsm_x4_trans(bv, swz<PS, RP>(sv, vr, 2 * dp + vg));
         Elem<T>::mma(acc[2 * dp], pa, bv[0], bv[1]);
         Elem<T>::mma(acc[2 * dp + 1], pa, bv[2], bv[3]);
       }
