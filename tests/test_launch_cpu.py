@@ -792,6 +792,22 @@ def test_rotary_decode_takes_staged_tables_only_where_it_does_not_split(
     assert not kl.staged_tables(shape, 1)
 
 
+def _decode_shape(D, capacity, block_size, rotary, B=2, H=8):
+    """A one-token KVShape of B sequences, H heads (no GQA), contiguous or of pages of
+    ``block_size`` rows, plain or rotary (halves, ReRoPE's groups)."""
+    from cupy_piecewise import kvcache_launch as kl
+    from cupy_piecewise.compile import ROTARY_LAYOUTS
+
+    pages = B * capacity // block_size if block_size else B
+    rows = block_size or capacity
+    q, kv = _contiguous((B, H, 1, D)), _contiguous((pages, H, rows, D))
+    names = (("q1", q), ("q2", q), ("o", q), ("k1", kv), ("k2", kv), ("v", kv))
+    return kl.KVShape(0, "bfloat16", B, H, H, 1, D, capacity, pages, block_size,
+                      capacity // block_size if block_size else 0, False, True, capacity // 4,
+                      0.125, tuple((n, st[:3]) for n, st in names),
+                      ROTARY_LAYOUTS["half"] if rotary else 0, (1, 0) if rotary else (0, 0))
+
+
 @pytest.mark.parametrize("D,capacity,block_size,rotary,wide,wide2", [
     (64, 4096, 0, 0, True, False), (128, 4096, 0, 0, True, True), (64, 32, 0, 0, False, False),
     (64, 4096, 64, 0, True, True), (64, 4096, 128, 0, True, True),
@@ -806,19 +822,10 @@ def test_tile_box_decode_passes_six_maps(fake_gpu, fake_maps, monkeypatch, D, ca
     cache paged), else of 16-row boxes again (the kernel, deciding by the same rule, never
     reads them); the rotary forms keep three maps. Without the mirror, three maps."""
     from cupy_piecewise import kvcache_launch as kl
-    from cupy_piecewise.compile import ROTARY_LAYOUTS
 
     monkeypatch.delenv(capability.PATH_VAR, raising=False)
     capability.refresh_env_override()
-    B, H = 2, 8
-    pages = B * capacity // block_size if block_size else B
-    rows = block_size or capacity
-    q, kv = _contiguous((B, H, 1, D)), _contiguous((pages, H, rows, D))
-    names = (("q1", q), ("q2", q), ("o", q), ("k1", kv), ("k2", kv), ("v", kv))
-    shape = kl.KVShape(0, "bfloat16", B, H, H, 1, D, capacity, pages, block_size,
-                       capacity // block_size if block_size else 0, False, True, capacity // 4,
-                       0.125, tuple((n, st[:3]) for n, st in names),
-                       ROTARY_LAYOUTS["half"] if rotary else 0, (1, 0) if rotary else (0, 0))
+    shape = _decode_shape(D, capacity, block_size, rotary)
     if wide is not None:
         assert kl.kv90_tile_box(shape) == wide and kl.kv90_tile_box(shape, 2) == wide2
     for mirror in (0, 1, 2):
@@ -846,19 +853,10 @@ def test_row_box_decode_maps_take_whole_rows(fake_gpu, fake_maps, monkeypatch, D
     and for the rotary forms the maps stay 16-row boxes, as without the mirror. Three maps
     either way."""
     from cupy_piecewise import kvcache_launch as kl
-    from cupy_piecewise.compile import ROTARY_LAYOUTS
 
     monkeypatch.delenv(capability.PATH_VAR, raising=False)
     capability.refresh_env_override()
-    B, H, capacity = 2, 8, 4096
-    pages = B * capacity // block_size if block_size else B
-    rows = block_size or capacity
-    q, kv = _contiguous((B, H, 1, D)), _contiguous((pages, H, rows, D))
-    names = (("q1", q), ("q2", q), ("o", q), ("k1", kv), ("k2", kv), ("v", kv))
-    shape = kl.KVShape(0, "bfloat16", B, H, H, 1, D, capacity, pages, block_size,
-                       capacity // block_size if block_size else 0, False, True, capacity // 4,
-                       0.125, tuple((n, st[:3]) for n, st in names),
-                       ROTARY_LAYOUTS["half"] if rotary else 0, (1, 0) if rotary else (0, 0))
+    shape = _decode_shape(D, 4096, block_size, rotary)
     whole = D == 128 and not rotary
     for mirror in (0, 1):
         monkeypatch.setattr(capability, "KV90_ROW_BOX", mirror)

@@ -151,7 +151,7 @@ template <int D, int STAGES, bool TAB = false> struct Smem {
 // ROWP > 0 (KV90_ROW_BOX): the chunk is row-major over its ROWP panels instead, 128-byte unit
 // u = ROWP r + panel, swizzled by u % 8 (the TMA writes a 5-d box {64, ROWP, rows} in that
 // order, and the 128-byte swizzle XORs address bits 4-6 with bits 7-9 of a 1024-byte aligned
-// chunk). ROWP = 1 is the default layout.
+// chunk). With one panel (D = 64) it is the default layout.
 template <int PSTRIDE = BOX_BYTES, int ROWP = 0>
 constexpr PW_DEVICE u32 swz(u32 base, int r, int g) {
   if constexpr (ROWP > 0) {
