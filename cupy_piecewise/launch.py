@@ -447,7 +447,7 @@ class _TensorMaps:
             maps = []
             for ptr, shape, st, box in zip(key, self._shapes, self._strides, self._boxes):
                 # a box is its rows, or (rows, panels) for a map of whole rows (tma.py)
-                rows, panels = (box, 1) if isinstance(box, int) else box
+                rows, panels = box if isinstance(box, tuple) else (box, 1)
                 maps.append(tma.tensor_map_bhld(ptr, shape, st, self._dtype, rows,
                                                 panels=panels))
             hit = (tuple(maps[i].address() for i in self._order), maps)  # maps: keep alive
