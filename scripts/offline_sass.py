@@ -21,12 +21,13 @@ what that ptxas reads, which is safe while the kernels use no newer PTX feature;
 refuses the file otherwise). The GPU machine compiles with its own NVRTC, so register counts
 can differ from this build by a few; cupy_piecewise.build_check is the spill gate CI runs.
 
-Exit status 2 when a tool is missing, 1 on a compile error.
+Exit status 2 when a tool (ptxas, cuobjdump, nvdisasm) is missing, 1 on a compile error.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import subprocess
 import sys
@@ -98,9 +99,13 @@ def assemble(ptx: bytes, arch: str, ptxas: str, workdir: Path) -> tuple[Path, st
     return cubin, r.stderr
 
 
-def disassemble(cubin: Path, cuobjdump: str) -> list[tuple[int, str]]:
-    """(address, instruction) of every SASS instruction in ``cubin``."""
-    out = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True)
+def disassemble(cubin: Path, cuobjdump: str, nvdisasm: str) -> list[tuple[int, str]]:
+    """(address, instruction) of every SASS instruction in ``cubin`` (cuobjdump -sass runs
+    nvdisasm, found through NVDISASM_PATH: the pip wheels install them in the same folder,
+    but neither is on PATH)."""
+    env = dict(os.environ, NVDISASM_PATH=str(Path(nvdisasm).parent))
+    out = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True,
+                         env=env)
     if out.returncode:
         raise RuntimeError(f"cuobjdump failed:\n{out.stderr}")
     return [(int(m.group(1), 16), m.group(2)) for m in map(_ADDR.match, out.stdout.splitlines())
@@ -159,7 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dump", type=Path, help="write the SASS of the -D build here")
     args = ap.parse_args(argv)
 
-    tools = {name: find_tool(name) for name in ("ptxas", "cuobjdump")}
+    tools = {name: find_tool(name) for name in ("ptxas", "cuobjdump", "nvdisasm")}
     missing = [n for n, p in tools.items() if not p]
     if missing:
         print(f"offline_sass: not found: {', '.join(missing)} (PATH, $CUDA_HOME/bin or the "
@@ -179,7 +184,7 @@ def main(argv=None) -> int:
             try:
                 ptx, _ = build_ptx(variant, args.arch, macros)
                 cubin, log = assemble(ptx, args.arch, tools["ptxas"], Path(tmp))
-                instrs = disassemble(cubin, tools["cuobjdump"])
+                instrs = disassemble(cubin, tools["cuobjdump"], tools["nvdisasm"])
             except RuntimeError as e:
                 print(f"offline_sass: {label}: {e}", file=sys.stderr)
                 return 1

@@ -410,8 +410,9 @@ def test_offline_sass_builds_the_d64_grid_backward():
     """The whole path (NVRTC PTX -> ptxas -> cuobjdump) where the tools are installed."""
     offline_sass = pytest.importorskip("offline_sass")
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    if not (offline_sass.find_tool("ptxas") and offline_sass.find_tool("cuobjdump")):
-        pytest.skip("ptxas or cuobjdump not installed (CUDA toolkit or nvidia-cuda-* wheels)")
+    if not all(offline_sass.find_tool(t) for t in ("ptxas", "cuobjdump", "nvdisasm")):
+        pytest.skip("ptxas, cuobjdump or nvdisasm not installed (CUDA toolkit or the "
+                    "nvidia-cuda-* wheels)")
     import contextlib
     import io
     buf = io.StringIO()
