@@ -105,9 +105,9 @@ def _plan(q1, k1, q2, k2, v, cu_q, cu_k, max_q, max_k, w, causal, sm_scale):
     return library, cq, ck
 
 
-def _check_backward_shapes(q1, do, o, lse, dlse):
-    """``do`` and ``o`` of q1's packed shape, ``lse`` and ``dlse`` (H, total_q)."""
-    total_q, H, D = (int(n) for n in q1.shape)
+def check_backward_shapes(total_q: int, H: int, D: int, do, o, lse, dlse) -> None:
+    """``do`` and ``o`` of shape (total_q, H, D), ``lse`` and ``dlse`` (None: absent) of
+    shape (H, total_q); ValueError naming the first that is not (both paths' backward)."""
     for name, x, shape in (("do", do, (total_q, H, D)), ("o", o, (total_q, H, D)),
                            ("lse", lse, (H, total_q)), ("dlse", dlse, (H, total_q))):
         if x is not None and tuple(int(n) for n in x.shape) != shape:
@@ -256,7 +256,7 @@ def attention_varlen_backward(do, q1, k1, q2, k2, v, o, lse, cu_seqlens_q, cu_se
         if x is not None and validate.library_of(x, name) != library:
             raise TypeError(f"{name} is a {validate.library_of(x, name)} array but the inputs "
                             f"are {library} arrays")
-    _check_backward_shapes(q1, do, o, lse, dlse)
+    check_backward_shapes(*(int(n) for n in q1.shape), do, o, lse, dlse)
     parts = [[] for _ in range(5)]
     for (qa, qb), (ka, kb) in zip(zip(cq, cq[1:]), zip(ck, ck[1:])):
         d = None if dlse is None else dlse[:, qa:qb][None]

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from . import core, launch, validate, varlen_launch
-from .varlen import _check_max, check_packed
+from .varlen import _check_max, check_backward_shapes, check_packed
 from .core import ArrayOps
 from .core.memo import Memo
 
@@ -170,10 +170,7 @@ def backward(pk: Packed, ops: ArrayOps, do, q1, k1, q2, k2, v, o, lse, cu_q, cu_
     p, s = pk.problem, pk.shape
     dev, dt = p.device, p.dtype
     q_shape, k_shape = (s.total_q, p.H, p.D), (s.total_k, p.Hkv, p.D)
-    for name, x, shape in (("do", do, q_shape), ("o", o, q_shape), ("lse", lse, (p.H, s.total_q)),
-                           ("dlse", dlse, (p.H, s.total_q))):
-        if x is not None and tuple(x.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    check_backward_shapes(s.total_q, p.H, p.D, do, o, lse, dlse)
     for name, x in (("do", do), ("o", o)):
         if validate.dtype_name(x) != dt:
             raise TypeError(f"{name} has dtype {validate.dtype_name(x)}; expected {dt} (q1's)")
