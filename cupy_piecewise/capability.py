@@ -966,6 +966,19 @@ def _refine(entry, dtype: str, causal: bool) -> TileConfig:
     raise KeyError(f"table refinement has no default (None, None) entry: {entry!r}")
 
 
+def parse_tiles(spec: str, what: str) -> TileConfig:
+    """``"BMxBNxWARPS[xSTAGES]"`` (e.g. ``"128x64x8"``) as a TileConfig; ValueError naming
+    ``what`` (the variable or option it came from) otherwise."""
+    try:
+        numbers = [int(n) for n in spec.strip().lower().split("x")]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (3, 4):
+        raise ValueError(f"{what}: cannot read tile sizes {spec!r}; expected BMxBNxWARPS[xSTAGES] "
+                         "(CUPY_PIECEWISE_TILES format), e.g. 128x64x8")
+    return TileConfig(*numbers)
+
+
 def parse_override(text: str, source: str = ENV_VAR) -> dict[str, TileConfig]:
     """Parse ``"fwd=128x64x8,bwd_dq=64x64x4"`` into ``{phase: TileConfig}``."""
     result: dict[str, TileConfig] = {}
@@ -979,16 +992,7 @@ def parse_override(text: str, source: str = ENV_VAR) -> dict[str, TileConfig]:
                 f"{source}: cannot read {item!r}; expected PHASE=BMxBNxWARPS[xSTAGES] with PHASE one of "
                 f"{', '.join(PHASES)}, e.g. CUPY_PIECEWISE_TILES='fwd=128x64x8,bwd_dq=64x64x4'"
             )
-        try:
-            numbers = [int(n) for n in spec.strip().lower().split("x")]
-        except ValueError:
-            numbers = []
-        if len(numbers) not in (3, 4):
-            raise ValueError(
-                f"{source}: cannot read tile sizes {spec!r} for {phase}; expected BMxBNxWARPS[xSTAGES] "
-                "(CUPY_PIECEWISE_TILES format), e.g. 128x64x8"
-            )
-        result[phase] = TileConfig(*numbers)
+        result[phase] = parse_tiles(spec, f"{source} ({phase})")
     return result
 
 

@@ -47,14 +47,6 @@ _BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 _PTX_VERSION = re.compile(rb"^\.version (\d+)\.(\d+)", re.M)
 
 
-def parse_tiles(text: str) -> capability.TileConfig:
-    """``BMxBNxWARPS[xSTAGES]`` -> TileConfig; ValueError naming the text otherwise."""
-    parts = text.lower().split("x")
-    if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts):
-        raise ValueError(f"--tiles must be BMxBNxWARPS[xSTAGES], got {text!r}")
-    return capability.TileConfig(*map(int, parts))
-
-
 def ptxas_version(ptxas: str) -> tuple[int, int]:
     """The highest PTX ISA version ``ptxas`` reads, from its CUDA release (13.x reads 9.x)."""
     out = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
@@ -163,6 +155,15 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=24, help="opcodes listed per loop")
     ap.add_argument("--dump", type=Path, help="write the SASS of the -D build here")
     args = ap.parse_args(argv)
+    try:
+        tiles = capability.parse_tiles(args.tiles, "--tiles") if args.tiles else None
+    except ValueError as e:
+        ap.error(str(e))
+    try:
+        variant = Variant(args.phase, args.dtype, args.head_dim, tiles, args.causal, args.varlen)
+        variant.name_expression  # noqa: B018  (raises ValueError for a phase/flag mismatch)
+    except (KeyError, ValueError, AttributeError) as e:
+        ap.error(f"no such variant: {e!r}")
 
     tools = {name: find_tool(name) for name in ("ptxas", "cuobjdump", "nvdisasm")}
     missing = [n for n, p in tools.items() if not p]
@@ -170,12 +171,6 @@ def main(argv=None) -> int:
         print(f"offline_sass: not found: {', '.join(missing)} (PATH, $CUDA_HOME/bin or the "
               "nvidia-cuda-* wheels)", file=sys.stderr)
         return 2
-    try:
-        tiles = parse_tiles(args.tiles) if args.tiles else None
-        variant = Variant(args.phase, args.dtype, args.head_dim, tiles, args.causal, args.varlen)
-        variant.name_expression  # noqa: B018  (raises ValueError for a phase/flag mismatch)
-    except (KeyError, ValueError, AttributeError) as e:
-        ap.error(f"no such variant: {e!r}")
     builds = [("with " + " ".join(args.macros) if args.macros else "default", args.macros)]
     if args.compare and args.macros:
         builds.insert(0, ("default", []))

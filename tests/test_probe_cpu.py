@@ -381,11 +381,11 @@ def test_bitwise_ab_decode_cases():
     assert bitwise_ab.cases_of(a)[:2] == [(64, "float16", False, 4096), (64, "float16", True, 4096)]
 
 
-def test_offline_sass_parses_tiles_opcodes_and_loops():
+def test_offline_sass_parses_tiles_opcodes_and_loops(capsys):
     offline_sass = pytest.importorskip("offline_sass")
-    assert str(offline_sass.parse_tiles("64x128x8")) == "64x128x8x2"
-    with pytest.raises(ValueError, match="--tiles"):
-        offline_sass.parse_tiles("64x128")
+    with pytest.raises(SystemExit):  # argparse's error, naming the option (below)
+        offline_sass.main(["--phase", "bwd_grid", "--head-dim", "64", "--tiles", "64x128"])
+    assert "--tiles: cannot read tile sizes '64x128'" in capsys.readouterr().err
     assert offline_sass.opcode("@!P0 LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]") == \
         "LDGSTS.E.BYPASS.128"
     assert offline_sass.opcode("@UPT HMMA.16816.F32.BF16 R0, R4, R8, R0") == \
