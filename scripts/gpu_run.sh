@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot tilebox grid_reload grid_reload_bench one_barrier one_barrier_ab rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot tilebox grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -43,6 +43,9 @@
 # piecewise_mma beside sdpa_flash, sdpa_cudnn and flag_attn (carry .baselines), L 2048-16384)
 # under the macro, about 6 minutes, results in logs/grid_reload_bench (compare with the
 # mma_bench step's D = 64 rows, or run both in one call).
+# grid_barrier_ab (not in all): the timing halves of grid_reload and one_barrier_ab in one call
+# (mma_bwd_ab.py: both grid macros, PW_ONE_BARRIER=1 and all three; mma_fwd_probe.py under
+# PW_ONE_BARRIER=1), about 8-9 minutes; logs in logs/grid_barrier_*.
 # one_barrier (not in all): the mma.sync kernels' tile loop with one barrier per tile instead
 # of two (-DPW_ONE_BARRIER=1, kernels_cu/common.cuh pipelined_tiles; an A/B build): the
 # mma.sync GPU cases of test_kernels_gpu.py and the packed-batch mma cases under it, racecheck
@@ -417,6 +420,20 @@ if asked one_barrier_ab; then
     --dtypes bf16 --rounds 3 --reps 15 --variants "$m" \
     --out "$logs/one_barrier_bwd.txt" > "$logs/one_barrier_bwd.log" 2>&1
   rc=$?; echo "one_barrier bwd ab: exit $rc"; tail -20 "$logs/one_barrier_bwd.log"; status=$((status | rc))
+fi
+if asked grid_barrier_ab; then
+  # the timing half of grid_reload and one_barrier_ab in one call (their tests and
+  # sanitizers follow for what wins): the backward alone under the grid macros, one barrier
+  # per tile, and both, against the default; then the forward under one barrier
+  timeout 330 python3 scripts/mma_bwd_ab.py --modes default --dims 64,128 --lengths 2048,8192 \
+    --dtypes bf16,fp16 --rounds 3 --reps 15 \
+    --variants "PW_GRID_TID_RELOAD=2;PW_GRID_TID_RELOAD=2,PW_GRID_TWO_DS=1;PW_ONE_BARRIER=1;PW_GRID_TID_RELOAD=2,PW_GRID_TWO_DS=1,PW_ONE_BARRIER=1" \
+    --out "$logs/grid_barrier_bwd.txt" > "$logs/grid_barrier_bwd.log" 2>&1
+  rc=$?; echo "grid_barrier bwd ab: exit $rc"; tail -40 "$logs/grid_barrier_bwd.log"; status=$((status | rc))
+  timeout 200 python3 scripts/mma_fwd_probe.py --variants "PW_ONE_BARRIER=1" --tiles "128:128x64x4;64:128x128x4" \
+    --lengths 2048,8192 --dtypes bf16,fp16 --rounds 3 --reps 30 --control \
+    --out "$logs/grid_barrier_fwd.txt" > "$logs/grid_barrier_fwd.log" 2>&1
+  rc=$?; echo "grid_barrier fwd probe: exit $rc"; tail -16 "$logs/grid_barrier_fwd.log"; status=$((status | rc))
 fi
 if asked tilebox; then
   # the Hopper decode's whole-tile boxes (-DKV90_TILE_BOX=1, kernels_cu/sm90/kvdecode.cu): its
