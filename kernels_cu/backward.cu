@@ -104,18 +104,19 @@ template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
 // PW_GRID_GROUP1 (1, the default; 0 for A/B): the warp-grid backward skips the integer
 // division that maps a pass's tile index to (query head, tile) when there is no GQA
 // (pw_backward_grid, tile_of).
-// PW_GRID_TID_RELOAD (1, the default): the warp-grid backward's tile body re-reads
-// threadIdx.x (tid_reload) for its lane- and warp-derived offsets, which ptxas then
-// recomputes every tile instead of holding them across the loop: at D = 128 (64x128x8) the
-// held form spills 84-92 bytes. 0: never re-read; 2 (staged for an A/B, not yet timed):
-// re-read at D > 64 only. At D = 64 (64x64x4) the held form builds in 244-246 registers
+// PW_GRID_TID_RELOAD (2, the default since 2026-12-06): the warp-grid backward's tile body
+// re-reads threadIdx.x (tid_reload) for its lane- and warp-derived offsets at D > 64, which
+// ptxas then recomputes every tile instead of holding them across the loop: at D = 128
+// (64x128x8) the held form spills 84-92 bytes. 1: re-read at every D (the default before);
+// 0: never re-read. At D = 64 (64x64x4) the held form builds in 244-246 registers
 // without spills and its tile loop is 7% shorter (1546 -> 1437 instructions non-causal,
 // 1604 -> 1488 causal; bf16, NVRTC 13.5 PTX through ptxas 13.0, scripts/offline_sass.py,
 // 2026-12-06). At D = 64 time follows the instruction count more closely than at D = 128
 // (bench/NOTES.md, thirty-third section: 4.57 G instructions against FlashAttention-2's
-// 2.88 G for 1.29x its time), which is the reason to time it.
+// 2.88 G for 1.29x its time), which is the reason it was timed: on an H100 the backward alone
+// gained 1-3% at D = 64 (bench/results/2026-12-06-h100-one-barrier).
 #ifndef PW_GRID_TID_RELOAD
-#define PW_GRID_TID_RELOAD 1
+#define PW_GRID_TID_RELOAD 2
 #endif
 #ifndef PW_GRID_GROUP1
 #define PW_GRID_GROUP1 1

@@ -876,8 +876,10 @@ PW_DEVICE void unscale_rows(float out[MW][2], const int ex[MW][2], float factor)
 // Runs body(t, stage) for t in [t0, t1) while the loads of tile t+1 (issued by
 // issue(t, stage)) are in flight. Loads issued before the call join the first group.
 // The trailing barrier frees a stage before the next iteration overwrites it.
-// PW_ONE_BARRIER=1 (staged for an A/B, not timed; 0, the default, keeps every kernel's PTX):
-// one barrier per tile instead of two. Each iteration waits for tile t's loads, then the
+// PW_ONE_BARRIER=1 (the default since 2026-12-06; 0: the earlier two-barrier loop): one
+// barrier per tile instead of two. On an H100 (bench/results/2026-12-06-h100-one-barrier) the
+// backward alone gained 2-6% at D = 128 and forward+backward 1-4% against SDPA flash in
+// the same run, together with PW_GRID_TID_RELOAD=2. Each iteration waits for tile t's loads, then the
 // barrier (tile t visible to every thread, and every thread done with body t - 1, which read
 // the stage and the shared buffers that issue(t + 1) and body t are about to overwrite), then
 // issues tile t + 1 and runs body t. Tile t + 1's copies still overlap body t; they start
@@ -886,7 +888,7 @@ PW_DEVICE void unscale_rows(float out[MW][2], const int ex[MW][2], float factor)
 // iteration's leading one; the last body's shared-memory reads are followed by the caller's
 // own barriers (the kernels sync before reusing shared memory after the loop).
 #ifndef PW_ONE_BARRIER
-#define PW_ONE_BARRIER 0
+#define PW_ONE_BARRIER 1
 #endif
 template <class Issue, class Body>
 PW_DEVICE void pipelined_tiles(int t0, int t1, Issue issue, Body body) {

@@ -242,8 +242,9 @@ struct BwdDkvTraits : TileTraitsBase<D, BN, WARPS> {
 // with two, over sm_86/89's 101376). At D = 128 one buffer takes 8 warps to 228352 bytes
 // (sm_90 only) and 4 warps to 166912, an A100's whole 163 KiB. capability.grid_two_ds_buffers
 // mirrors it.
-// PW_GRID_TWO_DS=1 (staged for an A/B on the H200, not timed; host mirror
-// capability.GRID_TWO_DS_D64): two buffers at D <= 64 with 4 warps as well, which saves the
+// PW_GRID_TWO_DS=1 (an A/B build; host mirror capability.GRID_TWO_DS_D64; on an H100 its
+// share of the backward's time was inside the probe's noise, bench/results/
+// 2026-12-06-h100-one-barrier): two buffers at D <= 64 with 4 warps as well, which saves the
 // tile's third barrier (dSᵀ waiting for every warp's dV product to finish reading Pᵀ). The
 // 4-warp D = 64 layout then takes 102400 bytes: two blocks per SM on sm_80 (163 KiB) and
 // sm_90 (227 KiB), but over sm_86/89's 99 KiB per block, so a default made of it would have

@@ -31,28 +31,29 @@
 # TILEBOX_MACRO=KV90_ROW_BOX=1 runs the same checks on the D = 128 boxes of whole rows
 # (kvdecode.cu); TILEBOX_PROBE="base;KV90_TILE_BOX=2;KV90_ROW_BOX=1" times both beside the
 # default in the probe.
-# grid_reload (not in all): two staged A/B builds of the D = 64 warp-grid backward: its
-# lane/warp offsets held across the tile loop (-DPW_GRID_TID_RELOAD=2, kernels_cu/backward.cu:
-# 7% fewer static instructions in the tile body, no spills) and Pᵀ and dSᵀ in two buffers
-# (-DPW_GRID_TWO_DS=1, kernels_cu/traits.cuh: one barrier fewer per tile). GRID_MACROS (default
-# both) for test_grid_backward_forced and the mma.sync D = 64 GPU cases of test_kernels_gpu.py,
-# scripts/mma_bwd_ab.py of each alone and both against the default (backward alone, D 64 and
-# 128, the 128 rows a control the macros do not change), memcheck and
-# racecheck on the D = 64 one-kernel backward under it; about 6-8 minutes, logs in
-# logs/grid_reload_*. grid_reload_bench (not in all): issue 15's D = 64 table (bench.py,
-# piecewise_mma beside sdpa_flash, sdpa_cudnn and flag_attn (carry .baselines), L 2048-16384)
-# under the macro, about 6 minutes, results in logs/grid_reload_bench (compare with the
-# mma_bench step's D = 64 rows, or run both in one call).
-# grid_barrier_ab (not in all): the timing halves of grid_reload and one_barrier_ab in one call
-# (mma_bwd_ab.py: both grid macros, PW_ONE_BARRIER=1 and all three; mma_fwd_probe.py under
-# PW_ONE_BARRIER=1), about 8-9 minutes; logs in logs/grid_barrier_*.
-# one_barrier (not in all): the mma.sync kernels' tile loop with one barrier per tile instead
-# of two (-DPW_ONE_BARRIER=1, kernels_cu/common.cuh pipelined_tiles; an A/B build): the
-# mma.sync GPU cases of test_kernels_gpu.py and the packed-batch mma cases under it, racecheck
-# and synccheck on the dense mma.sync D 64/128 cases (a barrier change), about 6-8 minutes;
+# grid_reload (not in all): the D = 64 warp-grid backward's staged A/B build, Pᵀ and dSᵀ in
+# two buffers (-DPW_GRID_TWO_DS=1, kernels_cu/traits.cuh: one barrier fewer per tile; fits
+# sm_80/90, not sm_86/89). GRID_MACROS (default that one) for test_grid_backward_forced and the
+# mma.sync D = 64 GPU cases of test_kernels_gpu.py, scripts/mma_bwd_ab.py of it and of the
+# earlier default -DPW_GRID_TID_RELOAD=1 (offsets re-read every tile at D = 64 too) against the
+# default (backward alone, D 64 and 128, the 128 rows a control the macros do not change),
+# memcheck and racecheck on the D = 64 one-kernel backward under GRID_MACROS; about 6-8
+# minutes, logs in logs/grid_reload_*. grid_reload_bench (not in all): issue 15's D = 64 table
+# (bench.py, piecewise_mma beside sdpa_flash, sdpa_cudnn and flag_attn (carry .baselines),
+# L 2048-16384) under GRID_MACROS, about 6 minutes, results in logs/grid_reload_bench (compare
+# with the mma_bench step's D = 64 rows, or run both in one call).
+# grid_barrier_ab (not in all): the backward alone (mma_bwd_ab.py) of the defaults before
+# 2026-12-06 (-DPW_GRID_TID_RELOAD=1 -DPW_ONE_BARRIER=0), each of those alone, and the staged
+# PW_GRID_TWO_DS=1, against the default; then the forward's two-barrier loop against the
+# default (mma_fwd_probe.py, with a control build); about 5-6 minutes (first run, on an H100:
+# bench/results/2026-12-06-h100-one-barrier); logs in logs/grid_barrier_*.
+# one_barrier (not in all): the mma.sync GPU cases of test_kernels_gpu.py and the packed-batch
+# mma cases, racecheck and synccheck on the dense mma.sync D 64/128 cases, under
+# BARRIER_MACROS (default -DPW_ONE_BARRIER=0, the two-barrier tile loop of kernels_cu/common.cuh
+# pipelined_tiles that the default replaced on 2026-12-06), about 5-6 minutes;
 # one_barrier_ab (not in all): scripts/mma_fwd_probe.py (forward, with its checks and a
-# control build) and scripts/mma_bwd_ab.py (backward alone, both schemes) against the
-# default, about 5 minutes; logs in logs/one_barrier_*.
+# control build) and scripts/mma_bwd_ab.py (backward alone, both schemes) of BARRIER_MACROS
+# against the default, about 5 minutes; logs in logs/one_barrier_*.
 # mma_probes (not in all): the mma.sync backward against SDPA flash (scripts/mma_bwd_probe.py,
 # bfloat16 and float16), then the forward's earlier forms -DPW_FWD_RAW_MAX=0 and =1
 # (kernels_cu/forward.cu: the default, 2, scales raw scores inside the exponential's fma in
@@ -368,20 +369,20 @@ if asked kvrot; then
   status=$((status | rc))
 fi
 if asked grid_reload; then
-  m=${GRID_MACROS:-"PW_GRID_TID_RELOAD=2 PW_GRID_TWO_DS=1"}
+  m=${GRID_MACROS:-"PW_GRID_TWO_DS=1"}
   PW_TEST_MACROS="$m" CUPY_PIECEWISE_PATH=mma timeout 420 python3 -m pytest -q -m gpu -x \
     tests/test_kernels_gpu.py -k "grid_backward_forced or (mma and 64 and not hopper)" \
     2>&1 | tee "$logs/grid_reload_pytest.log" | tail -3
   rc=${PIPESTATUS[0]}; echo "grid_reload tests: exit $rc"; status=$((status | rc))
   timeout 300 python3 scripts/mma_bwd_ab.py --modes default --dims 64,128 --lengths 2048,8192 \
     --dtypes bf16,fp16 --rounds 3 --reps 20 \
-    --variants "PW_GRID_TID_RELOAD=2;PW_GRID_TWO_DS=1;PW_GRID_TID_RELOAD=2,PW_GRID_TWO_DS=1" \
+    --variants "PW_GRID_TID_RELOAD=1;PW_GRID_TWO_DS=1" \
     --out "$logs/grid_reload_ab.txt" > "$logs/grid_reload_ab.log" 2>&1
   rc=$?; echo "grid_reload ab: exit $rc"; tail -20 "$logs/grid_reload_ab.log"; status=$((status | rc))
   for tool in memcheck racecheck; do
     extra=""; [[ $tool == memcheck ]] && extra="--report-api-errors no"
     PW_TEST_MACROS="$m" SANITIZE_DIMS=64 SANITIZE_PATHS=mma SANITIZE_SKIP=kvcache,rotary,varlen,torch \
-      timeout 240 compute-sanitizer --tool $tool $extra --kernel-name regex:pw_backward_grid \
+      timeout 240 compute-sanitizer --tool $tool $extra --kernel-name kns=pw_backward_grid \
       --error-exitcode 9 python3 scripts/sanitize_cases.py \
       > "$logs/grid_reload_sanitize_$tool.log" 2>&1
     rc=$?; echo "grid_reload $tool: exit $rc"
@@ -390,14 +391,14 @@ if asked grid_reload; then
   done
 fi
 if asked grid_reload_bench; then
-  PW_TEST_MACROS=${GRID_MACROS:-"PW_GRID_TID_RELOAD=2 PW_GRID_TWO_DS=1"} timeout 420 python3 bench/bench.py --lengths 2048,8192,16384 --dims 64 \
+  PW_TEST_MACROS=${GRID_MACROS:-"PW_GRID_TWO_DS=1"} timeout 420 python3 bench/bench.py --lengths 2048,8192,16384 --dims 64 \
     --dtypes bf16,fp16 --providers piecewise_mma,sdpa_flash,sdpa_cudnn,flag_attn --phases fwd,fwd_bwd \
     --sections main --budget-s 300 --no-plots --out "$logs/grid_reload_bench" \
     > "$logs/grid_reload_bench.log" 2>&1
   rc=$?; echo "grid_reload bench: exit $rc"; status=$((status | rc))
 fi
 if asked one_barrier; then
-  m="PW_ONE_BARRIER=1"
+  m=${BARRIER_MACROS:-"PW_ONE_BARRIER=0"}
   PW_TEST_MACROS="$m" CUPY_PIECEWISE_PATH=mma timeout 540 python3 -m pytest -q -m gpu -x \
     tests/test_kernels_gpu.py tests/test_varlen_gpu.py -k "mma and not hopper" \
     2>&1 | tee "$logs/one_barrier_pytest.log" | tail -3
@@ -411,7 +412,7 @@ if asked one_barrier; then
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Traceback" "$logs"/one_barrier_{racecheck,synccheck}.log | tail -4
 fi
 if asked one_barrier_ab; then
-  m="PW_ONE_BARRIER=1"
+  m=${BARRIER_MACROS:-"PW_ONE_BARRIER=0"}
   timeout 300 python3 scripts/mma_fwd_probe.py --variants "$m" --tiles "128:128x64x4;64:128x128x4" \
     --lengths 2048,8192 --dtypes bf16,fp16 --rounds 3 --reps 30 --control \
     --out "$logs/one_barrier_fwd.txt" > "$logs/one_barrier_fwd.log" 2>&1
@@ -422,15 +423,14 @@ if asked one_barrier_ab; then
   rc=$?; echo "one_barrier bwd ab: exit $rc"; tail -20 "$logs/one_barrier_bwd.log"; status=$((status | rc))
 fi
 if asked grid_barrier_ab; then
-  # the timing half of grid_reload and one_barrier_ab in one call (their tests and
-  # sanitizers follow for what wins): the backward alone under the grid macros, one barrier
-  # per tile, and both, against the default; then the forward under one barrier
+  # the backward alone: the defaults before 2026-12-06, each alone, and the staged two
+  # buffers, against the default; then the forward's two-barrier loop against the default
   timeout 330 python3 scripts/mma_bwd_ab.py --modes default --dims 64,128 --lengths 2048,8192 \
     --dtypes bf16,fp16 --rounds 3 --reps 15 \
-    --variants "PW_GRID_TID_RELOAD=2;PW_GRID_TID_RELOAD=2,PW_GRID_TWO_DS=1;PW_ONE_BARRIER=1;PW_GRID_TID_RELOAD=2,PW_GRID_TWO_DS=1,PW_ONE_BARRIER=1" \
+    --variants "PW_GRID_TID_RELOAD=1,PW_ONE_BARRIER=0;PW_GRID_TID_RELOAD=1;PW_ONE_BARRIER=0;PW_GRID_TWO_DS=1" \
     --out "$logs/grid_barrier_bwd.txt" > "$logs/grid_barrier_bwd.log" 2>&1
   rc=$?; echo "grid_barrier bwd ab: exit $rc"; tail -40 "$logs/grid_barrier_bwd.log"; status=$((status | rc))
-  timeout 200 python3 scripts/mma_fwd_probe.py --variants "PW_ONE_BARRIER=1" --tiles "128:128x64x4;64:128x128x4" \
+  timeout 200 python3 scripts/mma_fwd_probe.py --variants "PW_ONE_BARRIER=0" --tiles "128:128x64x4;64:128x128x4" \
     --lengths 2048,8192 --dtypes bf16,fp16 --rounds 3 --reps 30 --control \
     --out "$logs/grid_barrier_fwd.txt" > "$logs/grid_barrier_fwd.log" 2>&1
   rc=$?; echo "grid_barrier fwd probe: exit $rc"; tail -16 "$logs/grid_barrier_fwd.log"; status=$((status | rc))

@@ -412,12 +412,13 @@ def test_grid_backward_division_forms_build_without_spills(nvrtc, monkeypatch, g
 
 
 @pytest.mark.parametrize("cc", sorted(capability.TABLE))
-def test_grid_backward_reload_mode_2_builds_without_spills(nvrtc, monkeypatch, cc):
-    """-DPW_GRID_TID_RELOAD=2 (kernels_cu/backward.cu, staged for an A/B): the warp-grid
-    backward holds its lane- and warp-derived offsets across the tile loop at D = 64 and
-    re-reads threadIdx.x per tile above it. Every bwd_grid entry of every listed
-    architecture builds without spills in that form; the D = 64 entries' reports differ
-    from the default's (the macro reached them), the D = 128 ones do not."""
+def test_grid_backward_reload_modes_build_without_spills(nvrtc, monkeypatch, cc):
+    """PW_GRID_TID_RELOAD (kernels_cu/backward.cu): the default, 2 since 2026-12-06, holds the
+    warp-grid backward's lane- and warp-derived offsets across the tile loop at D = 64 and
+    re-reads threadIdx.x per tile above it; 1, the earlier default kept for A/B runs,
+    re-reads at every D. Every bwd_grid entry of every listed architecture builds without
+    spills in both forms; the D = 64 entries' reports differ between them (the mode reached
+    them), the D = 128 ones do not."""
     from cupy_piecewise import compile as comp
 
     vs = sorted({Variant(phase, dt, d, t, c)
@@ -426,9 +427,12 @@ def test_grid_backward_reload_mode_2_builds_without_spills(nvrtc, monkeypatch, c
     if not vs:
         pytest.skip(f"no bwd_grid entry for {cc}")
     base = comp.arch_options
-    default = {r.variant: (r.registers, r.spill_stores) for r in compile_offline(cc, vs)}
+    default = {}
+    for r in compile_offline(cc, vs):
+        assert r.ok and r.registers and not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+        default[r.variant] = (r.registers, r.spill_stores)
     monkeypatch.setattr(comp, "arch_options",
-                        lambda c, hopper=False: base(c, hopper) + ("-DPW_GRID_TID_RELOAD=2",))
+                        lambda c, hopper=False: base(c, hopper) + ("-DPW_GRID_TID_RELOAD=1",))
     for r in compile_offline(cc, vs):
         assert r.ok and r.registers, (r.variant, r.log)
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
@@ -442,7 +446,8 @@ def test_grid_backward_reload_mode_2_builds_without_spills(nvrtc, monkeypatch, c
 def test_grid_backward_two_ds_buffers_at_d64_build_without_spills(nvrtc, monkeypatch, cc,
                                                                   macros):
     """-DPW_GRID_TWO_DS=1 (kernels_cu/traits.cuh, staged for an A/B): the 4-warp D = 64 grid
-    backward with Pᵀ and dSᵀ in two buffers, alone and with PW_GRID_TID_RELOAD=2, builds
+    backward with Pᵀ and dSᵀ in two buffers, alone and with PW_GRID_TID_RELOAD=2 (the
+    default since 2026-12-06, named here so the pair stays built if the default moves), builds
     without spills on the architectures whose shared memory holds it (sm_80, sm_90)."""
     from cupy_piecewise import compile as comp
 
@@ -456,17 +461,17 @@ def test_grid_backward_two_ds_buffers_at_d64_build_without_spills(nvrtc, monkeyp
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-def test_one_barrier_tile_loop_builds_without_spills(nvrtc, monkeypatch):
-    """-DPW_ONE_BARRIER=1 (kernels_cu/common.cuh pipelined_tiles, staged for an A/B): one
-    barrier per tile in every mma.sync kernel's loop. The sm_90 row's dense bfloat16
-    forward, one-kernel backward and deterministic backward entries at head dims 64 and 128
-    build without spills (every mma.sync variant of sm_80/86/89/90 did, offline, when it was
-    staged: bench/NOTES.md, thirty-seventh section)."""
+def test_two_barrier_tile_loop_builds_without_spills(nvrtc, monkeypatch):
+    """-DPW_ONE_BARRIER=0 (kernels_cu/common.cuh pipelined_tiles): the earlier tile loop with
+    two barriers per tile, kept for A/B runs against the default (one barrier since
+    2026-12-06; the build check covers it). The sm_90 row's dense bfloat16 forward,
+    one-kernel backward and deterministic backward entries at head dims 64 and 128 build
+    without spills in that form."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options",
-                        lambda c, hopper=False: base(c, hopper) + ("-DPW_ONE_BARRIER=1",))
+                        lambda c, hopper=False: base(c, hopper) + ("-DPW_ONE_BARRIER=0",))
     vs = sorted({Variant(phase, dt, d, t, c)
                  for phase, d, dt, c, t in capability.selectable_configs(SM90)
                  if phase in ("fwd", "bwd_grid", "bwd_dq", "bwd_dkv") and d in (64, 128)
