@@ -182,12 +182,14 @@ def test_fused_backward_red2_form_builds_without_spills(nvrtc, monkeypatch):
     """-DPW_DQ_RED4=0 (kernels_cu/backward.cu: the fused backward's dQ added with 8-byte
     reductions, the form before the 16-byte lane swap became the default on sm_90;
     bench/NOTES.md) still compiles, without spills, for the sm_90 row's fused variants, so
-    that an A/B run can build it."""
+    that an A/B run can build it: with the two-barrier tile loop of its day
+    (-DPW_ONE_BARRIER=0; under one barrier, the default since 2026-12-06, the bfloat16
+    D = 128 causal 32x64x4 entry spills 16 bytes in this form, not in the default's)."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
-    monkeypatch.setattr(comp, "arch_options",
-                        lambda cc, hopper=False: base(cc, hopper) + ("-DPW_DQ_RED4=0",))
+    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
+        "-DPW_DQ_RED4=0", "-DPW_ONE_BARRIER=0"))
     vs = _fused_sm90()
     assert vs
     for r in compile_offline(SM90, vs):
@@ -281,7 +283,7 @@ def test_raw_max_forward_ab_builds_compile(nvrtc, monkeypatch, raw):
 
 
 @pytest.mark.parametrize("macros", [
-    ("-DPW_BWD_P_FIXED_EXEMPT=1", "-DPW_BWD_TID_RELOAD=0"),
+    ("-DPW_BWD_P_FIXED_EXEMPT=1", "-DPW_BWD_TID_RELOAD=0", "-DPW_ONE_BARRIER=0"),
     ("-DPW_BWD_P_FIXED_EXEMPT=2", "-DPW_BWD_TID_RELOAD=2")])
 def test_exempt_entry_forms_build_without_spills(nvrtc, monkeypatch, macros):
     """The causal D = 128 float16 one-kernel entry spills 16 bytes with the fixed P scale
@@ -289,9 +291,10 @@ def test_exempt_entry_forms_build_without_spills(nvrtc, monkeypatch, macros):
     (-DPW_BWD_P_FIXED_EXEMPT=2 -DPW_BWD_TID_RELOAD=2: the fixed scale with the reload in its
     dense form; the packed-batch form, which spills 8 bytes even so, keeps the per-row scale)
     and the earlier default's A/B form (EXEMPT=1 RELOAD=0: per-row scale in both forms, no
-    reload) build every sm_90 float16 dk/dv and one-kernel variant at D = 64 and 128, dense
-    and packed, without spills; the explicit default pins the pair against a change of the
-    file's defaults."""
+    reload, with the two-barrier tile loop of its day: under one barrier, the default since
+    2026-12-06, its D = 128 fused entry spills 8 bytes) build every sm_90 float16 dk/dv and
+    one-kernel variant at D = 64 and 128, dense and packed, without spills; the explicit
+    default pins the pair against a change of the file's defaults."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
@@ -314,12 +317,13 @@ def test_per_row_p_scale_ab_build_compiles(nvrtc, monkeypatch):
     (FixedP), except in the one entry where that spills; the build check covers the default.
     The A/B build -DPW_BWD_P_FIXED=0 (fit_rows' per-row scale everywhere, the default until
     2026-12-04) builds the sm_90 row's float16 dk/dv and one-kernel backward variants at
-    D = 64 and 128 without spills."""
+    D = 64 and 128 without spills, with the two-barrier tile loop of its day
+    (-DPW_ONE_BARRIER=0: under one barrier its D = 128 fused entry spills 8 bytes)."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
-        "-DPW_BWD_P_FIXED=0",))
+        "-DPW_BWD_P_FIXED=0", "-DPW_ONE_BARRIER=0"))
     vs = sorted({Variant(phase, dt, d, t, c)
                  for phase, d, dt, c, t in capability.selectable_configs(SM90)
                  if phase in ("bwd_dkv", "bwd_fused") and d in (64, 128) and dt == "float16"}
