@@ -878,8 +878,8 @@ PW_DEVICE void unscale_rows(float out[MW][2], const int ex[MW][2], float factor)
 // The trailing barrier frees a stage before the next iteration overwrites it.
 // PW_ONE_BARRIER=1 (the default since 2026-12-06; 0: the earlier two-barrier loop): one
 // barrier per tile instead of two. On an H100 (bench/results/2026-12-06-h100-one-barrier) the
-// backward alone gained 2-6% at D = 128 and forward+backward 1-4% against SDPA flash in
-// the same run, together with PW_GRID_TID_RELOAD=2. Each iteration waits for tile t's loads, then the
+// backward alone ran at 0.96-1.06x the two-barrier loop's speed at D = 128 (7 of 8 rows faster),
+// 0.96-1.01x at D = 64. Each iteration waits for tile t's loads, then the
 // barrier (tile t visible to every thread, and every thread done with body t - 1, which read
 // the stage and the shared buffers that issue(t + 1) and body t are about to overwrite), then
 // issues tile t + 1 and runs body t. Tile t + 1's copies still overlap body t; they start
