@@ -113,12 +113,15 @@ def split_count(shape: KVShape, tiles, smem: int, sms: int, smem_per_sm: int,
     return max(1, min(want, most, MAX_SPLITS))
 
 
-def kv90_row_box(shape: KVShape):
-    """The Hopper decode's box for ``shape``'s k1, k2 and v maps: 16 rows (an int), or
-    ``(16, D // 64)``, 16 whole rows of ``D // 64`` panels in one 5-d box, under
-    ``capability.KV90_ROW_BOX`` for the plain decode (no rotary) at head dims above 64
-    (kernels_cu/sm90/kvdecode.cu, KV90_ROW_BOX: the kernel's rule)."""
-    if capability.KV90_ROW_BOX and not shape.rotary and shape.D > 64:
+def kv90_row_box(shape: KVShape, cluster: int = 1):
+    """The Hopper decode's box for ``shape``'s k1, k2 and v maps when its key splits merge
+    in clusters of ``cluster`` blocks: 16 rows (an int), or ``(16, D // 64)``, 16 whole rows
+    of ``D // 64`` panels in one 5-d box, for the plain decode (no rotary) at head dims above
+    64 under ``capability.KV90_ROW_BOX`` 1, and under 2 (the default) only where ``cluster``
+    is 1; never in a tile-box build (``capability.KV90_TILE_BOX``). The kernel's rule is
+    ROW_BOX in kernels_cu/sm90/kvdecode.cu."""
+    mode = 0 if capability.KV90_TILE_BOX else capability.KV90_ROW_BOX
+    if (mode == 1 or (mode == 2 and cluster == 1)) and not shape.rotary and shape.D > 64:
         return (16, shape.D // 64)
     return 16
 
@@ -180,7 +183,7 @@ class KVPlan:
             dims = (s.pages, s.Hkv, s.block_size or s.capacity, s.D)
             st = dict(s.strides)
             strides = [st[n] + (1,) for n in ("k1", "k2", "v")]
-            boxes = (kv90_row_box(s),) * 3
+            boxes = (kv90_row_box(s, self.cluster),) * 3
             if capability.KV90_TILE_BOX and not s.rotary:  # three more maps (kvdecode.cu)
                 self._map_sets = 2
                 strides = strides * 2

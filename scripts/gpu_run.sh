@@ -28,9 +28,11 @@
 # probe against the default, the decode table (paged 64 too) under the macro, and memcheck,
 # racecheck and synccheck on the KV-cache cases under it (TILEBOX_SANITIZE=0: not); about
 # 5-6 minutes, logs in logs/tilebox_*, logs/decode_tilebox.*, logs/racecheck_bulk_*.
-# TILEBOX_MACRO=KV90_ROW_BOX=1 runs the same checks on the D = 128 boxes of whole rows
-# (kvdecode.cu); TILEBOX_PROBE="base;KV90_TILE_BOX=2;KV90_ROW_BOX=1" times both beside the
-# default in the probe.
+# TILEBOX_MACRO=KV90_ROW_BOX=1 runs the same checks on the D = 128 boxes of whole rows in
+# every plain form (kvdecode.cu; the default, mode 2, only without a cluster: =2 runs the
+# checks on the default build); TILEBOX_PROBE="base;KV90_ROW_BOX=0;KV90_ROW_BOX=1" times the
+# half-row and every-form builds beside the default in the probe
+# (bench/results/2026-12-06-h100-rowbox).
 # grid_reload (not in all): the D = 64 warp-grid backward's staged A/B build, Pᵀ and dSᵀ in
 # two buffers (-DPW_GRID_TWO_DS=1, kernels_cu/traits.cuh: one barrier fewer per tile; fits
 # sm_80/90, not sm_86/89). GRID_MACROS (default that one) for test_grid_backward_forced and the

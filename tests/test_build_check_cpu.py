@@ -549,8 +549,9 @@ def test_tile_box_decode_builds_without_spills(nvrtc, monkeypatch, tile_box):
 
 
 def test_row_box_decode_builds_without_spills(nvrtc, monkeypatch):
-    """The Hopper decode with boxes of whole rows (-DKV90_ROW_BOX=1, an A/B build:
-    kernels_cu/sm90/kvdecode.cu, 5-d maps at D = 128) builds every sm_90a decode variant
+    """The Hopper decode with boxes of whole rows in every plain D = 128 form (-DKV90_ROW_BOX=1,
+    an A/B build: kernels_cu/sm90/kvdecode.cu, 5-d maps; the default, mode 2, takes them only
+    without a cluster, and the build check covers it) builds every sm_90a decode variant
     (every head dim, dtype and cluster size; the rotary forms and D = 64 unchanged by it)
     without spills."""
     from cupy_piecewise import compile as comp
@@ -607,7 +608,7 @@ __global__ void layout_check_kernel() {
 def test_decode_swizzle_addresses_what_the_boxes_write(nvrtc, extra, ok):
     """kvdecode.cu's swz (constexpr) against the model above, evaluated by NVRTC: the
     default chunks and the tile-box stages (both run on GPUs) and the row boxes
-    (KV90_ROW_BOX, not yet) all hold element (r, 8 g) where the consumers read group g of
+    (KV90_ROW_BOX, on GPUs since 2026-12-06) all hold element (r, 8 g) where the consumers read group g of
     row r; a control (the row-box address against the default layout) must fail to compile,
     so the check is not vacuous."""
     from cupy_piecewise.compile import source

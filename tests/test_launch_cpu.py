@@ -843,29 +843,37 @@ def test_tile_box_decode_passes_six_maps(fake_gpu, fake_maps, monkeypatch, D, ca
             assert maps == (0x1001, 0x2001, 0x3001) and boxes == [16] * 3
 
 
-@pytest.mark.parametrize("D,block_size,rotary", [(128, 0, 0), (128, 64, 0), (64, 0, 0),
-                                                (128, 0, 1)])
-def test_row_box_decode_maps_take_whole_rows(fake_gpu, fake_maps, monkeypatch, D, block_size,
-                                             rotary):
-    """capability.KV90_ROW_BOX (the host mirror of -DKV90_ROW_BOX=1): the plain Hopper
-    decode's k1, k2 and v maps at head dim 128 take boxes of 16 whole rows of two panels
-    (5-d maps, tma.tensor_map_bhld's panels), contiguous or paged; at head dim 64 (one panel)
-    and for the rotary forms the maps stay 16-row boxes, as without the mirror. Three maps
-    either way."""
+@pytest.mark.parametrize("D,capacity,block_size,rotary,cluster", [
+    (128, 4096, 0, 0, 4), (128, 4096, 64, 0, 4), (128, 65536, 0, 0, 1),
+    (128, 65536, 64, 0, 1), (64, 65536, 0, 0, 1), (128, 65536, 0, 1, 1)])
+def test_row_box_decode_maps_take_whole_rows(fake_gpu, fake_maps, monkeypatch, D, capacity,
+                                             block_size, rotary, cluster):
+    """capability.KV90_ROW_BOX (the host mirror of -DKV90_ROW_BOX): the plain Hopper decode's
+    k1, k2 and v maps at head dim 128 take boxes of 16 whole rows of two panels (5-d maps,
+    tma.tensor_map_bhld's panels), contiguous or paged: under mode 1 always, under mode 2
+    (the default) only where the plan's key splits do not merge in a cluster (4 splits of a
+    4096-row cache do; 8 of a 65536-row one are merged apart); at head dim 64 (one panel), for
+    the rotary forms, under mode 0 and in a tile-box build the maps stay 16-row boxes. Three
+    maps either way."""
     from cupy_piecewise import kvcache_launch as kl
 
     monkeypatch.delenv(capability.PATH_VAR, raising=False)
     capability.refresh_env_override()
-    shape = _decode_shape(D, 4096, block_size, rotary)
+    shape = _decode_shape(D, capacity, block_size, rotary)
     whole = D == 128 and not rotary
-    for mirror in (0, 1):
+    assert capability.KV90_ROW_BOX == 2  # the default
+    for mirror, tile_box in ((0, 0), (1, 0), (2, 0), (2, 1), (2, 2)):
         monkeypatch.setattr(capability, "KV90_ROW_BOX", mirror)
-        assert kl.kv90_row_box(shape) == ((16, 2) if mirror and whole else 16)
+        monkeypatch.setattr(capability, "KV90_TILE_BOX", tile_box)
         plan = kl.KVPlan(shape)
+        assert plan.cluster == cluster
+        rows = whole and not tile_box and (mirror == 1 or (mirror == 2 and cluster == 1))
+        want = (16, 2) if rows else 16
+        assert kl.kv90_row_box(shape, plan.cluster) == want
         fake_maps.clear()
-        maps, _ = plan._maps.addresses((0x1000, 0x2000, 0x3000))
-        assert maps == (0x1001, 0x2001, 0x3001)
-        assert [info[4] for info in fake_maps] == [(16, 2) if mirror and whole else 16] * 3
+        maps, _ = plan._maps.addresses((0x1000, 0x2000, 0x3000) * plan._map_sets)
+        assert maps[:3] == (0x1001, 0x2001, 0x3001)
+        assert [info[4] for info in fake_maps][:3] == [want] * 3
 
 
 def test_tensor_map_of_whole_rows_is_5d(monkeypatch):

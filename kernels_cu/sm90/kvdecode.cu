@@ -87,25 +87,30 @@
 // layout as the chunk-major one of the default. Timed on an H100
 // (bench/results/2026-12-06-h100-tilebox): +0.4-1.7% at D = 128, -0.1-6% at D = 64 (the
 // eight-split N = 4096 row), paged (block size 64) within 3% of contiguous everywhere; not
-// the default. KV90_TILE_BOX=2 (the next A/B, not timed yet) keeps the boxes to D = 128 and
-// paged caches, where they did not lose.
+// the default. KV90_TILE_BOX=2 keeps the boxes to D = 128 and paged caches; beside the
+// half-row default and KV90_ROW_BOX=1 in one probe run (H100, bench/results/
+// 2026-12-06-h100-rowbox) it was -1.7% to +0.9% at D = 128 where the row boxes were +3.2-5.1%.
+// A tile-box build turns the row boxes off (KV90_ROW_BOX's default below).
 #ifndef KV90_TILE_BOX
 #define KV90_TILE_BOX 0
 #endif
-// KV90_ROW_BOX (0 by default; host mirror capability.KV90_ROW_BOX; an A/B build, staged and
-// not yet timed): at D = 128 the plain decode (ROT == 0) loads each 16-key chunk of K and V
-// as one box of whole 256-byte rows (a 5-d map {64 columns, 2 panels, rows, heads, pages};
-// kvcache_launch builds it) instead of two boxes of 128-byte half rows, so each box reads
-// 4 KB of contiguous memory, as the D = 64 decode's boxes read 2 KB. The reason to time it:
-// at D = 64 the decode reached 0.97-0.98x cuDNN on the H100's unsplit rows against 0.945x at
-// D = 128 (bench/results/2026-12-05-h100-combine-prefetch), and cuDNN reads whole rows. The
-// chunk's shared layout becomes row-major over the two panels: 128-byte unit u = 2 r + panel,
-// the 128-byte swizzle XORing the 16-byte group with u % 8 (swz with ROWP = 2), which makes
-// an ldmatrix phase of 8 consecutive rows a 2-way bank conflict (rows r and r + 4 share
-// u % 8); the consumers have slack in this DRAM-bound kernel, which is what the A/B tests.
-// Exclusive with KV90_TILE_BOX.
+// KV90_ROW_BOX (2 by default since 2026-12-06; host mirror capability.KV90_ROW_BOX): at
+// D = 128 the plain decode (ROT == 0) loads each 16-key chunk of K and V as one box of whole
+// 256-byte rows (a 5-d map {64 columns, 2 panels, rows, heads, pages}; kvcache_launch builds
+// it) instead of two boxes of 128-byte half rows, so each box reads 4 KB of contiguous
+// memory, as the D = 64 decode's boxes read 2 KB (cuDNN reads whole rows). The chunk's shared
+// layout becomes row-major over the two panels: 128-byte unit u = 2 r + panel, the 128-byte
+// swizzle XORing the 16-byte group with u % 8 (swz with ROWP = 2), which makes an ldmatrix
+// phase of 8 consecutive rows a 2-way bank conflict (rows r and r + 4 share u % 8); the
+// consumers have slack in this DRAM-bound kernel. Timed on an H100
+// (bench/results/2026-12-06-h100-rowbox): +3.2-5.1% on every unclustered D = 128 row
+// (0.945-0.951 -> 0.978-0.994x cuDNN) but -2% on the one row whose splits merge in a cluster
+// (B = 1, N = 4096, 4 splits in a cluster of 4: 0.955 -> 0.934x), in two runs. Mode 1 takes
+// the row boxes in every plain D = 128 form; mode 2 (the default) only where CLUSTER == 1,
+// the kernels they won in, so each kernel of mode 2 is one of the two timed forms; 0 the
+// half-row boxes everywhere. Exclusive with KV90_TILE_BOX.
 #ifndef KV90_ROW_BOX
-#define KV90_ROW_BOX 0
+#define KV90_ROW_BOX (KV90_TILE_BOX ? 0 : 2)
 #endif
 static_assert(!(KV90_ROW_BOX && KV90_TILE_BOX), "KV90_ROW_BOX and KV90_TILE_BOX exclude each other");
 
@@ -217,9 +222,11 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
   static_assert(CW * BM * (D + 2) * 4 <= STAGES * Sm::stage_bytes,
                 "the warps' merge scratch fits in the ring");
   constexpr int PANELS = D / 64;
-  // KV90_ROW_BOX (plain forms, D >= 128): one box of whole rows per chunk; RP the swizzle's
-  // row-major form (swz), 0 for the panel-major default
-  constexpr bool ROW_BOX = KV90_ROW_BOX != 0 && ROT == 0 && PANELS > 1;
+  // KV90_ROW_BOX (plain forms, D >= 128; mode 2 only without a cluster): one box of whole
+  // rows per chunk; RP the swizzle's row-major form (swz), 0 for the panel-major layout. The
+  // host builds the maps by the same rule (kvcache_launch.kv90_row_box).
+  constexpr bool ROW_BOX =
+      ROT == 0 && PANELS > 1 && (KV90_ROW_BOX == 1 || (KV90_ROW_BOX == 2 && CLUSTER == 1));
   constexpr int RP = ROW_BOX ? PANELS : 0;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // the 128-byte swizzle repeats every 1024 bytes: boxes start 1024-byte aligned
