@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot tilebox grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot tilebox rowbox grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -21,6 +21,9 @@
 # GPU tests and racecheck + synccheck on the rotary sanitizer cases under the macro, then
 # scripts/kvdecode_probe.py, ReRoPE (rot=1) and SelfExtend (rot=8) against rsu=1 (first run:
 # bench/results/2026-12-06-h100-mma-d64-decode-ncu/kvrot); about 5-7 minutes, logs in logs/kvrot_*.
+# rowbox (not in all): the decode's default boxes (KV90_ROW_BOX=2): KV-cache GPU tests,
+# memcheck/racecheck/synccheck on the KV-cache cases, the probe against =0, =1 and m=8
+# (ROWBOX_PROBE); about 3-4 minutes, logs in logs/rowbox_*.
 # tilebox (not in all): the Hopper decode's whole-tile TMA boxes (TILEBOX_MACRO, default
 # KV90_TILE_BOX=2: at D = 128 and for paged caches only; =1 everywhere, timed in
 # bench/results/2026-12-06-h100-tilebox; an A/B build): scripts/racecheck_bulk_probe.py
@@ -476,6 +479,30 @@ if asked tilebox; then
     echo "compute-sanitizer $tool (tile boxes):"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Traceback" "$logs/tilebox_sanitize_$tool.log" | tail -3
   done
+fi
+if asked rowbox; then
+  # the decode's default boxes (KV90_ROW_BOX=2, kernels_cu/sm90/kvdecode.cu: whole rows at
+  # D = 128 without a cluster): the KV-cache GPU tests and memcheck, racecheck and synccheck on
+  # the KV-cache sanitizer cases of the default build (in parallel), then the probe of the
+  # default against half rows everywhere (=0), whole rows everywhere (=1) and, at D = 128,
+  # eight unclustered splits (m=8: whole rows on the row that clusters); about 3-4 minutes
+  timeout 150 python3 -m pytest -q -ra -m gpu -p no:cacheprovider tests/test_kvcache_gpu.py \
+    > "$logs/rowbox_pytest.log" 2>&1
+  rc=$?; echo "rowbox pytest: exit $rc"; tail -2 "$logs/rowbox_pytest.log"; status=$((status | rc))
+  for tool in memcheck racecheck synccheck; do
+    extra=""; [[ $tool == memcheck ]] && extra="--report-api-errors no"
+    SANITIZE_SKIP=dense,rotary,varlen,torch timeout 200 compute-sanitizer --tool $tool $extra \
+      --error-exitcode 9 python3 scripts/sanitize_cases.py > "$logs/rowbox_sanitize_$tool.log" 2>&1 &
+  done
+  for tool in memcheck racecheck synccheck; do wait -n; rc=$?; status=$((status | rc)); done
+  for tool in memcheck racecheck synccheck; do
+    echo "compute-sanitizer $tool (default boxes):"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Traceback" "$logs/rowbox_sanitize_$tool.log" | tail -3
+  done
+  timeout 240 python3 scripts/kvdecode_probe.py --rounds 2 \
+    --configs "${ROWBOX_PROBE:-base;KV90_ROW_BOX=0;KV90_ROW_BOX=1;m=8}" \
+    --out "$logs/rowbox_probe.txt" > "$logs/rowbox_probe.log" 2>&1
+  rc=$?; echo "rowbox probe: exit $rc"; tail -16 "$logs/rowbox_probe.log"; status=$((status | rc))
 fi
 if asked rotary; then
   CUPY_PIECEWISE_FUZZ_GPU_EXAMPLES=${FUZZ_EXAMPLES:-120} timeout 420 python3 -m pytest -q -ra -m gpu \
