@@ -117,9 +117,9 @@ def kv90_row_box(shape: KVShape, cluster: int = 1):
     """The Hopper decode's box for ``shape``'s k1, k2 and v maps when its key splits merge
     in clusters of ``cluster`` blocks: 16 rows (an int), or ``(16, D // 64)``, 16 whole rows
     of ``D // 64`` panels in one 5-d box, for the plain decode (no rotary) at head dims above
-    64 under ``capability.KV90_ROW_BOX`` 1, and under 2 (the default) only where ``cluster``
-    is 1; never in a tile-box build (``capability.KV90_TILE_BOX``). The kernel's rule is
-    ROW_BOX in kernels_cu/sm90/kvdecode.cu."""
+    64 under ``capability.KV90_ROW_BOX`` 1, and under 2 only where ``cluster`` is 1; never
+    in a tile-box build (``capability.KV90_TILE_BOX``). The kernel's rule is ROW_BOX in
+    kernels_cu/sm90/kvdecode.cu."""
     mode = 0 if capability.KV90_TILE_BOX else capability.KV90_ROW_BOX
     if (mode == 1 or (mode == 2 and cluster == 1)) and not shape.rotary and shape.D > 64:
         return (16, shape.D // 64)

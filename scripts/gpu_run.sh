@@ -21,9 +21,10 @@
 # GPU tests and racecheck + synccheck on the rotary sanitizer cases under the macro, then
 # scripts/kvdecode_probe.py, ReRoPE (rot=1) and SelfExtend (rot=8) against rsu=1 (first run:
 # bench/results/2026-12-06-h100-mma-d64-decode-ncu/kvrot); about 5-7 minutes, logs in logs/kvrot_*.
-# rowbox (not in all): the decode's default boxes (KV90_ROW_BOX=2): KV-cache GPU tests,
-# memcheck/racecheck/synccheck on the KV-cache cases, the probe against =0, =1 and m=8
-# (ROWBOX_PROBE); about 3-4 minutes, logs in logs/rowbox_*.
+# rowbox (not in all): the decode's whole-row boxes without a cluster (ROWBOX_MACRO, default
+# KV90_ROW_BOX=2, to become the default): KV-cache GPU tests and memcheck/racecheck/synccheck
+# on the KV-cache cases under it, the probe against the default, =1 and m=8 (ROWBOX_PROBE);
+# about 3-4 minutes, logs in logs/rowbox_*.
 # tilebox (not in all): the Hopper decode's whole-tile TMA boxes (TILEBOX_MACRO, default
 # KV90_TILE_BOX=2: at D = 128 and for paged caches only; =1 everywhere, timed in
 # bench/results/2026-12-06-h100-tilebox; an A/B build): scripts/racecheck_bulk_probe.py
@@ -32,10 +33,9 @@
 # racecheck and synccheck on the KV-cache cases under it (TILEBOX_SANITIZE=0: not); about
 # 5-6 minutes, logs in logs/tilebox_*, logs/decode_tilebox.*, logs/racecheck_bulk_*.
 # TILEBOX_MACRO=KV90_ROW_BOX=1 runs the same checks on the D = 128 boxes of whole rows in
-# every plain form (kvdecode.cu; the default, mode 2, only without a cluster: =2 runs the
-# checks on the default build); TILEBOX_PROBE="base;KV90_ROW_BOX=0;KV90_ROW_BOX=1" times the
-# half-row and every-form builds beside the default in the probe
-# (bench/results/2026-12-06-h100-rowbox).
+# every plain form (kvdecode.cu); TILEBOX_PROBE="base;KV90_TILE_BOX=2;KV90_ROW_BOX=1" times
+# both beside the default in the probe (bench/results/2026-12-06-h100-rowbox; the rowbox step
+# runs mode 2).
 # grid_reload (not in all): the D = 64 warp-grid backward's staged A/B build, Pᵀ and dSᵀ in
 # two buffers (-DPW_GRID_TWO_DS=1, kernels_cu/traits.cuh: one barrier fewer per tile; fits
 # sm_80/90, not sm_86/89). GRID_MACROS (default that one) for test_grid_backward_forced and the
@@ -481,26 +481,29 @@ if asked tilebox; then
   done
 fi
 if asked rowbox; then
-  # the decode's default boxes (KV90_ROW_BOX=2, kernels_cu/sm90/kvdecode.cu: whole rows at
-  # D = 128 without a cluster): the KV-cache GPU tests and memcheck, racecheck and synccheck on
-  # the KV-cache sanitizer cases of the default build (in parallel), then the probe of the
-  # default against half rows everywhere (=0), whole rows everywhere (=1) and, at D = 128,
-  # eight unclustered splits (m=8: whole rows on the row that clusters); about 3-4 minutes
-  timeout 150 python3 -m pytest -q -ra -m gpu -p no:cacheprovider tests/test_kvcache_gpu.py \
-    > "$logs/rowbox_pytest.log" 2>&1
+  # the decode's whole-row boxes where it does not cluster (-DKV90_ROW_BOX=2,
+  # kernels_cu/sm90/kvdecode.cu; each of its kernels is, PTX for PTX, one of =1's or the
+  # default's: tests/test_build_check_cpu.py): the KV-cache GPU tests and memcheck, racecheck
+  # and synccheck on the KV-cache sanitizer cases under it (in parallel), then the probe of it
+  # against the half-row default, whole rows everywhere (=1) and, at D = 128, eight
+  # unclustered splits (m=8: whole rows on the row that clusters); about 3-4 minutes
+  rbm=${ROWBOX_MACRO:-KV90_ROW_BOX=2}
+  PW_TEST_MACROS="$rbm" timeout 150 python3 -m pytest -q -ra -m gpu -p no:cacheprovider \
+    tests/test_kvcache_gpu.py > "$logs/rowbox_pytest.log" 2>&1
   rc=$?; echo "rowbox pytest: exit $rc"; tail -2 "$logs/rowbox_pytest.log"; status=$((status | rc))
   for tool in memcheck racecheck synccheck; do
     extra=""; [[ $tool == memcheck ]] && extra="--report-api-errors no"
-    SANITIZE_SKIP=dense,rotary,varlen,torch timeout 200 compute-sanitizer --tool $tool $extra \
-      --error-exitcode 9 python3 scripts/sanitize_cases.py > "$logs/rowbox_sanitize_$tool.log" 2>&1 &
+    PW_TEST_MACROS="$rbm" SANITIZE_SKIP=dense,rotary,varlen,torch timeout 200 \
+      compute-sanitizer --tool $tool $extra --error-exitcode 9 python3 scripts/sanitize_cases.py \
+      > "$logs/rowbox_sanitize_$tool.log" 2>&1 &
   done
   for tool in memcheck racecheck synccheck; do wait -n; rc=$?; status=$((status | rc)); done
   for tool in memcheck racecheck synccheck; do
-    echo "compute-sanitizer $tool (default boxes):"
+    echo "compute-sanitizer $tool ($rbm):"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Traceback" "$logs/rowbox_sanitize_$tool.log" | tail -3
   done
   timeout 240 python3 scripts/kvdecode_probe.py --rounds 2 \
-    --configs "${ROWBOX_PROBE:-base;KV90_ROW_BOX=0;KV90_ROW_BOX=1;m=8}" \
+    --configs "${ROWBOX_PROBE:-$rbm;base;KV90_ROW_BOX=1;$rbm m=8}" \
     --out "$logs/rowbox_probe.txt" > "$logs/rowbox_probe.log" 2>&1
   rc=$?; echo "rowbox probe: exit $rc"; tail -16 "$logs/rowbox_probe.log"; status=$((status | rc))
 fi

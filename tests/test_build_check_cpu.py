@@ -548,22 +548,62 @@ def test_tile_box_decode_builds_without_spills(nvrtc, monkeypatch, tile_box):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-def test_row_box_decode_builds_without_spills(nvrtc, monkeypatch):
-    """The Hopper decode with boxes of whole rows in every plain D = 128 form (-DKV90_ROW_BOX=1,
-    an A/B build: kernels_cu/sm90/kvdecode.cu, 5-d maps; the default, mode 2, takes them only
-    without a cluster, and the build check covers it) builds every sm_90a decode variant
-    (every head dim, dtype and cluster size; the rotary forms and D = 64 unchanged by it)
-    without spills."""
+@pytest.mark.parametrize("mode", [1, 2])
+def test_row_box_decode_builds_without_spills(nvrtc, monkeypatch, mode):
+    """The Hopper decode with boxes of whole rows (-DKV90_ROW_BOX=1: every plain D = 128 form;
+    =2: only the forms without a cluster; A/B builds: kernels_cu/sm90/kvdecode.cu, 5-d maps)
+    builds every sm_90a decode variant (every head dim, dtype and cluster size; the rotary
+    forms and D = 64 unchanged by it) without spills."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options",
-                        lambda cc, hopper=False: base(cc, hopper) + ("-DKV90_ROW_BOX=1",))
+                        lambda cc, hopper=False: base(cc, hopper) + (f"-DKV90_ROW_BOX={mode}",))
     vs = sorted({v for v in build_check.variants_for(SM90, hopper=True)
                  if v.phase == "kvdecode_sm90"}, key=str)
     for r in compile_offline(SM90, vs):
         assert r.ok and r.registers, (r.variant, r.log)
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+
+
+def _decode_ptx(nvrtc, variant, macro):
+    """NVRTC's PTX of one Hopper decode variant built with ``-D<macro>``, the compile's
+    internal-linkage prefix (a hash of the options: it differs between any two option sets)
+    replaced by a fixed name."""
+    import re
+
+    from cupy_piecewise.compile import arch_options, source
+
+    prog = nvrtc.createProgram(source(variant.filename), variant.filename, [], [])
+    try:
+        nvrtc.addNameExpression(prog, variant.name_expression)
+        nvrtc.compileProgram(prog, list(arch_options(SM90, True)) + [f"-D{macro}"])
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    return re.sub(r"_INTERNAL_[0-9a-f]+_\d+_kvdecode_cu_[0-9a-f]+_", "_INTERNAL_", ptx)
+
+
+def test_row_box_mode_2_kernels_are_the_timed_forms(nvrtc):
+    """-DKV90_ROW_BOX=2 (whole-row boxes only without a cluster) makes no kernel of its own:
+    PTX for PTX, each plain D = 128 decode without a cluster is mode 1's (the row boxes timed,
+    GPU-tested and sanitized on an H100, bench/results/2026-12-06-h100-rowbox) and each one
+    with a cluster is mode 0's (the half-row default); D = 64 and the rotary forms are mode
+    0's. bfloat16 at every cluster size, float16 at 1 and 4, one D = 64 and one rotary form;
+    mode 1 and mode 0 differ in each D = 128 case, so the check is not vacuous."""
+    vs = build_check.variants_for(SM90, hopper=True)
+    dec = [v for v in vs if v.phase == "kvdecode_sm90" and not v.rot_stage]
+    pick = sorted({v for v in dec if v.head_dim == 128 and not v.rotary and (
+        v.dtype == "bfloat16" or v.cluster in (1, 4))}, key=str)
+    pick += [min((v for v in dec if v.head_dim == 64 and not v.rotary), key=str),
+             min((v for v in dec if v.head_dim == 128 and v.rotary), key=str)]
+    assert {v.cluster for v in pick if v.dtype == "bfloat16"} == set(capability.KV90_CLUSTERS)
+    for v in pick:
+        ptx = {m: _decode_ptx(nvrtc, v, f"KV90_ROW_BOX={m}") for m in (0, 1, 2)}
+        whole = v.head_dim == 128 and not v.rotary
+        assert (ptx[1] != ptx[0]) == whole, v
+        assert ptx[2] == ptx[1 if whole and v.cluster == 1 else 0], v
 
 
 # The shared layout the decode's consumers address (kvdecode.cu swz) against a model of what

@@ -851,22 +851,24 @@ def test_row_box_decode_maps_take_whole_rows(fake_gpu, fake_maps, monkeypatch, D
     """capability.KV90_ROW_BOX (the host mirror of -DKV90_ROW_BOX): the plain Hopper decode's
     k1, k2 and v maps at head dim 128 take boxes of 16 whole rows of two panels (5-d maps,
     tma.tensor_map_bhld's panels), contiguous or paged: under mode 1 always, under mode 2
-    (the default) only where the plan's key splits do not merge in a cluster (4 splits of a
+    only where the plan's key splits do not merge in a cluster (4 splits of a
     4096-row cache do; 8 of a 65536-row one are merged apart); at head dim 64 (one panel), for
-    the rotary forms, under mode 0 and in a tile-box build the maps stay 16-row boxes. Three
-    maps either way."""
+    the rotary forms, under mode 0 (the default) and in a tile-box build the maps stay 16-row
+    boxes. Three maps either way."""
     from cupy_piecewise import kvcache_launch as kl
 
     monkeypatch.delenv(capability.PATH_VAR, raising=False)
     capability.refresh_env_override()
     shape = _decode_shape(D, capacity, block_size, rotary)
     whole = D == 128 and not rotary
-    assert capability.KV90_ROW_BOX == 2  # the default
+    assert capability.KV90_ROW_BOX == 0  # the default
     for mirror, tile_box in ((0, 0), (1, 0), (2, 0), (2, 1), (2, 2)):
         monkeypatch.setattr(capability, "KV90_ROW_BOX", mirror)
         monkeypatch.setattr(capability, "KV90_TILE_BOX", tile_box)
         plan = kl.KVPlan(shape)
-        assert plan.cluster == cluster
+        # the kernel decides by its own CLUSTER: the variant launched is built for the
+        # plan's cluster, the one the maps follow
+        assert plan.cluster == cluster and plan._steps[0][0].cluster == cluster
         rows = whole and not tile_box and (mirror == 1 or (mirror == 2 and cluster == 1))
         want = (16, 2) if rows else 16
         assert kl.kv90_row_box(shape, plan.cluster) == want
