@@ -69,6 +69,30 @@ def table(rows: list[dict], paged: int) -> str:
     return "\n".join(lines)
 
 
+def side_by_side(first: dict, second: dict, names: tuple[str, str], paged: int = 64) -> str:
+    """Two decode tables of one machine (``kvcache_decode.py --paged <paged> --out`` JSONs,
+    e.g. two builds a few minutes apart) as one markdown table, row by row: each build's
+    contiguous decode over SDPA cuDNN's of its own run, each one's paged over contiguous, the
+    second's bandwidth over the first's (contiguous and paged) and cuDNN's own second over
+    first, which shows the drift between the runs."""
+    def gbps(results):
+        return {(r["dtype"], r["D"], r["B"], r["Hkv"], r["N"], r["provider"]): r["gbps"]
+                for r in results["decode"] if r.get("status", "ok") == "ok" and r.get("gbps")}
+
+    a, b = gbps(first), gbps(second)
+    n1, n2 = names
+    lines = [f"| dtype | D | B | Hkv | N | {n1} x cuDNN | {n2} x cuDNN | {n1} paged{paged}/contig "
+             f"| {n2} paged{paged}/contig | contig {n2}/{n1} | paged {n2}/{n1} | cuDNN run2/run1 |",
+             "|" + "---|" * 12]
+    for k in sorted({k[:5] for k in a}):
+        c, p, cu = (k + ("piecewise_kvcache",), k + (f"piecewise_kvcache_paged{paged}",),
+                    k + ("sdpa_cudnn",))
+        lines.append(f"| {' | '.join(map(str, k))} | {a[c] / a[cu]:.3f} | {b[c] / b[cu]:.3f} "
+                     f"| {a[p] / a[c]:.3f} | {b[p] / b[c]:.3f} | {b[c] / a[c]:.3f} "
+                     f"| {b[p] / a[p]:.3f} | {b[cu] / a[cu]:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("results", help="bench/kvcache_decode.py --out JSON")

@@ -267,3 +267,27 @@ def test_decode_targets_judges_each_shape(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "decode_targets.py"),
                           str(path)], capture_output=True, text=True, check=True).stdout
     assert out.startswith("G, D: `c`; device copy 4000 GB/s") and text in out
+
+
+def test_decode_side_by_side_divides_each_run_by_its_own_cudnn():
+    """bench/decode_targets.side_by_side: two decode tables of one machine, row by row; each
+    build's ratio to the cuDNN rows of its own run, paged over contiguous per build, the
+    second over the first, and cuDNN's drift; shapes missing a provider raise KeyError."""
+    spec = importlib.util.spec_from_file_location(
+        "decode_targets", os.path.join(ROOT, "bench", "decode_targets.py"))
+    dt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dt)
+
+    def run(ours, paged, cudnn):
+        mk = lambda p, g: dict(provider=p, dtype="bfloat16", D=128, B=1, H=32, Hkv=32,  # noqa
+                               N=4096, gbps=g, status="ok")
+        return {"decode": [mk("piecewise_kvcache", ours), mk("piecewise_kvcache_paged64", paged),
+                           mk("sdpa_cudnn", cudnn), dict(mk("sdpa_flash", 0), status="error")]}
+
+    text = dt.side_by_side(run(2000, 1900, 2500), run(2200, 2200, 2000), ("a", "b"))
+    lines = text.splitlines()
+    assert lines[0].startswith("| dtype | D | B | Hkv | N | a x cuDNN | b x cuDNN |")
+    assert lines[2] == ("| bfloat16 | 128 | 1 | 32 | 4096 | 0.800 | 1.100 | 0.950 | 1.000 "
+                        "| 1.100 | 1.158 | 0.800 |")
+    with pytest.raises(KeyError):
+        dt.side_by_side(run(1, 1, 1), {"decode": run(1, 1, 1)["decode"][:1]}, ("a", "b"))
