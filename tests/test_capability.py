@@ -152,6 +152,23 @@ def test_macro_table_entries_follow_their_mirror(monkeypatch):
     assert ("fwd", 32, "bfloat16", False, TileConfig(64, 64, 4)) in selectable_configs((9, 0))
 
 
+def test_each_mirror_default_is_its_kernel_macro_default():
+    """Every kernel macro with a host mirror (capability._MACRO_MIRRORS) has one
+    ``#ifndef NAME / #define NAME <int>`` default in kernels_cu, and the mirror's default
+    equals it: flipping a staged build into the default takes both sides (e.g. KV90_ROW_BOX's
+    mode 2, bench/NOTES.md thirty-ninth section)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "kernels_cu"
+    text = {f: f.read_text() for f in root.rglob("*.cu*")}
+    for macro, mirror in cap._MACRO_MIRRORS.items():
+        found = [(f.name, m.group(1)) for f, t in text.items() for m in re.finditer(
+            rf"#ifndef {macro}\n#define {macro} (\S+)\n", t)]
+        assert len(found) == 1, (macro, found)
+        assert int(found[0][1]) == int(cap._MIRROR_DEFAULTS[mirror]), (macro, found, mirror)
+
+
 def test_macro_table_is_well_formed(monkeypatch):
     """Every entry capability.MACRO_TABLE stages (none today: PW_FWD_Q_ROTATE's and
     PW_FWD_ONE_K_D64's entries moved into TABLE as they became the default) is keyed by a
