@@ -105,12 +105,13 @@
 // consumers have slack in this DRAM-bound kernel. Timed on an H100
 // (bench/results/2026-12-06-h100-rowbox): +3.2-5.1% on every unclustered D = 128 row
 // (0.945-0.951 -> 0.978-0.994x cuDNN) but -2% on the one row whose splits merge in a cluster
-// (B = 1, N = 4096, 4 splits in a cluster of 4: 0.955 -> 0.934x), in two runs. Mode 1 takes
-// the row boxes in every plain D = 128 form; mode 2 only where CLUSTER == 1, the kernels they
-// won in, so each kernel of mode 2 is one of the two forms timed, tested and sanitized there;
-// 0 (the default) the half-row boxes everywhere. Mode 2 is to be the default once its own
-// build has run the KV-cache GPU tests and sanitizers (gpu_run.sh rowbox; no machine came
-// for it on 2026-12-06). Exclusive with KV90_TILE_BOX.
+// (B = 1, N = 4096, 4 splits in a cluster of 4: 0.955-0.956 -> 0.933-0.936x), in two runs.
+// Mode 1 takes the row boxes in every plain D = 128 form; mode 2 only where CLUSTER == 1,
+// the kernels they won in, so each kernel of mode 2 is, PTX for PTX, one of the two forms
+// timed, tested and sanitized there (tests/test_build_check_cpu.py); 0 (the default) the
+// half-row boxes everywhere. Mode 2 is to be the default once its own build has run the
+// KV-cache GPU tests and sanitizers (gpu_run.sh rowbox; no machine came for it on
+// 2026-12-06). Exclusive with KV90_TILE_BOX.
 #ifndef KV90_ROW_BOX
 #define KV90_ROW_BOX 0
 #endif
