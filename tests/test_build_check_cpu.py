@@ -566,22 +566,18 @@ def test_row_box_decode_builds_without_spills(nvrtc, monkeypatch, mode):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-def _decode_ptx(nvrtc, variant, macro):
-    """NVRTC's PTX of one Hopper decode variant built with ``-D<macro>``, the compile's
-    internal-linkage prefix (a hash of the options: it differs between any two option sets)
-    replaced by a fixed name."""
+def _decode_ptx(variant, macro):
+    """NVRTC's PTX of one Hopper decode variant built with ``-D<macro>``
+    (scripts/offline_sass.build_ptx), the compile's internal-linkage prefix (a hash of the
+    options: it differs between any two option sets) replaced by a fixed name."""
     import re
+    import sys
+    from pathlib import Path
 
-    from cupy_piecewise.compile import arch_options, source
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from offline_sass import build_ptx
 
-    prog = nvrtc.createProgram(source(variant.filename), variant.filename, [], [])
-    try:
-        nvrtc.addNameExpression(prog, variant.name_expression)
-        nvrtc.compileProgram(prog, list(arch_options(SM90, True)) + [f"-D{macro}"])
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    ptx = build_ptx(variant, "sm_90a", [macro])[0].decode()
     return re.sub(r"_INTERNAL_[0-9a-f]+_\d+_kvdecode_cu_[0-9a-f]+_", "_INTERNAL_", ptx)
 
 
@@ -600,7 +596,7 @@ def test_row_box_mode_2_kernels_are_the_timed_forms(nvrtc):
              min((v for v in dec if v.head_dim == 128 and v.rotary), key=str)]
     assert {v.cluster for v in pick if v.dtype == "bfloat16"} == set(capability.KV90_CLUSTERS)
     for v in pick:
-        ptx = {m: _decode_ptx(nvrtc, v, f"KV90_ROW_BOX={m}") for m in (0, 1, 2)}
+        ptx = {m: _decode_ptx(v, f"KV90_ROW_BOX={m}") for m in (0, 1, 2)}
         whole = v.head_dim == 128 and not v.rotary
         assert (ptx[1] != ptx[0]) == whole, v
         assert ptx[2] == ptx[1 if whole and v.cluster == 1 else 0], v
