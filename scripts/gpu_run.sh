@@ -23,8 +23,9 @@
 # bench/results/2026-12-06-h100-mma-d64-decode-ncu/kvrot); about 5-7 minutes, logs in logs/kvrot_*.
 # rowbox (not in all): the decode's whole-row boxes without a cluster (ROWBOX_MACRO, default
 # KV90_ROW_BOX=2, to become the default): KV-cache GPU tests and memcheck/racecheck/synccheck
-# on the KV-cache cases under it, the probe against the default, =1 and m=8 (ROWBOX_PROBE);
-# about 3-4 minutes, logs in logs/rowbox_*.
+# on the KV-cache cases under it, the probe against the default, =1 and m=8 (ROWBOX_PROBE),
+# then the decode table of the default and of the macro (ROWBOX_TABLE=0: not); about 5
+# minutes, logs in logs/rowbox_* and logs/decode_{default,rowbox}.*.
 # tilebox (not in all): the Hopper decode's whole-tile TMA boxes (TILEBOX_MACRO, default
 # KV90_TILE_BOX=2: at D = 128 and for paged caches only; =1 everywhere, timed in
 # bench/results/2026-12-06-h100-tilebox; an A/B build): scripts/racecheck_bulk_probe.py
@@ -506,6 +507,17 @@ if asked rowbox; then
     --configs "${ROWBOX_PROBE:-$rbm;base;KV90_ROW_BOX=1;$rbm m=8}" \
     --out "$logs/rowbox_probe.txt" > "$logs/rowbox_probe.log" 2>&1
   rc=$?; echo "rowbox probe: exit $rc"; tail -16 "$logs/rowbox_probe.log"; status=$((status | rc))
+  # issue 13's decode table (paged 64 too) of the default and of the macro, a minute apart on
+  # one machine (ROWBOX_TABLE=0: not)
+  if [[ ${ROWBOX_TABLE:-1} == 1 ]]; then
+    for tag in default rowbox; do
+      m=""; [[ $tag == rowbox ]] && m="$rbm"
+      PW_TEST_MACROS="$m" timeout 150 python3 bench/kvcache_decode.py --paged 64 \
+        --out "$logs/decode_$tag.json" > "$logs/decode_$tag.log" 2>&1
+      rc=$?; echo "kvcache_decode $tag: exit $rc"; status=$((status | rc))
+      python3 bench/decode_targets.py "$logs/decode_$tag.json" | tail -3
+    done
+  fi
 fi
 if asked rotary; then
   CUPY_PIECEWISE_FUZZ_GPU_EXAMPLES=${FUZZ_EXAMPLES:-120} timeout 420 python3 -m pytest -q -ra -m gpu \
