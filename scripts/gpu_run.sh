@@ -22,10 +22,11 @@
 # scripts/kvdecode_probe.py, ReRoPE (rot=1) and SelfExtend (rot=8) against rsu=1 (first run:
 # bench/results/2026-12-06-h100-mma-d64-decode-ncu/kvrot); about 5-7 minutes, logs in logs/kvrot_*.
 # rowbox (not in all): the decode's whole-row boxes without a cluster (ROWBOX_MACRO, default
-# KV90_ROW_BOX=2, to become the default): KV-cache GPU tests and memcheck/racecheck/synccheck
-# on the KV-cache cases under it, the probe against the default, =1 and m=8 (ROWBOX_PROBE),
-# then the decode table of the default and of the macro (ROWBOX_TABLE=0: not); about 5
-# minutes, logs in logs/rowbox_* and logs/decode_{default,rowbox}.*.
+# KV90_ROW_BOX=2; "" for the default build): KV-cache GPU tests and memcheck/racecheck/
+# synccheck on the KV-cache cases under it, the probe against the default, =1 and m=8
+# (ROWBOX_PROBE), then the decode table of each "tag=macros" in ROWBOX_TABLES (default
+# "default=;rowbox=<macro>"; "" for none); about 5 minutes, logs in logs/rowbox_* and
+# logs/decode_<tag>.*.
 # tilebox (not in all): the Hopper decode's whole-tile TMA boxes (TILEBOX_MACRO, default
 # KV90_TILE_BOX=2: at D = 128 and for paged caches only; =1 everywhere, timed in
 # bench/results/2026-12-06-h100-tilebox; an A/B build): scripts/racecheck_bulk_probe.py
@@ -484,14 +485,17 @@ fi
 if asked rowbox; then
   # the decode's whole-row boxes where it does not cluster (-DKV90_ROW_BOX=2,
   # kernels_cu/sm90/kvdecode.cu; each of its kernels is, PTX for PTX, one of =1's or the
-  # default's: tests/test_build_check_cpu.py): the KV-cache GPU tests and memcheck, racecheck
-  # and synccheck on the KV-cache sanitizer cases under it (in parallel), then the probe of it
-  # against the half-row default, whole rows everywhere (=1) and, at D = 128, eight
-  # unclustered splits (m=8: whole rows on the row that clusters); about 3-4 minutes
-  rbm=${ROWBOX_MACRO:-KV90_ROW_BOX=2}
+  # half-row form's: tests/test_build_check_cpu.py): the KV-cache GPU tests and memcheck,
+  # racecheck and synccheck on the KV-cache sanitizer cases under ROWBOX_MACRO (in parallel;
+  # ROWBOX_MACRO="" runs them on the default build), then the probe (ROWBOX_PROBE: the macro
+  # against the default, whole rows everywhere (=1) and, at D = 128, eight unclustered splits,
+  # m=8: whole rows on the row that clusters), then issue 13's decode table (paged 64 too)
+  # once per "tag=macros" of ROWBOX_TABLES (default: the default build and the macro), a
+  # minute apart on one machine; about 5 minutes
+  rbm=${ROWBOX_MACRO-KV90_ROW_BOX=2}
   PW_TEST_MACROS="$rbm" timeout 150 python3 -m pytest -q -ra -m gpu -p no:cacheprovider \
     tests/test_kvcache_gpu.py > "$logs/rowbox_pytest.log" 2>&1
-  rc=$?; echo "rowbox pytest: exit $rc"; tail -2 "$logs/rowbox_pytest.log"; status=$((status | rc))
+  rc=$?; echo "rowbox pytest (${rbm:-default}): exit $rc"; tail -2 "$logs/rowbox_pytest.log"; status=$((status | rc))
   for tool in memcheck racecheck synccheck; do
     extra=""; [[ $tool == memcheck ]] && extra="--report-api-errors no"
     PW_TEST_MACROS="$rbm" SANITIZE_SKIP=dense,rotary,varlen,torch timeout 200 \
@@ -500,24 +504,21 @@ if asked rowbox; then
   done
   for tool in memcheck racecheck synccheck; do wait -n; rc=$?; status=$((status | rc)); done
   for tool in memcheck racecheck synccheck; do
-    echo "compute-sanitizer $tool ($rbm):"
+    echo "compute-sanitizer $tool (${rbm:-default}):"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Traceback" "$logs/rowbox_sanitize_$tool.log" | tail -3
   done
   timeout 240 python3 scripts/kvdecode_probe.py --rounds 2 \
     --configs "${ROWBOX_PROBE:-$rbm;base;KV90_ROW_BOX=1;$rbm m=8}" \
     --out "$logs/rowbox_probe.txt" > "$logs/rowbox_probe.log" 2>&1
   rc=$?; echo "rowbox probe: exit $rc"; tail -16 "$logs/rowbox_probe.log"; status=$((status | rc))
-  # issue 13's decode table (paged 64 too) of the default and of the macro, a minute apart on
-  # one machine (ROWBOX_TABLE=0: not)
-  if [[ ${ROWBOX_TABLE:-1} == 1 ]]; then
-    for tag in default rowbox; do
-      m=""; [[ $tag == rowbox ]] && m="$rbm"
-      PW_TEST_MACROS="$m" timeout 150 python3 bench/kvcache_decode.py --paged 64 \
-        --out "$logs/decode_$tag.json" > "$logs/decode_$tag.log" 2>&1
-      rc=$?; echo "kvcache_decode $tag: exit $rc"; status=$((status | rc))
-      python3 bench/decode_targets.py "$logs/decode_$tag.json" | tail -3
-    done
-  fi
+  IFS=';' read -ra tables <<< "${ROWBOX_TABLES-default=;rowbox=$rbm}"
+  for entry in "${tables[@]}"; do
+    tag=${entry%%=*}; m=${entry#*=}
+    PW_TEST_MACROS="$m" timeout 150 python3 bench/kvcache_decode.py --paged 64 \
+      --out "$logs/decode_$tag.json" > "$logs/decode_$tag.log" 2>&1
+    rc=$?; echo "kvcache_decode $tag (${m:-default}): exit $rc"; status=$((status | rc))
+    python3 bench/decode_targets.py "$logs/decode_$tag.json" | tail -3
+  done
 fi
 if asked rotary; then
   CUPY_PIECEWISE_FUZZ_GPU_EXAMPLES=${FUZZ_EXAMPLES:-120} timeout 420 python3 -m pytest -q -ra -m gpu \
