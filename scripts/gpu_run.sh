@@ -24,7 +24,7 @@
 # rowbox (not in all): the decode's whole-row boxes without a cluster (ROWBOX_MACRO, default
 # KV90_ROW_BOX=2; "" for the default build): KV-cache GPU tests and memcheck/racecheck/
 # synccheck on the KV-cache cases under it, the probe against the default, =1 and m=8
-# (ROWBOX_PROBE), then the decode table of each "tag=macros" in ROWBOX_TABLES (default
+# (ROWBOX_PROBE; "" for none), then the decode table of each "tag=macros" in ROWBOX_TABLES (default
 # "default=;rowbox=<macro>"; "" for none); about 5 minutes, logs in logs/rowbox_* and
 # logs/decode_<tag>.*.
 # tilebox (not in all): the Hopper decode's whole-tile TMA boxes (TILEBOX_MACRO, default
@@ -507,10 +507,12 @@ if asked rowbox; then
     echo "compute-sanitizer $tool (${rbm:-default}):"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Traceback" "$logs/rowbox_sanitize_$tool.log" | tail -3
   done
-  timeout 240 python3 scripts/kvdecode_probe.py --rounds 2 \
-    --configs "${ROWBOX_PROBE:-$rbm;base;KV90_ROW_BOX=1;$rbm m=8}" \
-    --out "$logs/rowbox_probe.txt" > "$logs/rowbox_probe.log" 2>&1
-  rc=$?; echo "rowbox probe: exit $rc"; tail -16 "$logs/rowbox_probe.log"; status=$((status | rc))
+  probe=${ROWBOX_PROBE-$rbm;base;KV90_ROW_BOX=1;$rbm m=8}  # "": no probe
+  if [[ -n $probe ]]; then
+    timeout 240 python3 scripts/kvdecode_probe.py --rounds 2 --configs "$probe" \
+      --out "$logs/rowbox_probe.txt" > "$logs/rowbox_probe.log" 2>&1
+    rc=$?; echo "rowbox probe: exit $rc"; tail -16 "$logs/rowbox_probe.log"; status=$((status | rc))
+  fi
   IFS=';' read -ra tables <<< "${ROWBOX_TABLES-default=;rowbox=$rbm}"
   for entry in "${tables[@]}"; do
     tag=${entry%%=*}; m=${entry#*=}
