@@ -453,14 +453,15 @@ KV90_ROT_STAGE_UNSPLIT = False
 #: changes it.
 KV90_TILE_BOX = 0
 
-#: Host mirror of the Hopper decode's -DKV90_ROW_BOX (kernels_cu/sm90/kvdecode.cu; an A/B
-#: build, off by default): at head dim 128 the plain decode's k1, k2 and v maps are 5-d, one
+#: Host mirror of the Hopper decode's -DKV90_ROW_BOX (kernels_cu/sm90/kvdecode.cu; 2 by
+#: default since 2026-12-06): at head dim 128 the plain decode's k1, k2 and v maps are 5-d, one
 #: box of 16 whole rows per chunk (:func:`kvcache_launch.kv90_row_box`): 1 in every such
 #: decode, 2 only where the key splits do not merge in a cluster, 0 nowhere. On an H100 the
 #: row boxes ran +3.2-5.1% on every unclustered D = 128 row and -2% on the clustered one
-#: (bench/results/2026-12-06-h100-rowbox); mode 2 becomes the default after its own GPU run
-#: (``gpu_run.sh rowbox``). An int, 0, 1 or 2. Only :func:`apply_kernel_macros` changes it.
-KV90_ROW_BOX = 0
+#: (bench/results/2026-12-06-h100-rowbox); mode 2 became the default after its own GPU run
+#: (``gpu_run.sh rowbox``, bench/results/2026-12-06-h200-rowbox). A tile-box build takes no row
+#: boxes. An int, 0, 1 or 2. Only :func:`apply_kernel_macros` changes it.
+KV90_ROW_BOX = 2
 
 #: Host mirror of -DPW_GRID_TWO_DS (kernels_cu/traits.cuh; an A/B build, off by default):
 #: the warp-grid backward keeps Pᵀ and dSᵀ in two buffers at head dim 64 with 4 warps too

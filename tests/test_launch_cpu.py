@@ -851,9 +851,9 @@ def test_row_box_decode_maps_take_whole_rows(fake_gpu, fake_maps, monkeypatch, D
     """capability.KV90_ROW_BOX (the host mirror of -DKV90_ROW_BOX): the plain Hopper decode's
     k1, k2 and v maps at head dim 128 take boxes of 16 whole rows of two panels (5-d maps,
     tma.tensor_map_bhld's panels), contiguous or paged: under mode 1 always, under mode 2
-    only where the plan's key splits do not merge in a cluster (4 splits of a
-    4096-row cache do; 8 of a 65536-row one are merged apart); at head dim 64 (one panel), for
-    the rotary forms, under mode 0 (the default) and in a tile-box build the maps stay 16-row
+    only where the plan's key splits do not merge in a cluster (mode 2, the default: 4 splits
+    of a 4096-row cache do; 8 of a 65536-row one are merged apart); at head dim 64 (one
+    panel), for the rotary forms, under mode 0 and in a tile-box build the maps stay 16-row
     boxes. Three maps either way."""
     from cupy_piecewise import kvcache_launch as kl
 
@@ -861,7 +861,7 @@ def test_row_box_decode_maps_take_whole_rows(fake_gpu, fake_maps, monkeypatch, D
     capability.refresh_env_override()
     shape = _decode_shape(D, capacity, block_size, rotary)
     whole = D == 128 and not rotary
-    assert capability.KV90_ROW_BOX == 0  # the default
+    assert capability.KV90_ROW_BOX == 2  # the default
     for mirror, tile_box in ((0, 0), (1, 0), (2, 0), (2, 1), (2, 2)):
         monkeypatch.setattr(capability, "KV90_ROW_BOX", mirror)
         monkeypatch.setattr(capability, "KV90_TILE_BOX", tile_box)

@@ -94,7 +94,7 @@
 #ifndef KV90_TILE_BOX
 #define KV90_TILE_BOX 0
 #endif
-// KV90_ROW_BOX (0 by default; host mirror capability.KV90_ROW_BOX; an A/B build): at
+// KV90_ROW_BOX (2 by default since 2026-12-06; host mirror capability.KV90_ROW_BOX): at
 // D = 128 the plain decode (ROT == 0) loads each 16-key chunk of K and V as one box of whole
 // 256-byte rows (a 5-d map {64 columns, 2 panels, rows, heads, pages}; kvcache_launch builds
 // it) instead of two boxes of 128-byte half rows, so each box reads 4 KB of contiguous
@@ -108,14 +108,14 @@
 // (B = 1, N = 4096, 4 splits in a cluster of 4: 0.955-0.956 -> 0.933-0.936x), in two runs.
 // Mode 1 takes the row boxes in every plain D = 128 form; mode 2 only where CLUSTER == 1,
 // the kernels they won in, so each kernel of mode 2 is, PTX for PTX, one of the two forms
-// timed, tested and sanitized there (tests/test_build_check_cpu.py); 0 (the default) the
-// half-row boxes everywhere. Mode 2 is to be the default once its own build has run the
-// KV-cache GPU tests and sanitizers (gpu_run.sh rowbox; no machine came for it on
-// 2026-12-06). Exclusive with KV90_TILE_BOX.
+// timed, tested and sanitized there (tests/test_build_check_cpu.py); 0 the half-row boxes
+// everywhere. Mode 2 became the default after its own build ran the KV-cache GPU tests and
+// memcheck, racecheck and synccheck (gpu_run.sh rowbox, bench/results/2026-12-06-h200-rowbox).
+// A tile-box build (KV90_TILE_BOX) takes no row boxes: mode 2 yields to it, mode 1 is refused.
 #ifndef KV90_ROW_BOX
-#define KV90_ROW_BOX 0
+#define KV90_ROW_BOX 2
 #endif
-static_assert(!(KV90_ROW_BOX && KV90_TILE_BOX), "KV90_ROW_BOX and KV90_TILE_BOX exclude each other");
+static_assert(!(KV90_ROW_BOX == 1 && KV90_TILE_BOX), "KV90_ROW_BOX=1 and KV90_TILE_BOX exclude each other");
 
 namespace pw90kv {
 
@@ -228,8 +228,8 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
   // KV90_ROW_BOX (plain forms, D >= 128; mode 2 only without a cluster): one box of whole
   // rows per chunk; RP the swizzle's row-major form (swz), 0 for the panel-major layout. The
   // host builds the maps by the same rule (kvcache_launch.kv90_row_box).
-  constexpr bool ROW_BOX =
-      ROT == 0 && PANELS > 1 && (KV90_ROW_BOX == 1 || (KV90_ROW_BOX == 2 && CLUSTER == 1));
+  constexpr bool ROW_BOX = ROT == 0 && PANELS > 1 && !TILE_BOX &&
+                           (KV90_ROW_BOX == 1 || (KV90_ROW_BOX == 2 && CLUSTER == 1));
   constexpr int RP = ROW_BOX ? PANELS : 0;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // the 128-byte swizzle repeats every 1024 bytes: boxes start 1024-byte aligned
