@@ -340,14 +340,14 @@ def test_gpu_run_steps_match_their_usage_line():
 
 def test_profile_case_arguments():
     """scripts/profile_case.py (the process Nsight Compute profiles) parses its options,
-    --peer among them, before it touches a GPU."""
+    --peer and the decode's --kv-heads among them, before it touches a GPU."""
     import subprocess
 
     pytest.importorskip("torch")
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_case.py"), "--help"],
                          capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
-    assert "--peer" in out and "--decode" in out
+    assert "--peer" in out and "--decode" in out and "--kv-heads" in out
 
 
 def test_kvdecode_probe_table_of_the_merge_prefetch_run():
