@@ -21,12 +21,14 @@
 # GPU tests and racecheck + synccheck on the rotary sanitizer cases under the macro, then
 # scripts/kvdecode_probe.py, ReRoPE (rot=1) and SelfExtend (rot=8) against rsu=1 (first run:
 # bench/results/2026-12-06-h100-mma-d64-decode-ncu/kvrot); about 5-7 minutes, logs in logs/kvrot_*.
-# rowbox (not in all): the decode's whole-row boxes without a cluster (ROWBOX_MACRO, default
-# KV90_ROW_BOX=2; "" for the default build): KV-cache GPU tests and memcheck/racecheck/
-# synccheck on the KV-cache cases under it, the probe against the default, =1 and m=8
-# (ROWBOX_PROBE; "" for none), then the decode table of each "tag=macros" in ROWBOX_TABLES (default
-# "default=;rowbox=<macro>"; "" for none); about 5 minutes, logs in logs/rowbox_* and
-# logs/decode_<tag>.*.
+# rowbox (not in all): the decode's box forms (kernels_cu/sm90/kvdecode.cu KV90_ROW_BOX; the
+# default since 2026-12-06 is 2, whole rows without a cluster): KV-cache GPU tests and
+# memcheck/racecheck/synccheck on the KV-cache cases under ROWBOX_MACRO (default "": the
+# default build), the probe of ROWBOX_PROBE (default "base;KV90_ROW_BOX=0;KV90_ROW_BOX=1;m=8";
+# "" for none), then the decode table of each "tag=macros" in ROWBOX_TABLES (default
+# "default=;halfrow=KV90_ROW_BOX=0"; "" for none); about 3-5 minutes, logs in logs/rowbox_*
+# and logs/decode_<tag>.* (first run: bench/results/2026-12-06-h200-rowbox-default, with
+# ROWBOX_PROBE="").
 # tilebox (not in all): the Hopper decode's whole-tile TMA boxes (TILEBOX_MACRO, default
 # KV90_TILE_BOX=2: at D = 128 and for paged caches only; =1 everywhere, timed in
 # bench/results/2026-12-06-h100-tilebox; an A/B build): scripts/racecheck_bulk_probe.py
@@ -36,8 +38,8 @@
 # 5-6 minutes, logs in logs/tilebox_*, logs/decode_tilebox.*, logs/racecheck_bulk_*.
 # TILEBOX_MACRO=KV90_ROW_BOX=1 runs the same checks on the D = 128 boxes of whole rows in
 # every plain form (kvdecode.cu); TILEBOX_PROBE="base;KV90_TILE_BOX=2;KV90_ROW_BOX=1" times
-# both beside the default in the probe (bench/results/2026-12-06-h100-rowbox; the rowbox step
-# runs mode 2).
+# both beside the default of the day in the probe (bench/results/2026-12-06-h100-rowbox; mode
+# 2, the default since, in the rowbox step). A tile-box build takes no row boxes (kvdecode.cu).
 # grid_reload (not in all): the D = 64 warp-grid backward's staged A/B build, Pᵀ and dSᵀ in
 # two buffers (-DPW_GRID_TWO_DS=1, kernels_cu/traits.cuh: one barrier fewer per tile; fits
 # sm_80/90, not sm_86/89). GRID_MACROS (default that one) for test_grid_backward_forced and the
@@ -483,16 +485,13 @@ if asked tilebox; then
   done
 fi
 if asked rowbox; then
-  # the decode's whole-row boxes where it does not cluster (-DKV90_ROW_BOX=2,
-  # kernels_cu/sm90/kvdecode.cu; each of its kernels is, PTX for PTX, one of =1's or the
-  # half-row form's: tests/test_build_check_cpu.py): the KV-cache GPU tests and memcheck,
-  # racecheck and synccheck on the KV-cache sanitizer cases under ROWBOX_MACRO (in parallel;
-  # ROWBOX_MACRO="" runs them on the default build), then the probe (ROWBOX_PROBE: the macro
-  # against the default, whole rows everywhere (=1) and, at D = 128, eight unclustered splits,
-  # m=8: whole rows on the row that clusters), then issue 13's decode table (paged 64 too)
-  # once per "tag=macros" of ROWBOX_TABLES (default: the default build and the macro), a
-  # minute apart on one machine; about 5 minutes
-  rbm=${ROWBOX_MACRO-KV90_ROW_BOX=2}
+  # the decode's box forms: each kernel of KV90_ROW_BOX=2 (the default) is, PTX for PTX, one
+  # of =1's or the half-row form's (tests/test_build_check_cpu.py). The KV-cache GPU tests and
+  # memcheck, racecheck and synccheck on the KV-cache sanitizer cases under ROWBOX_MACRO (in
+  # parallel), the probe (at D = 128, m=8 is eight unclustered splits: whole rows on the row
+  # that clusters), then issue 13's decode table (paged 64 too) per "tag=macros" of
+  # ROWBOX_TABLES, a minute apart on one machine
+  rbm=${ROWBOX_MACRO-}
   PW_TEST_MACROS="$rbm" timeout 150 python3 -m pytest -q -ra -m gpu -p no:cacheprovider \
     tests/test_kvcache_gpu.py > "$logs/rowbox_pytest.log" 2>&1
   rc=$?; echo "rowbox pytest (${rbm:-default}): exit $rc"; tail -2 "$logs/rowbox_pytest.log"; status=$((status | rc))
@@ -507,13 +506,13 @@ if asked rowbox; then
     echo "compute-sanitizer $tool (${rbm:-default}):"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Traceback" "$logs/rowbox_sanitize_$tool.log" | tail -3
   done
-  probe=${ROWBOX_PROBE-$rbm;base;KV90_ROW_BOX=1;$rbm m=8}  # "": no probe
+  probe=${ROWBOX_PROBE-base;KV90_ROW_BOX=0;KV90_ROW_BOX=1;m=8}  # "": no probe
   if [[ -n $probe ]]; then
     timeout 240 python3 scripts/kvdecode_probe.py --rounds 2 --configs "$probe" \
       --out "$logs/rowbox_probe.txt" > "$logs/rowbox_probe.log" 2>&1
     rc=$?; echo "rowbox probe: exit $rc"; tail -16 "$logs/rowbox_probe.log"; status=$((status | rc))
   fi
-  IFS=';' read -ra tables <<< "${ROWBOX_TABLES-default=;rowbox=$rbm}"
+  IFS=';' read -ra tables <<< "${ROWBOX_TABLES-default=;halfrow=KV90_ROW_BOX=0}"
   for entry in "${tables[@]}"; do
     tag=${entry%%=*}; m=${entry#*=}
     PW_TEST_MACROS="$m" timeout 150 python3 bench/kvcache_decode.py --paged 64 \
