@@ -459,8 +459,9 @@ KV90_TILE_BOX = 0
 #: decode, 2 only where the key splits do not merge in a cluster, 0 nowhere. On an H100 the
 #: row boxes ran +3.2-5.1% on every unclustered D = 128 row and -2% on the clustered one
 #: (bench/results/2026-12-06-h100-rowbox); mode 2 became the default after its own GPU run
-#: (``gpu_run.sh rowbox``, bench/results/2026-12-06-h200-rowbox). A tile-box build takes no row
-#: boxes. An int, 0, 1 or 2. Only :func:`apply_kernel_macros` changes it.
+#: on an H200, +1.2-3.9% on the unclustered D = 128 rows there (``gpu_run.sh rowbox``,
+#: bench/results/2026-12-06-h200-rowbox-default). A tile-box build takes no row boxes. An
+#: int, 0, 1 or 2. Only :func:`apply_kernel_macros` changes it.
 KV90_ROW_BOX = 2
 
 #: Host mirror of -DPW_GRID_TWO_DS (kernels_cu/traits.cuh; an A/B build, off by default):
