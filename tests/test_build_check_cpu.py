@@ -566,18 +566,25 @@ def test_row_box_decode_builds_without_spills(nvrtc, monkeypatch, mode):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-def _decode_ptx(variant, macro):
-    """NVRTC's PTX of one Hopper decode variant built with ``-D<macro>``
-    (scripts/offline_sass.build_ptx), the compile's internal-linkage prefix (a hash of the
-    options: it differs between any two option sets) replaced by a fixed name."""
-    import re
+def _build_ptx(variant, macros):
+    """scripts/offline_sass.build_ptx: NVRTC's PTX of ``variant`` for sm_90a with ``-D<m>``
+    for each of ``macros``, and its lowered name."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from offline_sass import build_ptx
 
-    ptx = build_ptx(variant, "sm_90a", [macro])[0].decode()
+    return build_ptx(variant, "sm_90a", list(macros))
+
+
+def _decode_ptx(variant, *macros):
+    """NVRTC's PTX of one Hopper decode variant built with ``-D<macro>`` for each of
+    ``macros`` (:func:`_build_ptx`), the compile's internal-linkage prefix (a hash of the
+    options: it differs between any two option sets) replaced by a fixed name."""
+    import re
+
+    ptx = _build_ptx(variant, macros)[0].decode()
     return re.sub(r"_INTERNAL_[0-9a-f]+_\d+_kvdecode_cu_[0-9a-f]+_", "_INTERNAL_", ptx)
 
 
@@ -600,6 +607,27 @@ def test_row_box_mode_2_kernels_are_the_timed_forms(nvrtc):
         whole = v.head_dim == 128 and not v.rotary
         assert (ptx[1] != ptx[0]) == whole, v
         assert ptx[2] == ptx[1 if whole and v.cluster == 1 else 0], v
+
+
+def test_tile_box_builds_take_no_row_boxes(nvrtc):
+    """A tile-box A/B build (-DKV90_TILE_BOX=1 or 2) beside the row-box default
+    (KV90_ROW_BOX 2): mode 2 yields, so each decode is, PTX for PTX, the tile-box build with
+    half rows (-DKV90_ROW_BOX=0), as kvcache_launch.kv90_row_box assumes when it gives such a
+    build 16-row maps; mode 1 with tile boxes is refused at compile time. D = 128 bf16
+    without a cluster (where mode 2 would take whole rows) and with one, and D = 64."""
+    vs = build_check.variants_for(SM90, hopper=True)
+    dec = [v for v in vs if v.phase == "kvdecode_sm90" and not v.rot_stage and not v.rotary
+           and v.dtype == "bfloat16"]
+    pick = [min((v for v in dec if v.head_dim == 128 and v.cluster == c), key=str)
+            for c in (1, 4)] + [min((v for v in dec if v.head_dim == 64), key=str)]
+    for v in pick:
+        for tile_box in (1, 2):
+            tb = f"KV90_TILE_BOX={tile_box}"
+            assert _decode_ptx(v, tb) == _decode_ptx(v, tb, "KV90_ROW_BOX=0"), (v, tile_box)
+    # the default's own D = 128 unclustered kernel does take the row boxes (not vacuous)
+    assert _decode_ptx(pick[0]) != _decode_ptx(pick[0], "KV90_ROW_BOX=0")
+    with pytest.raises(RuntimeError, match="exclude each other"):
+        _build_ptx(pick[0], ["KV90_TILE_BOX=2", "KV90_ROW_BOX=1"])
 
 
 # The shared layout the decode's consumers address (kvdecode.cu swz) against a model of what
