@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot tilebox rowbox grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot tilebox rowbox gqa grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -29,6 +29,14 @@
 # "default=;halfrow=KV90_ROW_BOX=0"; "" for none); about 3-5 minutes, logs in logs/rowbox_*
 # and logs/decode_<tag>.* (first run: bench/results/2026-12-06-h200-rowbox-default, with
 # ROWBOX_PROBE="").
+# gqa (not in all): why the grouped-query decode row (B 4, H 32, Hkv 8) runs 2-4% below the
+# MHA row of the same bytes (B 1, H 32, Hkv 32) against the same cuDNN: the probe on those two
+# shapes, the same grid with one query head per key head (B 4, H 8, Hkv 8) and the MHA grid
+# with four (B 1, H 128, Hkv 32), D 64 and 128, configs GQA_PROBE (default "base;pdl=0":
+# the split merge with and without its programmatic launch), N = GQA_N (default 32768); then
+# ncu's kernel times (decode and split merge apart, serialised) of the four shapes at D = 128
+# beside cuDNN's; about 4-5 minutes, logs in logs/gqa_*.
+# ROWBOX_CHECKS=0 leaves rowbox's tests and sanitizers out (a timing call).
 # tilebox (not in all): the Hopper decode's whole-tile TMA boxes (TILEBOX_MACRO, default
 # KV90_TILE_BOX=2: at D = 128 and for paged caches only; =1 everywhere, timed in
 # bench/results/2026-12-06-h100-tilebox; an A/B build): scripts/racecheck_bulk_probe.py
@@ -492,17 +500,20 @@ if asked rowbox; then
   # that clusters), then issue 13's decode table (paged 64 too) per "tag=macros" of
   # ROWBOX_TABLES, a minute apart on one machine
   rbm=${ROWBOX_MACRO-}
-  PW_TEST_MACROS="$rbm" timeout 150 python3 -m pytest -q -ra -m gpu -p no:cacheprovider \
-    tests/test_kvcache_gpu.py > "$logs/rowbox_pytest.log" 2>&1
-  rc=$?; echo "rowbox pytest (${rbm:-default}): exit $rc"; tail -2 "$logs/rowbox_pytest.log"; status=$((status | rc))
-  for tool in memcheck racecheck synccheck; do
+  checks=$([[ ${ROWBOX_CHECKS:-1} == 1 ]] && echo memcheck racecheck synccheck)
+  if [[ -n $checks ]]; then
+    PW_TEST_MACROS="$rbm" timeout 150 python3 -m pytest -q -ra -m gpu -p no:cacheprovider \
+      tests/test_kvcache_gpu.py > "$logs/rowbox_pytest.log" 2>&1
+    rc=$?; echo "rowbox pytest (${rbm:-default}): exit $rc"; tail -2 "$logs/rowbox_pytest.log"; status=$((status | rc))
+  fi
+  for tool in $checks; do
     extra=""; [[ $tool == memcheck ]] && extra="--report-api-errors no"
     PW_TEST_MACROS="$rbm" SANITIZE_SKIP=dense,rotary,varlen,torch timeout 200 \
       compute-sanitizer --tool $tool $extra --error-exitcode 9 python3 scripts/sanitize_cases.py \
       > "$logs/rowbox_sanitize_$tool.log" 2>&1 &
   done
-  for tool in memcheck racecheck synccheck; do wait -n; rc=$?; status=$((status | rc)); done
-  for tool in memcheck racecheck synccheck; do
+  for tool in $checks; do wait -n; rc=$?; status=$((status | rc)); done
+  for tool in $checks; do
     echo "compute-sanitizer $tool (${rbm:-default}):"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Traceback" "$logs/rowbox_sanitize_$tool.log" | tail -3
   done
@@ -519,6 +530,30 @@ if asked rowbox; then
       --out "$logs/decode_$tag.json" > "$logs/decode_$tag.log" 2>&1
     rc=$?; echo "kvcache_decode $tag (${m:-default}): exit $rc"; status=$((status | rc))
     python3 bench/decode_targets.py "$logs/decode_$tag.json" | tail -3
+  done
+fi
+if asked gqa; then
+  n=${GQA_N:-32768}
+  shapes="1,32,32,$n;4,32,8,$n;4,8,8,$n;1,128,32,$n"
+  timeout 300 python3 scripts/kvdecode_probe.py --rounds 3 --dims 64,128 --shapes "$shapes" \
+    --configs "${GQA_PROBE:-base;pdl=0}" --out "$logs/gqa_probe.txt" > "$logs/gqa_probe.log" 2>&1
+  rc=$?; echo "gqa probe: exit $rc"; tail -12 "$logs/gqa_probe.log"; status=$((status | rc))
+  mets="gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread,launch__waves_per_multiprocessor"
+  IFS=';' read -ra list <<< "$shapes"
+  for shp in "${list[@]}"; do
+    IFS=',' read -r B H Hkv N <<< "$shp"
+    tag=gqa_b${B}_h${H}_kv${Hkv}
+    # iteration 3's decode and merge (4 iterations, 2 launches each when the decode splits)
+    timeout 100 ncu --clock-control none -k "regex:^(pw90_kvdecode|pw_forward_combine)" \
+      --launch-skip 4 --launch-count 2 --metrics "$mets" python3 scripts/profile_case.py \
+      --decode --batch $B --heads $H --kv-heads $Hkv --L $N --D 128 --iters 4 > "$logs/ncu_$tag.txt" 2>&1
+    rc=$?; echo "ncu $tag: exit $rc"; status=$((status | rc))
+    grep -E "pw90_kvdecode|pw_forward_combine|gpu__time_duration|dram__throughput|launch__grid_size" "$logs/ncu_$tag.txt" | head -12
+    timeout 100 ncu --clock-control none -k "regex:cudnn|sdpa|fmha|flash" --launch-skip 2 \
+      --launch-count 1 --metrics "$mets" python3 scripts/profile_case.py --decode --peer cudnn \
+      --batch $B --heads $H --kv-heads $Hkv --L $N --D 128 --iters 4 > "$logs/ncu_${tag}_cudnn.txt" 2>&1
+    rc=$?; echo "ncu ${tag} cudnn: exit $rc"
+    grep -E "gpu__time_duration|dram__throughput|launch__grid_size" "$logs/ncu_${tag}_cudnn.txt" | head -4
   done
 fi
 if asked rotary; then

@@ -21,7 +21,8 @@ rotated every round, after SDPA cuDNN on the same shape. Rounds interleave the w
 median over the rounds and its spread, so that a difference smaller than the spread is not
 read as one.
 
-Shapes: bench/kvcache_decode.py's decode table (M = 1, w = N / 4, every sequence full),
+Shapes: bench/kvcache_decode.py's decode table (M = 1, w = N / 4, every sequence full), or
+``--shapes "B,H,Hkv,N;..."``,
 contiguous caches; timing as there (a CUDA graph of 20 calls, median of 15 replays);
 effective bytes as there. Every config's output is checked against a float32 PyTorch
 reference of the piecewise decode (max |err| / max |ref| < 2e-2; this is a sanity check of
@@ -42,6 +43,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOGGLES = ("pdl", "pdld", "l2", "s", "c", "m", "rot", "wp", "rsu")
 SHAPES = [(1, 32, 32, 4096), (1, 32, 32, 32768), (1, 32, 32, 131072), (8, 32, 32, 4096),
           (8, 32, 32, 32768), (4, 32, 8, 32768)]
+
+
+def parse_shapes(text):
+    """``"B,H,Hkv,N;..."`` -> [(B, H, Hkv, N), ...] (``--shapes``; "" or None: SHAPES).
+
+    Raises ValueError for an entry that is not four positive integers with H a multiple of
+    Hkv."""
+    if not text:
+        return list(SHAPES)
+    out = []
+    for entry in text.split(";"):
+        if not entry.strip():
+            continue
+        try:
+            dims = tuple(int(x) for x in entry.split(","))
+        except ValueError:
+            raise ValueError(f"--shapes entry {entry!r}: expected B,H,Hkv,N integers") from None
+        if len(dims) != 4 or min(dims) < 1 or dims[1] % dims[2]:
+            raise ValueError(f"--shapes entry {entry!r}: expected four positive integers "
+                             "B,H,Hkv,N with H a multiple of Hkv")
+        out.append(dims)
+    return out
 
 
 def parse_config(text):
@@ -106,7 +129,7 @@ def settings(toggles, head_dim):
                          rot_stage_unsplit=t["rsu"])
 
 
-def worker(macros, configs, dims, dtypes, seed):
+def worker(macros, configs, dims, dtypes, seed, shapes=SHAPES):
     import torch
     import torch.nn.attention
     import torch.nn.functional as F
@@ -131,7 +154,7 @@ def worker(macros, configs, dims, dtypes, seed):
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         for D in dims:
-            for B, H, Hkv, N in SHAPES:
+            for B, H, Hkv, N in shapes:
                 gen = torch.Generator(device="cuda").manual_seed(seed + N + H + D + B)
                 q1, q2 = (torch.randn(B, H, 1, D, device="cuda", dtype=dtype, generator=gen)
                           for _ in range(2))
@@ -224,16 +247,23 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--dtypes", default="bfloat16")
+    ap.add_argument("--shapes", default="",
+                    help='"B,H,Hkv,N;..." instead of the decode table\'s shapes (SHAPES)')
     ap.add_argument("--out", help="also write the table here (and the raw rows as .json)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(";") if c.strip()]
     dims = [int(d) for d in args.dims.split(",")]
     dtypes = args.dtypes.split(",")
+    try:
+        shapes = parse_shapes(args.shapes)
+    except ValueError as e:
+        ap.error(str(e))
     if args.worker is not None:
         macros = tuple(m for m in args.worker.split() if m)
         mine = [c for c in configs if parse_config(c)[0] == macros]
-        worker(macros, mine, dims, dtypes, seed=int(os.environ.get("PROBE_SEED", "0")))
+        worker(macros, mine, dims, dtypes, seed=int(os.environ.get("PROBE_SEED", "0")),
+               shapes=shapes)
         return 0
 
     groups = sorted({parse_config(c)[0] for c in configs})
@@ -247,7 +277,8 @@ def main(argv=None) -> int:
         order = groups[r % len(groups):] + groups[:r % len(groups)]
         for macros in order:
             cmd = [sys.executable, __file__, "--worker", " ".join(macros), "--configs",
-                   args.configs, "--dims", args.dims, "--dtypes", args.dtypes]
+                   args.configs, "--dims", args.dims, "--dtypes", args.dtypes,
+                   "--shapes", args.shapes]
             env = dict(os.environ, PROBE_SEED=str(r))
             p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
             got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]

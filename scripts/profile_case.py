@@ -12,8 +12,8 @@ pw90_forward launches of this process.
 to profile the standard-attention peer beside ours.
 
 ``--decode`` instead runs attention_with_kvcache a few times: one new token against L
-cached keys per head (B = --batch, default 1; H = 32 query heads over --kv-heads key heads,
-default 32), what the ncu step profiles for pw_kvcache;
+cached keys per head (B = --batch, default 1; H = --heads query heads, default 32, over
+--kv-heads key heads, default 32), what the ncu step profiles for pw_kvcache;
 with ``--peer cudnn`` (or ``flash``) it runs SDPA's decode on that shape instead (one query
 row, is_causal=False: every cached key), the peer of scripts/gpu_run.sh's ncu_decode step.
 """
@@ -39,8 +39,10 @@ def main() -> None:
                     help="standard attention through torch SDPA with this backend instead "
                          "(one q, k, v; the same B, H, L, D): the peer to profile beside ours")
     ap.add_argument("--batch", type=int, default=1, help="--decode: sequences (B)")
-    ap.add_argument("--kv-heads", type=int, default=32, choices=(1, 2, 4, 8, 16, 32),
-                    help="--decode: key heads (Hkv) under the 32 query heads: GQA below 32 "
+    ap.add_argument("--heads", type=int, default=32,
+                    help="--decode: query heads (H), a multiple of --kv-heads")
+    ap.add_argument("--kv-heads", type=int, default=32,
+                    help="--decode: key heads (Hkv) under the --heads query heads: GQA below H "
                          "(bench/kvcache_decode.py's grouped row is --batch 4 --kv-heads 8)")
     ap.add_argument("--rotary", type=int, default=None, metavar="G2",
                     help="--decode: attention_with_rotary_kvcache instead, keys rotated at n "
@@ -48,9 +50,12 @@ def main() -> None:
     ap.add_argument("--w-frac", type=float, default=0.25, help="--decode: w = L * this")
     a = ap.parse_args()
     if a.decode:
+        if a.heads < 1 or a.kv_heads < 1 or a.heads % a.kv_heads:
+            ap.error(f"--heads ({a.heads}) must be a positive multiple of --kv-heads "
+                     f"({a.kv_heads})")
         dt = getattr(torch, a.dtype)
-        B, Hkv = a.batch, a.kv_heads
-        q1, q2 = (torch.randn(B, 32, 1, a.D, device="cuda", dtype=dt) for _ in range(2))
+        B, H, Hkv = a.batch, a.heads, a.kv_heads
+        q1, q2 = (torch.randn(B, H, 1, a.D, device="cuda", dtype=dt) for _ in range(2))
         caches = [torch.randn(B, Hkv, a.L, a.D, device="cuda", dtype=dt) for _ in range(3)]
         seq = torch.full((B,), a.L, dtype=torch.int32, device="cuda")
         w = int(a.L * a.w_frac)
@@ -61,9 +66,9 @@ def main() -> None:
             with sdpa_kernel(backend):
                 for _ in range(a.iters):
                     torch.nn.functional.scaled_dot_product_attention(
-                        q1, caches[0], caches[2], enable_gqa=Hkv != 32)
+                        q1, caches[0], caches[2], enable_gqa=Hkv != H)
             torch.cuda.synchronize()
-            print(f"done: SDPA {a.peer} decode B={B} H=32 Hkv={Hkv} L={a.L} D={a.D} {a.dtype}")
+            print(f"done: SDPA {a.peer} decode B={B} H={H} Hkv={Hkv} L={a.L} D={a.D} {a.dtype}")
             return
         if a.rotary is None:
             def step():
@@ -80,7 +85,7 @@ def main() -> None:
         for _ in range(a.iters):
             step()
         torch.cuda.synchronize()
-        print(f"done: decode B={B} H=32 Hkv={Hkv} L={a.L} D={a.D} {a.dtype} w={w} "
+        print(f"done: decode B={B} H={H} Hkv={Hkv} L={a.L} D={a.D} {a.dtype} w={w} "
               f"rotary={a.rotary}")
         return
     B, H, dt = max(1, 16384 // a.L), max(1, 2048 // a.D), getattr(torch, a.dtype)

@@ -347,7 +347,24 @@ def test_profile_case_arguments():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_case.py"), "--help"],
                          capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
-    assert "--peer" in out and "--decode" in out and "--kv-heads" in out
+    assert "--peer" in out and "--decode" in out and "--kv-heads" in out and "--heads" in out
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_case.py"), "--decode",
+                          "--heads", "12", "--kv-heads", "8"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert bad.returncode == 2 and "multiple of --kv-heads" in bad.stderr
+
+
+def test_kvdecode_probe_shapes():
+    """scripts/kvdecode_probe.py --shapes: "B,H,Hkv,N;..." entries, the decode table's shapes
+    when empty, and a clear refusal of an entry that is not four positive integers with H a
+    multiple of Hkv."""
+    kvdecode_probe = pytest.importorskip("kvdecode_probe")
+    assert kvdecode_probe.parse_shapes("") == kvdecode_probe.SHAPES
+    assert kvdecode_probe.parse_shapes("1,32,32,32768; 4,32,8,32768;") == [
+        (1, 32, 32, 32768), (4, 32, 8, 32768)]
+    for bad in ("1,32,32", "1,32,x,8", "1,12,8,64", "0,32,32,64"):
+        with pytest.raises(ValueError, match="--shapes entry"):
+            kvdecode_probe.parse_shapes(bad)
 
 
 def test_kvdecode_probe_table_of_the_merge_prefetch_run():
