@@ -126,6 +126,57 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
   }
 }
 
+// PW_FWD_STRADDLE_HALVES (0 by default; an A/B build): the rotating-slot forward (PW_FWD_Q_ROTATE,
+// D = 128 at 128x64x4) meets its straddling key tiles in halves of BN / 2 keys whose k1, k2
+// and v share the one stage, and visits each half once: the score product per warp takes
+// q1·k1, q2·k2 or both (the merged body's score_tile, by the warp's own rows), then one
+// softmax and one P·V. The default visits a straddling tile twice, a whole product, softmax
+// and P·V each, with k2 loaded into the slot between the visits; that is 3 extra visits per
+// query tile (the band of d = w crosses about (BM + BN) / BN tiles), 3 of 35 at L = 2048
+// non-causal and about 3 of 20 causal, the size of the gap to SDPA flash at L = 2048
+// (0.84-0.91x) that closes at L = 16384 (0.99-1.01x; bench/NOTES.md, forty-first section).
+#ifndef PW_FWD_STRADDLE_HALVES
+#define PW_FWD_STRADDLE_HALVES 0
+#endif
+
+// One visit of half a straddling key tile (PW_FWD_STRADDLE_HALVES): HB keys whose k1, k2 and
+// v sit at sK1, sK2, sV, against the warp's 16 MW query rows (aQ1, aQ2; g its geometry from
+// row 0 and key 0 of the half, from the distance row_p of its row 0 to key 0). The warp's own rows decide the products: q1·k1 where some
+// d < w, q2·k2 where some d >= w, both (merged by distance) where they cross d = w; then one
+// online softmax and one P·V. Masked elements (the other pair's, columns past N, causal
+// d < 0) are -inf. The lane is re-read (tid_reload), as the rotating-slot visits do.
+template <typename T, int D, int HB, int MW, bool CAUSAL>
+PW_DEVICE void straddle_half(float acc[MW][D / 8][4], float row_max[MW][2], float row_sum[MW][2],
+                             u32 aQ1, u32 aQ2, u32 sK1, u32 sK2, u32 sV, int row_p, int n0,
+                             i64 w, int n_keys, float scale_log2) {
+  constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
+  const int lane = tid_reload() % 32;
+  const Geom g = make_geom<false>(row_p, n0, 0, w, n_keys);
+  const int wmode = (g.base - (HB - 1) < g.w ? 1 : 0) | (g.base + 16 * MW - 1 >= g.w ? 2 : 0);
+  const float sc = RAW ? 1.f : scale_log2;
+  float s[MW][HB / 8][4];
+  if (wmode == 2) {
+    score_pair_window_after<T, D, HB, MW, CAUSAL>(s, aQ2, sK2, g, 2, sc, lane);
+  } else {
+    score_pair_window_after<T, D, HB, MW, CAUSAL>(s, aQ1, sK1, g, 1, sc, lane);
+    if (wmode == 3) {  // both: q2·k2 into a second tile, taken where d >= w
+      float t2[MW][HB / 8][4];
+      score_pair_window_after<T, D, HB, MW, CAUSAL>(t2, aQ2, sK2, g, 2, sc, lane);
+      const int ln = tid_reload() % 32;
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+        for (int nb = 0; nb < HB / 8; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (elem_dist<false>(g, frag_row(mi, e, ln), frag_col(nb, e, ln)) >= g.w)
+              s[mi][nb][e] = t2[mi][nb][e];
+    }
+  }
+  online_softmax<D, HB, MW, RAW>(s, acc, row_max, row_sum, scale_log2);
+  mma_xb<T, D, HB, MW>(acc, s, sV, lane);
+}
+
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   constexpr int DS = D * Elem<T>::width;   // a row in 16-bit units (common.cuh, Elem)
@@ -259,6 +310,34 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     // q1 into slot 2, free now: after a far tile the block barrier that ends its visit;
     // with no far tile slot 2 was never written
     if (tA < ntiles) load_rows<BM, DS, THREADS>(smem_addr(slot2), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
+#if PW_FWD_STRADDLE_HALVES
+    // straddling tiles in halves of BN / 2 keys, one stage (slot 1): k1, k2 and v of a half
+    // side by side ([k1 | k2 | v], BN / 2 rows each, within the slot's BM = 2 BN rows), then
+    // one visit with both products where the warp's rows need them (PW_FWD_STRADDLE_HALVES)
+    constexpr int HB = BN / 2;
+    u16* const hk1 = slot1;
+    u16* const hk2 = slot1 + HB * L::pitch;
+    u16* const hv = slot1 + 2 * HB * L::pitch;
+#pragma unroll 1
+    for (int hn = tA * 2; hn < tC * 2; ++hn) {
+      const int n0 = hn * HB;
+      // the products some warp needs (tile_mode of the block's rows), in the 32-bit geometry
+      // held across the sweep: distances row_p - n0 .. row_p + BM - 1 - n0 of this half
+      // the block's row 0 against key n0 (the warp index re-read: one less value held)
+      const int bbase = row_p - (tid_reload() / 32) * (16 * MW) - n0;
+      const int bmode = (bbase - (HB - 1) < p.w ? 1 : 0) | (bbase + BM - 1 >= p.w ? 2 : 0);
+      if (bmode & 1) load_rows<HB, DS, THREADS>(smem_addr(hk1), k1, p.k1.sr, n0, N);
+      if (bmode & 2) load_rows<HB, DS, THREADS>(smem_addr(hk2), k2, p.k2.sr, n0, N);
+      load_rows<HB, DS, THREADS>(smem_addr(hv), vv, p.v.sr, n0, N);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      straddle_half<T, D, HB, MW, CAUSAL>(acc, row_max, row_sum, aQ1r, aQ2r, smem_addr(hk1),
+                                          smem_addr(hk2), smem_addr(hv),
+                                          row_p, n0, p.w, n_keys, p.scale_log2);
+      __syncthreads();
+    }
+#else
     for (int t = tA; t < tC; ++t) {  // straddling tiles, one stage (slot 1)
       issue_at(t, slot1, NotFar{});
       cp_async_commit();
@@ -267,6 +346,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       visit(t, slot1, One{}, Two{});
       __syncthreads();
     }
+#endif
     // near tiles: q2 is done with, its slot and slot 1 are the stages
     pipelined_tiles(
         tC, ntiles, [&](int t, int stage) { issue_at(t, slot0 + stage * L::stage_elems, NotFar{}); },
@@ -296,12 +376,48 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     // does, shortened the loop offline but timed 0.96-1.03x on an H200, 2026-12-05: noise,
     // so that A/B build, PW_FWD_VISIT_RELOAD, was removed.)
     constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
-    pipelined_tiles(t_begin, ntiles, issue, [&](int t, int stage) {
+    // PW_FWD_STRADDLE_HALVES with one key slot: a straddling tile's stage holds its halves
+    // in turn ([k1 | k2 | v] of BN / 2 keys each), visited once each (straddle_half)
+    constexpr bool HALVES = PW_FWD_STRADDLE_HALVES && ONE_K;
+    constexpr int HB = BN / 2;
+    auto issue_half = [&](int hn, u16* st) {
+      const i64 h0 = (i64)hn * HB;
+      const int bmode = tile_mode(m0, BM, h0, HB, P, p.w);
+      if (bmode & 1) load_rows<HB, DS, THREADS>(smem_addr(st), k1, p.k1.sr, h0, N);
+      if (bmode & 2) load_rows<HB, DS, THREADS>(smem_addr(st + HB * L::pitch), k2, p.k2.sr, h0, N);
+      load_rows<HB, DS, THREADS>(smem_addr(st + 2 * HB * L::pitch), vv, p.v.sr, h0, N);
+    };
+    auto issue_visits = [&](int t, int stage) {
+      u16* st = sKV + stage * L::stage_elems;
+      if (HALVES && tile_mode(m0, BM, (i64)t * BN, BN, P, p.w) == 3) issue_half(2 * t, st);
+      else issue(t, stage);
+    };
+    pipelined_tiles(t_begin, ntiles, issue_visits, [&](int t, int stage) {
       const i64 n0 = (i64)t * BN;
       const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
       const bool masked =
           mode == 3 || tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), n0 + BN, N);
       const u16* st = sKV + stage * L::stage_elems;
+      if (HALVES && mode == 3) {
+        const u32 a = smem_addr(st);
+        const int row_p = (int)(row0 + P);
+#pragma unroll 1
+        for (int hf = 0; hf < 2; ++hf) {
+          if (hf == 1) {  // the second half replaces the first in the stage
+            __syncthreads();
+            issue_half(2 * t + 1, const_cast<u16*>(st));
+            cp_async_commit();
+            cp_async_wait<0>();  // with the next tile's loads, issued before this body
+            __syncthreads();
+          }
+          straddle_half<T, D, HB, MW, CAUSAL>(acc, row_max, row_sum, aQ1, aQ2, a,
+                                              a + HB * L::pitch * PW_ELEM_BYTES,
+                                              a + 2 * HB * L::pitch * PW_ELEM_BYTES,
+                                              row_p, (int)(n0 + hf * HB), p.w, (int)N,
+                                              p.scale_log2);
+        }
+        return;
+      }
       const Geom g = make_geom<false>(row0, n0, P, p.w, N);
 #pragma unroll 1
       for (int pair = (mode & 1) ? 1 : 2; pair <= ((mode & 2) ? 2 : 1); ++pair) {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot tilebox rowbox gqa grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot tilebox rowbox gqa straddle grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -37,6 +37,12 @@
 # ncu's kernel times (decode and split merge apart, serialised) of the four shapes at D = 128
 # beside cuDNN's; about 4-5 minutes, logs in logs/gqa_*.
 # ROWBOX_CHECKS=0 leaves rowbox's tests and sanitizers out (a timing call).
+# straddle (not in all): the rotating-slot forward's straddling tiles in merged halves
+# (-DPW_FWD_STRADDLE_HALVES=1, kernels_cu/forward.cu; D = 128 at 128x64x4, D = 64 at 128x128x4)
+# against the default
+# and a control build (scripts/mma_fwd_probe.py with its reference checks, bf16 and fp16,
+# causal and not, STRADDLE_LENGTHS default 2048,8192), about 3 minutes, logs in
+# logs/straddle.*; STRADDLE_VARIANTS replaces the variant list.
 # tilebox (not in all): the Hopper decode's whole-tile TMA boxes (TILEBOX_MACRO, default
 # KV90_TILE_BOX=2: at D = 128 and for paged caches only; =1 everywhere, timed in
 # bench/results/2026-12-06-h100-tilebox; an A/B build): scripts/racecheck_bulk_probe.py
@@ -356,6 +362,13 @@ if asked fwd_d64; then
     --tiles "64:128x128x4,128x64x4" --lengths 2048,8192 \
     --dtypes bf16,fp16 --rounds 2 --control --out "$logs/fwd_d64.txt" > "$logs/fwd_d64.log" 2>&1
   rc=$?; echo "fwd_d64 probe: exit $rc"; tail -24 "$logs/fwd_d64.log"
+  status=$((status | rc))
+fi
+if asked straddle; then
+  timeout 420 python3 scripts/mma_fwd_probe.py --variants "${STRADDLE_VARIANTS:-PW_FWD_STRADDLE_HALVES=1}" \
+    --tiles "128:128x64x4;64:128x128x4" --lengths "${STRADDLE_LENGTHS:-2048,8192}" --dtypes bf16,fp16 --rounds 3 \
+    --control --out "$logs/straddle.txt" > "$logs/straddle.log" 2>&1
+  rc=$?; echo "straddle probe: exit $rc"; tail -24 "$logs/straddle.log"
   status=$((status | rc))
 fi
 if asked kvprobe; then
