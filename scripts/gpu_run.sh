@@ -370,7 +370,7 @@ fi
 if asked straddle; then
   timeout 330 python3 scripts/mma_fwd_probe.py --variants "${STRADDLE_VARIANTS:-PW_FWD_STRADDLE_HALVES=1}" \
     --tiles "128:128x64x4;64:128x128x4" --lengths "${STRADDLE_LENGTHS:-2048,8192}" --dtypes bf16,fp16 \
-    --rounds 3 --reps 30 \
+    --rounds "${STRADDLE_ROUNDS:-3}" --reps 30 \
     --control --out "$logs/straddle.txt" > "$logs/straddle.log" 2>&1
   rc=$?; echo "straddle probe: exit $rc"; tail -24 "$logs/straddle.log"
   status=$((status | rc))
@@ -383,7 +383,7 @@ if asked straddle_checks; then
       SANITIZE_SKIP=kvcache,rotary,varlen,torch timeout 300 compute-sanitizer --tool $tool $extra \
       --error-exitcode 9 python3 scripts/sanitize_cases.py > "$logs/straddle_$tool.log" 2>&1 &
   done
-  PW_TEST_MACROS="$m" CUPY_PIECEWISE_PATH=mma timeout 300 python3 -m pytest -q -ra -m gpu \
+  PW_TEST_MACROS="$m" CUPY_PIECEWISE_PATH=mma timeout 270 python3 -m pytest -q -ra -m gpu \
     -p no:cacheprovider tests/test_kernels_gpu.py tests/test_varlen_gpu.py -k "mma and not hopper" \
     > "$logs/straddle_pytest.log" 2>&1
   rc=$?; echo "straddle tests ($m): exit $rc"; tail -3 "$logs/straddle_pytest.log"; status=$((status | rc))
