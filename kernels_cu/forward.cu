@@ -332,9 +332,38 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
-      straddle_half<T, D, HB, MW, CAUSAL>(acc, row_max, row_sum, aQ1r, aQ2r, smem_addr(hk1),
-                                          smem_addr(hk2), smem_addr(hv),
-                                          row_p, n0, p.w, n_keys, p.scale_log2);
+      // straddle_half's steps, written out: as a call here ptxas spilled 56-68 bytes
+      // (against 20-28) in the far and near loops around it
+      {
+        constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
+        const int lane = tid_reload() % 32;  // shadows the kernel's lane on purpose (above)
+        const Geom g = make_geom<false>(row_p, n0, 0, p.w, n_keys);
+        // this warp's rows need q1·k1 (bit 0), q2·k2 (bit 1) or both: a subset of bmode's
+        const int wmode = (g.base - (HB - 1) < g.w ? 1 : 0) | (g.base + 16 * MW - 1 >= g.w ? 2 : 0);
+        const float sc = RAW ? 1.f : p.scale_log2;
+        float s[MW][HB / 8][4];
+        if (wmode == 2) {
+          score_pair_window_after<T, D, HB, MW, CAUSAL>(s, aQ2r, smem_addr(hk2), g, 2, sc, lane);
+        } else {
+          score_pair_window_after<T, D, HB, MW, CAUSAL>(s, aQ1r, smem_addr(hk1), g, 1, sc, lane);
+          if (wmode == 3) {  // both: q2·k2 into a second tile, taken where d >= w
+            float t2[MW][HB / 8][4];
+            score_pair_window_after<T, D, HB, MW, CAUSAL>(t2, aQ2r, smem_addr(hk2), g, 2, sc,
+                                                          lane);
+            const int ln = tid_reload() % 32;
+#pragma unroll
+            for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+              for (int nb = 0; nb < HB / 8; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                  if (elem_dist<false>(g, frag_row(mi, e, ln), frag_col(nb, e, ln)) >= g.w)
+                    s[mi][nb][e] = t2[mi][nb][e];
+          }
+        }
+        online_softmax<D, HB, MW, RAW>(s, acc, row_max, row_sum, p.scale_log2);
+        mma_xb<T, D, HB, MW>(acc, s, smem_addr(hv), lane);
+      }
       __syncthreads();
     }
 #else
