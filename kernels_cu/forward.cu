@@ -310,20 +310,21 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     // q1 into slot 2, free now: after a far tile the block barrier that ends its visit;
     // with no far tile slot 2 was never written
     if (tA < ntiles) load_rows<BM, DS, THREADS>(smem_addr(slot2), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
-#if PW_FWD_STRADDLE_HALVES
-    // straddling tiles in halves of BN / 2 keys, one stage (slot 1): k1, k2 and v of a half
-    // side by side ([k1 | k2 | v], BN / 2 rows each, within the slot's BM = 2 BN rows), then
-    // one visit with both products where the warp's rows need them (PW_FWD_STRADDLE_HALVES)
+    // PW_FWD_STRADDLE_HALVES: straddling tiles in halves of BN / 2 keys (a multiple of 16,
+    // the products' step), one stage (slot 1): k1, k2 and v of a half side by side
+    // ([k1 | k2 | v], BN / 2 rows each, within the slot's BM = 2 BN rows), then one visit
+    // with both products where the warp's rows need them
     constexpr int HB = BN / 2;
+    constexpr bool HALVES = PW_FWD_STRADDLE_HALVES && HB % 16 == 0;
     u16* const hk1 = slot1;
     u16* const hk2 = slot1 + HB * L::pitch;
     u16* const hv = slot1 + 2 * HB * L::pitch;
 #pragma unroll 1
-    for (int hn = tA * 2; hn < tC * 2; ++hn) {
+    for (int hn = tA * 2; HALVES && hn < tC * 2; ++hn) {
       const int n0 = hn * HB;
-      // the products some warp needs (tile_mode of the block's rows), in the 32-bit geometry
-      // held across the sweep: distances row_p - n0 .. row_p + BM - 1 - n0 of this half
-      // the block's row 0 against key n0 (the warp index re-read: one less value held)
+      // the products some warp needs (tile_mode of the block's rows) in the 32-bit geometry
+      // held across the sweep: bbase is the block's row 0 against key n0 (the warp index
+      // re-read: one value less held across the far tiles)
       const int bbase = row_p - (tid_reload() / 32) * (16 * MW) - n0;
       const int bmode = (bbase - (HB - 1) < p.w ? 1 : 0) | (bbase + BM - 1 >= p.w ? 2 : 0);
       if (bmode & 1) load_rows<HB, DS, THREADS>(smem_addr(hk1), k1, p.k1.sr, n0, N);
@@ -366,8 +367,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       }
       __syncthreads();
     }
-#else
-    for (int t = tA; t < tC; ++t) {  // straddling tiles, one stage (slot 1)
+    for (int t = tA; !HALVES && t < tC; ++t) {  // straddling tiles, one stage (slot 1)
       issue_at(t, slot1, NotFar{});
       cp_async_commit();
       cp_async_wait<0>();
@@ -375,7 +375,6 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       visit(t, slot1, One{}, Two{});
       __syncthreads();
     }
-#endif
     // near tiles: q2 is done with, its slot and slot 1 are the stages
     pipelined_tiles(
         tC, ntiles, [&](int t, int stage) { issue_at(t, slot0 + stage * L::stage_elems, NotFar{}); },
@@ -407,8 +406,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
     // PW_FWD_STRADDLE_HALVES with one key slot: a straddling tile's stage holds its halves
     // in turn ([k1 | k2 | v] of BN / 2 keys each), visited once each (straddle_half)
-    constexpr bool HALVES = PW_FWD_STRADDLE_HALVES && ONE_K;
-    constexpr int HB = BN / 2;
+    constexpr int HB = BN / 2;  // a multiple of 16, the products' step
+    constexpr bool HALVES = PW_FWD_STRADDLE_HALVES && ONE_K && HB % 16 == 0;
     auto issue_half = [&](int hn, u16* st) {
       const i64 h0 = (i64)hn * HB;
       const int bmode = tile_mode(m0, BM, h0, HB, P, p.w);
