@@ -139,6 +139,22 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
 #define PW_FWD_STRADDLE_HALVES 0
 #endif
 
+// A warp's rows that cross d = w in a straddling half (straddle_half): s holds pair 1's
+// windowed scores, t2 pair 2's; the elements at d >= w take t2's (the lane re-read).
+template <int HB, int MW>
+PW_DEVICE void take_second_pair(float s[MW][HB / 8][4], const float t2[MW][HB / 8][4],
+                                const Geom& g) {
+  const int ln = tid_reload() % 32;
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+    for (int nb = 0; nb < HB / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (elem_dist<false>(g, frag_row(mi, e, ln), frag_col(nb, e, ln)) >= g.w)
+          s[mi][nb][e] = t2[mi][nb][e];
+}
+
 // One visit of half a straddling key tile (PW_FWD_STRADDLE_HALVES): HB keys whose k1, k2 and
 // v sit at sK1, sK2, sV, against the warp's 16 MW query rows (aQ1, aQ2; g its geometry from
 // row 0 and key 0 of the half, from the distance row_p of its row 0 to key 0). The warp's own rows decide the products: q1·k1 where some
@@ -162,15 +178,7 @@ PW_DEVICE void straddle_half(float acc[MW][D / 8][4], float row_max[MW][2], floa
     if (wmode == 3) {  // both: q2·k2 into a second tile, taken where d >= w
       float t2[MW][HB / 8][4];
       score_pair_window_after<T, D, HB, MW, CAUSAL>(t2, aQ2, sK2, g, 2, sc, lane);
-      const int ln = tid_reload() % 32;
-#pragma unroll
-      for (int mi = 0; mi < MW; ++mi)
-#pragma unroll
-        for (int nb = 0; nb < HB / 8; ++nb)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (elem_dist<false>(g, frag_row(mi, e, ln), frag_col(nb, e, ln)) >= g.w)
-              s[mi][nb][e] = t2[mi][nb][e];
+      take_second_pair<HB, MW>(s, t2, g);
     }
   }
   online_softmax<D, HB, MW, RAW>(s, acc, row_max, row_sum, scale_log2);
@@ -351,15 +359,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
             float t2[MW][HB / 8][4];
             score_pair_window_after<T, D, HB, MW, CAUSAL>(t2, aQ2r, smem_addr(hk2), g, 2, sc,
                                                           lane);
-            const int ln = tid_reload() % 32;
-#pragma unroll
-            for (int mi = 0; mi < MW; ++mi)
-#pragma unroll
-              for (int nb = 0; nb < HB / 8; ++nb)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                  if (elem_dist<false>(g, frag_row(mi, e, ln), frag_col(nb, e, ln)) >= g.w)
-                    s[mi][nb][e] = t2[mi][nb][e];
+            take_second_pair<HB, MW>(s, t2, g);
           }
         }
         online_softmax<D, HB, MW, RAW>(s, acc, row_max, row_sum, p.scale_log2);
