@@ -126,15 +126,17 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
   }
 }
 
-// PW_FWD_STRADDLE_HALVES (0 by default; an A/B build): the rotating-slot forward (PW_FWD_Q_ROTATE,
-// D = 128 at 128x64x4) meets its straddling key tiles in halves of BN / 2 keys whose k1, k2
-// and v share the one stage, and visits each half once: the score product per warp takes
-// q1·k1, q2·k2 or both (the merged body's score_tile, by the warp's own rows), then one
-// softmax and one P·V. The default visits a straddling tile twice, a whole product, softmax
-// and P·V each, with k2 loaded into the slot between the visits; that is 3 extra visits per
-// query tile (the band of d = w crosses about (BM + BN) / BN tiles), 3 of 35 at L = 2048
-// non-causal and about 3 of 20 causal, the size of the gap to SDPA flash at L = 2048
-// (0.84-0.91x) that closes at L = 16384 (0.99-1.01x; bench/NOTES.md, forty-first section).
+// PW_FWD_STRADDLE_HALVES (0 by default; an A/B build, not yet timed): the one-key-slot
+// forms (the rotating-slot forward, PW_FWD_Q_ROTATE, D = 128 at 128x64x4; the visits body at
+// D = 64, 128x128x4) meet a straddling key tile in halves of BN / 2 keys whose k1, k2 and v
+// share the one stage, and visit each half once (straddle_half): each warp's own rows decide
+// the products (q1·k1, q2·k2, or both merged by distance where its rows cross d = w), then
+// one softmax and one P·V. The default visits a straddling tile twice, a whole product,
+// softmax and P·V each, with k2 loaded into the slot between the visits; at D = 128 that is
+// 3 extra visits per query tile (the band of d = w crosses about (BM + BN) / BN tiles), 3 of
+// 35 at L = 2048 non-causal and about 3 of 20 causal, the size of the gap to SDPA flash at
+// L = 2048 (0.84-0.91x) that closes at L = 16384 (0.99-1.01x; bench/NOTES.md, forty-first
+// section). Its builds spill 20-80 bytes at 255 registers (tests/test_build_check_cpu.py).
 #ifndef PW_FWD_STRADDLE_HALVES
 #define PW_FWD_STRADDLE_HALVES 0
 #endif
@@ -156,11 +158,12 @@ PW_DEVICE void take_second_pair(float s[MW][HB / 8][4], const float t2[MW][HB / 
 }
 
 // One visit of half a straddling key tile (PW_FWD_STRADDLE_HALVES): HB keys whose k1, k2 and
-// v sit at sK1, sK2, sV, against the warp's 16 MW query rows (aQ1, aQ2; g its geometry from
-// row 0 and key 0 of the half, from the distance row_p of its row 0 to key 0). The warp's own rows decide the products: q1·k1 where some
-// d < w, q2·k2 where some d >= w, both (merged by distance) where they cross d = w; then one
-// online softmax and one P·V. Masked elements (the other pair's, columns past N, causal
-// d < 0) are -inf. The lane is re-read (tid_reload), as the rotating-slot visits do.
+// v sit at sK1, sK2, sV, against the warp's 16 MW query rows (aQ1, aQ2; row_p the distance
+// of its row 0 to key 0, n0 the half's first key). The warp's own rows decide the products:
+// q1·k1 where some d < w, q2·k2 where some d >= w, both (merged by distance) where they
+// cross d = w; then one online softmax and one P·V. Masked elements (the other pair's,
+// columns past N, causal d < 0) are -inf. The lane is re-read (tid_reload), as the
+// rotating-slot visits do.
 template <typename T, int D, int HB, int MW, bool CAUSAL>
 PW_DEVICE void straddle_half(float acc[MW][D / 8][4], float row_max[MW][2], float row_sum[MW][2],
                              u32 aQ1, u32 aQ2, u32 sK1, u32 sK2, u32 sV, int row_p, int n0,
