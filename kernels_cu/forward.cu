@@ -132,11 +132,13 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
 // share the one stage, and visit each half once (straddle_half): each warp's own rows decide
 // the products (q1·k1, q2·k2, or both merged by distance where its rows cross d = w), then
 // one softmax and one P·V. The default visits a straddling tile twice, a whole product,
-// softmax and P·V each, with k2 loaded into the slot between the visits; at D = 128 that is
-// 3 extra visits per query tile (the band of d = w crosses about (BM + BN) / BN tiles), 3 of
-// 35 at L = 2048 non-causal and about 3 of 20 causal, the size of the gap to SDPA flash at
-// L = 2048 (0.84-0.91x) that closes at L = 16384 (0.99-1.01x; bench/NOTES.md, forty-first
-// section). Its builds spill 20-80 bytes at 255 registers (tests/test_build_check_cpu.py).
+// softmax and P·V each, with k2 loaded into the slot between the visits. At L = 2048 and
+// w = L / 4 that is 536 visits where a standard attention on the same tiles makes 512 (296
+// against 272 causal), which bounds the forward at 0.955x (0.919x) SDPA flash at equal speed
+// per visit: about half of the gap measured there (0.895-0.905x, 0.836-0.850x; the bound is
+// 0.99x at L = 16384, where it measured 0.99-1.01x). With the halves the bound is 0.988x
+// (0.978x). scripts/straddle_visit_model.py; bench/NOTES.md, forty-first section. Its builds
+// spill 20-80 bytes at 255 registers (tests/test_build_check_cpu.py).
 #ifndef PW_FWD_STRADDLE_HALVES
 #define PW_FWD_STRADDLE_HALVES 0
 #endif

@@ -91,6 +91,27 @@ def test_causal_schedule_model_reproduces_the_notes():
     assert got == [1.19, 1.06, 0.99]
 
 
+def test_straddle_visit_model_counts_and_the_notes_bounds():
+    """scripts/straddle_visit_model.py: visits counted by hand on a tiny case (L = 256,
+    128x64 tiles, w = 64: query tile 0 meets key tiles of modes 3, 1, 1, 1 and query tile 1
+    modes 2, 3, 3, 1, so 11 visits against 8), a straddling tile's cost with halves by hand
+    (the slowest warp: two half visits and one second product), and the L = 2048 bounds the
+    NOTES and forward.cu quote (0.955 and 0.919; 0.988 and 0.978 with halves)."""
+    model = pytest.importorskip("straddle_visit_model")
+    assert [model.tile_mode(0, 128, k, 64, 64) for k in (0, 64, 128, 192)] == [3, 1, 1, 1]
+    assert [model.tile_mode(128, 128, k, 64, 64) for k in (0, 64, 128, 192)] == [2, 3, 3, 1]
+    standard, ours, halves = model.visits(256, False, w=64)
+    assert (standard, ours) == (8, 11)
+    # L = 64: the one tile (query tile 0, key tile 0) of the case above, its four warps of 32
+    # rows: warps 2 and 3 cross d = 64 in one half each, so 0.5 + 0.5 + 0.25 = 1.25
+    assert model.visits(64, False, bm=128, bn=64, w=64)[2] == 1.25
+    assert standard < halves < ours
+    rows = {c: model.visits(2048, c) for c in (False, True)}
+    assert rows[False][:2] == (512, 536) and rows[True][:2] == (272, 296)
+    assert [round(rows[c][0] / rows[c][1], 3) for c in (False, True)] == [0.955, 0.919]
+    assert [round(rows[c][0] / rows[c][2], 3) for c in (False, True)] == [0.988, 0.978]
+
+
 def test_causal_schedule_model_backward_order():
     """The --bwd model: launch orders and a makespan by hand on a tiny case."""
     model = pytest.importorskip("causal_schedule_model")
