@@ -491,6 +491,12 @@ PW_DEVICE int tile_mode(i64 q0, int qn, i64 k0, int kn, i64 P, i64 w) {
   return (dmin < w ? 1 : 0) | (dmax >= w ? 2 : 0);
 }
 
+// tile_mode in the 32-bit geometry the one-key-slot forward holds across its sweep: `base` is
+// the distance of the tile's row 0 to its column 0 (Geom::base), qn rows by kn columns.
+PW_DEVICE int tile_mode_at(int base, int qn, int kn, int w) {
+  return (base - (kn - 1) < w ? 1 : 0) | (base + qn - 1 >= w ? 2 : 0);
+}
+
 // True when some element of a tile is masked: a column past the end of its tensor or, with
 // causal, a key after its query (dmin, the tile's smallest distance, is negative).
 template <bool CAUSAL> PW_DEVICE bool tile_needs_mask(i64 dmin, i64 col_end, i64 ncols) {

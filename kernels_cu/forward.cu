@@ -173,7 +173,7 @@ PW_DEVICE void straddle_half(float acc[MW][D / 8][4], float row_max[MW][2], floa
   constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
   const int lane = tid_reload() % 32;
   const Geom g = make_geom<false>(row_p, n0, 0, w, n_keys);
-  const int wmode = (g.base - (HB - 1) < g.w ? 1 : 0) | (g.base + 16 * MW - 1 >= g.w ? 2 : 0);
+  const int wmode = tile_mode_at(g.base, 16 * MW, HB, g.w);
   const float sc = RAW ? 1.f : scale_log2;
   float s[MW][HB / 8][4];
   if (wmode == 2) {
@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       // held across the sweep: bbase is the block's row 0 against key n0 (the warp index
       // re-read: one value less held across the far tiles)
       const int bbase = row_p - (tid_reload() / 32) * (16 * MW) - n0;
-      const int bmode = (bbase - (HB - 1) < p.w ? 1 : 0) | (bbase + BM - 1 >= p.w ? 2 : 0);
+      const int bmode = tile_mode_at(bbase, BM, HB, (int)p.w);
       if (bmode & 1) load_rows<HB, DS, THREADS>(smem_addr(hk1), k1, p.k1.sr, n0, N);
       if (bmode & 2) load_rows<HB, DS, THREADS>(smem_addr(hk2), k2, p.k2.sr, n0, N);
       load_rows<HB, DS, THREADS>(smem_addr(hv), vv, p.v.sr, n0, N);
@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
         const int lane = tid_reload() % 32;  // shadows the kernel's lane on purpose (above)
         const Geom g = make_geom<false>(row_p, n0, 0, p.w, n_keys);
         // this warp's rows need q1·k1 (bit 0), q2·k2 (bit 1) or both: a subset of bmode's
-        const int wmode = (g.base - (HB - 1) < g.w ? 1 : 0) | (g.base + 16 * MW - 1 >= g.w ? 2 : 0);
+        const int wmode = tile_mode_at(g.base, 16 * MW, HB, g.w);
         const float sc = RAW ? 1.f : p.scale_log2;
         float s[MW][HB / 8][4];
         if (wmode == 2) {
@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     // in turn ([k1 | k2 | v] of BN / 2 keys each), visited once each (straddle_half)
     constexpr int HB = BN / 2;  // a multiple of 16, the products' step
     constexpr bool HALVES = PW_FWD_STRADDLE_HALVES && ONE_K && HB % 16 == 0;
-    auto issue_half = [&](int hn, u16* st) {
+    auto issue_half = [&](int hn, const u16* st) {
       const i64 h0 = (i64)hn * HB;
       const int bmode = tile_mode(m0, BM, h0, HB, P, p.w);
       if (bmode & 1) load_rows<HB, DS, THREADS>(smem_addr(st), k1, p.k1.sr, h0, N);
@@ -438,7 +438,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
         for (int hf = 0; hf < 2; ++hf) {
           if (hf == 1) {  // the second half replaces the first in the stage
             __syncthreads();
-            issue_half(2 * t + 1, const_cast<u16*>(st));
+            issue_half(2 * t + 1, st);
             cp_async_commit();
             cp_async_wait<0>();  // with the next tile's loads, issued before this body
             __syncthreads();

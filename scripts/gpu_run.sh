@@ -38,11 +38,11 @@
 # beside cuDNN's; about 4-5 minutes, logs in logs/gqa_*.
 # ROWBOX_CHECKS=0 leaves rowbox's tests and sanitizers out (a timing call).
 # straddle (not in all): the rotating-slot forward's straddling tiles in merged halves
-# (-DPW_FWD_STRADDLE_HALVES=1, kernels_cu/forward.cu; D = 128 at 128x64x4, D = 64 at 128x128x4)
-# against the default
-# and a control build (scripts/mma_fwd_probe.py with its reference checks, bf16 and fp16,
-# causal and not, STRADDLE_LENGTHS default 2048,8192), about 3 minutes, logs in
-# logs/straddle.*; STRADDLE_VARIANTS replaces the variant list.
+# (-DPW_FWD_STRADDLE_HALVES=1, kernels_cu/forward.cu; D = 128 at 128x64x4, D = 64 at
+# 128x128x4) against the default and a control build (scripts/mma_fwd_probe.py with its
+# reference checks, bf16 and fp16, causal and not, STRADDLE_LENGTHS default 2048,8192,
+# STRADDLE_ROUNDS default 3), about 3 minutes, logs in logs/straddle.*; STRADDLE_VARIANTS
+# replaces the variant list.
 # straddle_checks (not in all): the mma.sync GPU tests (dense and packed) under
 # STRADDLE_MACRO (default PW_FWD_STRADDLE_HALVES=1) beside memcheck and racecheck on the
 # dense mma.sync D 64/128 sanitizer cases, about 4-5 minutes, logs in logs/straddle_*.
