@@ -288,8 +288,9 @@ def test_straddle_halves_forward_ab_build_compiles(nvrtc, monkeypatch):
     row's dense 16-bit forward at D = 64 and 128, causal and not. Its two kinds of entry (the
     rotating-slot 128x64x4 at D = 128, the one-key-slot 128x128x4 at D = 64) sit at 255
     registers and spill up to 20-28 (D = 128) and 80 bytes (D = 64 causal) under it (NVRTC
-    13.5, 2026-12-07; the default builds them without spills), so it is bounded at 128 bytes and stays an A/B build until it is
-    timed and its spills are gone; the other entries must not spill."""
+    13.5, 2026-12-07; the default builds them without spills), so it is bounded at 128 bytes
+    and stays an A/B build until it is timed and its spills are gone; the other entries must
+    not spill."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
