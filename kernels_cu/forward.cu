@@ -137,10 +137,18 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
 // against 272 causal), which bounds the forward at 0.955x (0.919x) SDPA flash at equal speed
 // per visit: about half of the gap measured there (0.895-0.905x, 0.836-0.850x; the bound is
 // 0.99x at L = 16384, where it measured 0.99-1.01x). With the halves the bound is 0.988x
-// (0.978x). scripts/straddle_visit_model.py; bench/NOTES.md, forty-first section. Its builds
-// spill 20-80 bytes at 255 registers (tests/test_build_check_cpu.py).
+// (0.978x). scripts/straddle_visit_model.py; bench/NOTES.md, forty-first section. In halves
+// its builds spill 20-80 bytes at 255 registers; in quarters (PW_FWD_STRADDLE_PARTS=4, the
+// next quarter loading into the stage's other half during a visit) D = 64 builds without
+// spills and D = 128 spills 28 bytes non-causal (tests/test_build_check_cpu.py).
 #ifndef PW_FWD_STRADDLE_HALVES
 #define PW_FWD_STRADDLE_HALVES 0
+#endif
+// How many parts a straddling tile is met in under PW_FWD_STRADDLE_HALVES (2: halves; 4:
+// quarters, half the score registers of a part, and two parts fit a stage, so they are
+// double-buffered)
+#ifndef PW_FWD_STRADDLE_PARTS
+#define PW_FWD_STRADDLE_PARTS 2
 #endif
 
 // A warp's rows that cross d = w in a straddling half (straddle_half): s holds pair 1's
@@ -327,25 +335,42 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     // the products' step), one stage (slot 1): k1, k2 and v of a half side by side
     // ([k1 | k2 | v], BN / 2 rows each, within the slot's BM = 2 BN rows), then one visit
     // with both products where the warp's rows need them
-    constexpr int HB = BN / 2;
+    constexpr int PARTS = PW_FWD_STRADDLE_PARTS, HB = BN / PARTS;
     constexpr bool HALVES = PW_FWD_STRADDLE_HALVES && HB % 16 == 0;
-    u16* const hk1 = slot1;
-    u16* const hk2 = slot1 + HB * L::pitch;
-    u16* const hv = slot1 + 2 * HB * L::pitch;
-#pragma unroll 1
-    for (int hn = tA * 2; HALVES && hn < tC * 2; ++hn) {
+    // two parts' [k1 | k2 | v] fit the slot (quarters): the next part loads into the other
+    // buffer while this one is visited
+    constexpr bool PART_DBUF = 6 * HB <= BM;
+    constexpr int part_elems = 3 * HB * L::pitch;
+    auto issue_part = [&](int hn) {
+      u16* const pk = slot1 + (PART_DBUF ? (hn % 2) * part_elems : 0);
       const int n0 = hn * HB;
       // the products some warp needs (tile_mode of the block's rows) in the 32-bit geometry
       // held across the sweep: bbase is the block's row 0 against key n0 (the warp index
       // re-read: one value less held across the far tiles)
       const int bbase = row_p - (tid_reload() / 32) * (16 * MW) - n0;
       const int bmode = tile_mode_at(bbase, BM, HB, (int)p.w);
-      if (bmode & 1) load_rows<HB, DS, THREADS>(smem_addr(hk1), k1, p.k1.sr, n0, N);
-      if (bmode & 2) load_rows<HB, DS, THREADS>(smem_addr(hk2), k2, p.k2.sr, n0, N);
-      load_rows<HB, DS, THREADS>(smem_addr(hv), vv, p.v.sr, n0, N);
+      if (bmode & 1) load_rows<HB, DS, THREADS>(smem_addr(pk), k1, p.k1.sr, n0, N);
+      if (bmode & 2) load_rows<HB, DS, THREADS>(smem_addr(pk + HB * L::pitch), k2, p.k2.sr, n0, N);
+      load_rows<HB, DS, THREADS>(smem_addr(pk + 2 * HB * L::pitch), vv, p.v.sr, n0, N);
       cp_async_commit();
-      cp_async_wait<0>();
+    };
+    if (HALVES && PART_DBUF && tA < tC) issue_part(tA * PARTS);
+#pragma unroll 1
+    for (int hn = tA * PARTS; HALVES && hn < tC * PARTS; ++hn) {
+      const int n0 = hn * HB;
+      if (!PART_DBUF) {
+        issue_part(hn);
+        cp_async_wait<0>();
+      } else if (hn + 1 < tC * PARTS) {  // the other buffer's last reader passed the barrier
+        issue_part(hn + 1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
       __syncthreads();
+      u16* const hk1 = slot1 + (PART_DBUF ? (hn % 2) * part_elems : 0);
+      u16* const hk2 = hk1 + HB * L::pitch;
+      u16* const hv = hk1 + 2 * HB * L::pitch;
       // straddle_half's steps, written out: as a call here ptxas spilled 56-68 bytes
       // (against 20-28) in the far and near loops around it
       {
@@ -411,8 +436,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
     // PW_FWD_STRADDLE_HALVES with one key slot: a straddling tile's stage holds its halves
     // in turn ([k1 | k2 | v] of BN / 2 keys each), visited once each (straddle_half)
-    constexpr int HB = BN / 2;  // a multiple of 16, the products' step
+    constexpr int PARTS = PW_FWD_STRADDLE_PARTS, HB = BN / PARTS;  // a multiple of 16, the products' step
     constexpr bool HALVES = PW_FWD_STRADDLE_HALVES && ONE_K && HB % 16 == 0;
+    constexpr int part_elems = 3 * HB * L::pitch;
+    constexpr bool PART_DBUF = 2 * part_elems <= L::stage_elems;  // two parts fit a stage
     auto issue_half = [&](int hn, const u16* st) {
       const i64 h0 = (i64)hn * HB;
       const int bmode = tile_mode(m0, BM, h0, HB, P, p.w);
@@ -422,7 +449,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     };
     auto issue_visits = [&](int t, int stage) {
       u16* st = sKV + stage * L::stage_elems;
-      if (HALVES && tile_mode(m0, BM, (i64)t * BN, BN, P, p.w) == 3) issue_half(2 * t, st);
+      if (HALVES && tile_mode(m0, BM, (i64)t * BN, BN, P, p.w) == 3) issue_half(PARTS * t, st);
       else issue(t, stage);
     };
     pipelined_tiles(t_begin, ntiles, issue_visits, [&](int t, int stage) {
@@ -432,17 +459,25 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
           mode == 3 || tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), n0 + BN, N);
       const u16* st = sKV + stage * L::stage_elems;
       if (HALVES && mode == 3) {
-        const u32 a = smem_addr(st);
         const int row_p = (int)(row0 + P);
 #pragma unroll 1
-        for (int hf = 0; hf < 2; ++hf) {
-          if (hf == 1) {  // the second half replaces the first in the stage
-            __syncthreads();
-            issue_half(2 * t + 1, st);
-            cp_async_commit();
+        for (int hf = 0; hf < PARTS; ++hf) {
+          if (hf > 0) {
+            if (!PART_DBUF) {  // the next part replaces the last in the stage
+              __syncthreads();
+              issue_half(PARTS * t + hf, st);
+              cp_async_commit();
+            }
             cp_async_wait<0>();  // with the next tile's loads, issued before this body
             __syncthreads();
           }
+          // two parts fit the stage: the next loads into the other buffer during this visit
+          // (its last reader, part hf - 1, passed the barrier above)
+          if (PART_DBUF && hf + 1 < PARTS) {
+            issue_half(PARTS * t + hf + 1, st + ((hf + 1) % 2) * part_elems);
+            cp_async_commit();
+          }
+          const u32 a = smem_addr(st + (PART_DBUF ? (hf % 2) * part_elems : 0));
           straddle_half<T, D, HB, MW, CAUSAL>(acc, row_max, row_sum, aQ1, aQ2, a,
                                               a + HB * L::pitch * PW_ELEM_BYTES,
                                               a + 2 * HB * L::pitch * PW_ELEM_BYTES,

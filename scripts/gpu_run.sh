@@ -37,12 +37,12 @@
 # ncu's kernel times (decode and split merge apart, serialised) of the four shapes at D = 128
 # beside cuDNN's; about 4-5 minutes, logs in logs/gqa_*.
 # ROWBOX_CHECKS=0 leaves rowbox's tests and sanitizers out (a timing call).
-# straddle (not in all): the rotating-slot forward's straddling tiles in merged halves
+# straddle (not in all): the one-key-slot forwards' straddling tiles in merged halves
 # (-DPW_FWD_STRADDLE_HALVES=1, kernels_cu/forward.cu; D = 128 at 128x64x4, D = 64 at
-# 128x128x4) against the default and a control build (scripts/mma_fwd_probe.py with its
-# reference checks, bf16 and fp16, causal and not, STRADDLE_LENGTHS default 2048,8192,
-# STRADDLE_ROUNDS default 3), about 3 minutes, logs in logs/straddle.*; STRADDLE_VARIANTS
-# replaces the variant list.
+# 128x128x4) and in double-buffered quarters (PW_FWD_STRADDLE_PARTS=4) against the default
+# and a control build (scripts/mma_fwd_probe.py with its reference checks, bf16 and fp16,
+# causal and not, STRADDLE_LENGTHS default 2048,8192, STRADDLE_ROUNDS default 2), about 3-4
+# minutes, logs in logs/straddle.*; STRADDLE_VARIANTS replaces the variant list.
 # straddle_checks (not in all): the mma.sync GPU tests (dense and packed) under
 # STRADDLE_MACRO (default PW_FWD_STRADDLE_HALVES=1) beside memcheck and racecheck on the
 # dense mma.sync D 64/128 sanitizer cases, about 4-5 minutes, logs in logs/straddle_*.
@@ -368,9 +368,9 @@ if asked fwd_d64; then
   status=$((status | rc))
 fi
 if asked straddle; then
-  timeout 330 python3 scripts/mma_fwd_probe.py --variants "${STRADDLE_VARIANTS:-PW_FWD_STRADDLE_HALVES=1}" \
+  timeout 330 python3 scripts/mma_fwd_probe.py --variants "${STRADDLE_VARIANTS:-PW_FWD_STRADDLE_HALVES=1;PW_FWD_STRADDLE_HALVES=1 PW_FWD_STRADDLE_PARTS=4}" \
     --tiles "128:128x64x4;64:128x128x4" --lengths "${STRADDLE_LENGTHS:-2048,8192}" --dtypes bf16,fp16 \
-    --rounds "${STRADDLE_ROUNDS:-3}" --reps 30 \
+    --rounds "${STRADDLE_ROUNDS:-2}" --reps 30 \
     --control --out "$logs/straddle.txt" > "$logs/straddle.log" 2>&1
   rc=$?; echo "straddle probe: exit $rc"; tail -24 "$logs/straddle.log"
   status=$((status | rc))

@@ -282,30 +282,34 @@ def test_raw_max_forward_ab_builds_compile(nvrtc, monkeypatch, raw):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-def test_straddle_halves_forward_ab_build_compiles(nvrtc, monkeypatch):
+@pytest.mark.parametrize("parts", [2, 4])
+def test_straddle_halves_forward_ab_build_compiles(nvrtc, monkeypatch, parts):
     """The staged A/B form -DPW_FWD_STRADDLE_HALVES=1 (kernels_cu/forward.cu: a straddling key
-    tile visited once per half, both products merged by the warp's own rows) builds the sm_90
-    row's dense 16-bit forward at D = 64 and 128, causal and not. Its two kinds of entry (the
-    rotating-slot 128x64x4 at D = 128, the one-key-slot 128x128x4 at D = 64) sit at 255
-    registers and spill up to 20-28 (D = 128) and 80 bytes (D = 64 causal) under it (NVRTC
-    13.5, 2026-12-07; the default builds them without spills), so it is bounded at 128 bytes
-    and stays an A/B build until it is timed and its spills are gone; the other entries must
-    not spill."""
+    tile visited once per part, halves or with -DPW_FWD_STRADDLE_PARTS=4 quarters, both
+    products merged by the warp's own rows) builds the sm_90 row's dense 16-bit forward at
+    D = 64 and 128, causal and not. Its two kinds of entry (the rotating-slot 128x64x4 at
+    D = 128, the one-key-slot 128x128x4 at D = 64) sit at 255 registers. In halves they
+    spill up to 20-28 (D = 128) and 80 bytes (D = 64 causal); in quarters the D = 64 entries
+    build without spills and D = 128 spills 28 bytes (non-causal) (NVRTC 13.5, 2026-12-07;
+    the default builds them all without spills). So the D = 128 entries and the D = 64
+    entries in halves are bounded at 128 bytes, an A/B build until it is timed and its spills
+    are gone; the others must not spill."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
-        "-DPW_FWD_STRADDLE_HALVES=1",))
+        "-DPW_FWD_STRADDLE_HALVES=1", f"-DPW_FWD_STRADDLE_PARTS={parts}"))
     vs = sorted({Variant(phase, dt, d, t, c)
                  for phase, d, dt, c, t in capability.selectable_configs(SM90)
                  if phase == "fwd" and d in (64, 128) and dt in capability.HALF_DTYPES},
                 key=str)
-    halves = {v for v in vs if capability.fwd_one_key_slot(v.head_dim, v.tiles)}
-    assert {(v.head_dim, str(v.tiles)) for v in halves} >= {(128, "128x64x4x2"),
-                                                            (64, "128x128x4x2")}
+    one_slot = {v for v in vs if capability.fwd_one_key_slot(v.head_dim, v.tiles)}
+    assert {(v.head_dim, str(v.tiles)) for v in one_slot} >= {(128, "128x64x4x2"),
+                                                              (64, "128x128x4x2")}
     for r in compile_offline(SM90, vs):
         assert r.ok and r.registers, (r.variant, r.log)
-        bound = 128 if r.variant in halves else 0
+        spills = r.variant in one_slot and (parts == 2 or r.variant.head_dim == 128)
+        bound = 128 if spills else 0
         assert (r.spill_stores or 0) <= bound and (r.spill_loads or 0) <= bound, (r.variant, r.log)
 
 
