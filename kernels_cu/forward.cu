@@ -138,9 +138,10 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
 // per visit: about half of the gap measured there (0.895-0.905x, 0.836-0.850x; the bound is
 // 0.99x at L = 16384, where it measured 0.99-1.01x). With the halves the bound is 0.988x
 // (0.978x). scripts/straddle_visit_model.py; bench/NOTES.md, forty-first section. In halves
-// its builds spill 20-80 bytes at 255 registers; in quarters (PW_FWD_STRADDLE_PARTS=4, the
-// next quarter loading into the stage's other half during a visit) D = 64 builds without
-// spills and D = 128 spills 28 bytes non-causal (tests/test_build_check_cpu.py).
+// and in quarters (PW_FWD_STRADDLE_PARTS=4, the next quarter loading into the stage's other
+// half during a visit) its builds sit at 255 registers without spills, D = 64 and 128,
+// causal and not (tests/test_build_check_cpu.py; straddle_half and the rotating-slot
+// form's copies say what that took).
 #ifndef PW_FWD_STRADDLE_HALVES
 #define PW_FWD_STRADDLE_HALVES 0
 #endif
@@ -184,11 +185,14 @@ PW_DEVICE void straddle_half(float acc[MW][D / 8][4], float row_max[MW][2], floa
   const int wmode = tile_mode_at(g.base, 16 * MW, HB, g.w);
   const float sc = RAW ? 1.f : scale_log2;
   float s[MW][HB / 8][4];
-  if (wmode == 2) {
+  // wmode is the warp's (g.base is its row 0), which ptxas cannot tell from a per-thread
+  // value: branching on votes of it, the D = 64 causal halves build without spills (on
+  // wmode itself they spilled 80 bytes, 88 loaded)
+  if (__all_sync(0xffffffffu, wmode == 2)) {
     score_pair_window_after<T, D, HB, MW, CAUSAL>(s, aQ2, sK2, g, 2, sc, lane);
   } else {
     score_pair_window_after<T, D, HB, MW, CAUSAL>(s, aQ1, sK1, g, 1, sc, lane);
-    if (wmode == 3) {  // both: q2·k2 into a second tile, taken where d >= w
+    if (__any_sync(0xffffffffu, wmode == 3)) {  // both: q2·k2 into a 2nd tile, taken at d >= w
       float t2[MW][HB / 8][4];
       score_pair_window_after<T, D, HB, MW, CAUSAL>(t2, aQ2, sK2, g, 2, sc, lane);
       take_second_pair<HB, MW>(s, t2, g);
@@ -259,6 +263,16 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
 
   if constexpr (QROT) {
     static_assert(ONE_K && L::stage_elems == L::q_tile_elems, "a key stage fills one Q slot");
+    // PW_FWD_STRADDLE_HALVES: straddling tiles in halves of BN / 2 keys (a multiple of 16,
+    // the products' step), one stage (slot 1): k1, k2 and v of a half side by side
+    // ([k1 | k2 | v], BN / 2 rows each, within the slot's BM = 2 BN rows), then one visit
+    // with both products where the warp's rows need them (straddle_half)
+    constexpr int PARTS = PW_FWD_STRADDLE_PARTS, HB = BN / PARTS;
+    constexpr bool HALVES = PW_FWD_STRADDLE_HALVES && HB % 16 == 0;
+    // With the parts every copy of this form re-reads threadIdx.x (load_rows, RELOAD): the
+    // thread's copy row and chunk held across the sweep were among the values spilled at 255
+    // registers. The default form keeps its PTX.
+    constexpr bool LR = HALVES || PW_LOAD_TID_RELOAD != 0;
     // Slots of one Q tile each. Far tiles: [q2 | stage 0 | stage 1]; straddling tiles,
     // single-buffered: [q2 | stage | q1]; near tiles: [stage 0 | stage 1 | q1].
     u16* const slot0 = reinterpret_cast<u16*>(smem);
@@ -282,10 +296,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     auto issue_at = [&](int t, u16* st, auto far) {
       const i64 n0 = (i64)t * BN;
       if constexpr (decltype(far)::value)
-        load_rows<BN, DS, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
+        load_rows<BN, DS, THREADS, LR>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
       else
-        load_rows<BN, DS, THREADS>(smem_addr(st + L::k1_in_stage), k1, p.k1.sr, n0, N);
-      load_rows<BN, DS, THREADS>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
+        load_rows<BN, DS, THREADS, LR>(smem_addr(st + L::k1_in_stage), k1, p.k1.sr, n0, N);
+      load_rows<BN, DS, THREADS, LR>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
     };
     // One tile's visits, pairs LO..HI: 2..2 far, 1..2 straddling (always masked), 1..1 near.
     auto visit = [&](int t, u16* st, auto lo, auto hi) {
@@ -299,7 +313,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       for (int pair = LO; pair <= HI; ++pair) {
         if (LO != HI && pair == 2) {  // k1 read by every warp: k2 replaces it
           __syncthreads();
-          load_rows<BN, DS, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
+          load_rows<BN, DS, THREADS, LR>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
           cp_async_commit();
           cp_async_wait<0>();
           __syncthreads();
@@ -324,19 +338,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     using Far = IntConst<1>;
     using NotFar = IntConst<0>;
     // far tiles: q2 in slot 0 (also read by the straddling tiles), stages in slots 1 and 2
-    if (t_begin < tC) load_rows<BM, DS, THREADS>(smem_addr(slot0), p.q2.at(b, h, sq.q0), p.q2.sr, m0, M);
+    if (t_begin < tC)
+      load_rows<BM, DS, THREADS, LR>(smem_addr(slot0), p.q2.at(b, h, sq.q0), p.q2.sr, m0, M);
     pipelined_tiles(
         t_begin, tA, [&](int t, int stage) { issue_at(t, slot1 + stage * L::stage_elems, Far{}); },
         [&](int t, int stage) { visit(t, slot1 + stage * L::stage_elems, Two{}, Two{}); });
     // q1 into slot 2, free now: after a far tile the block barrier that ends its visit;
     // with no far tile slot 2 was never written
-    if (tA < ntiles) load_rows<BM, DS, THREADS>(smem_addr(slot2), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
-    // PW_FWD_STRADDLE_HALVES: straddling tiles in halves of BN / 2 keys (a multiple of 16,
-    // the products' step), one stage (slot 1): k1, k2 and v of a half side by side
-    // ([k1 | k2 | v], BN / 2 rows each, within the slot's BM = 2 BN rows), then one visit
-    // with both products where the warp's rows need them
-    constexpr int PARTS = PW_FWD_STRADDLE_PARTS, HB = BN / PARTS;
-    constexpr bool HALVES = PW_FWD_STRADDLE_HALVES && HB % 16 == 0;
+    if (tA < ntiles)
+      load_rows<BM, DS, THREADS, LR>(smem_addr(slot2), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
     // two parts' [k1 | k2 | v] fit the slot (quarters): the next part loads into the other
     // buffer while this one is visited
     constexpr bool PART_DBUF = 6 * HB <= BM;
@@ -344,14 +354,14 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     auto issue_part = [&](int hn) {
       u16* const pk = slot1 + (PART_DBUF ? (hn % 2) * part_elems : 0);
       const int n0 = hn * HB;
-      // the products some warp needs (tile_mode of the block's rows) in the 32-bit geometry
-      // held across the sweep: bbase is the block's row 0 against key n0 (the warp index
-      // re-read: one value less held across the far tiles)
-      const int bbase = row_p - (tid_reload() / 32) * (16 * MW) - n0;
-      const int bmode = tile_mode_at(bbase, BM, HB, (int)p.w);
-      if (bmode & 1) load_rows<HB, DS, THREADS>(smem_addr(pk), k1, p.k1.sr, n0, N);
-      if (bmode & 2) load_rows<HB, DS, THREADS>(smem_addr(pk + HB * L::pitch), k2, p.k2.sr, n0, N);
-      load_rows<HB, DS, THREADS>(smem_addr(pk + 2 * HB * L::pitch), vv, p.v.sr, n0, N);
+      // the products some warp needs: tile_mode of the block's rows, from the block's m0 and
+      // P. (From row_p less a re-read warp index ptxas held the phase bounds in general
+      // registers instead of uniform ones, and they spilled.)
+      const int bmode = tile_mode(m0, BM, n0, HB, P, p.w);
+      if (bmode & 1) load_rows<HB, DS, THREADS, LR>(smem_addr(pk), k1, p.k1.sr, n0, N);
+      if (bmode & 2)
+        load_rows<HB, DS, THREADS, LR>(smem_addr(pk + HB * L::pitch), k2, p.k2.sr, n0, N);
+      load_rows<HB, DS, THREADS, LR>(smem_addr(pk + 2 * HB * L::pitch), vv, p.v.sr, n0, N);
       cp_async_commit();
     };
     if (HALVES && PART_DBUF && tA < tC) issue_part(tA * PARTS);
@@ -371,30 +381,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       u16* const hk1 = slot1 + (PART_DBUF ? (hn % 2) * part_elems : 0);
       u16* const hk2 = hk1 + HB * L::pitch;
       u16* const hv = hk1 + 2 * HB * L::pitch;
-      // straddle_half's steps, written out: as a call here ptxas spilled 56-68 bytes
-      // (against 20-28) in the far and near loops around it
-      {
-        constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
-        const int lane = tid_reload() % 32;  // shadows the kernel's lane on purpose (above)
-        const Geom g = make_geom<false>(row_p, n0, 0, p.w, n_keys);
-        // this warp's rows need q1·k1 (bit 0), q2·k2 (bit 1) or both: a subset of bmode's
-        const int wmode = tile_mode_at(g.base, 16 * MW, HB, g.w);
-        const float sc = RAW ? 1.f : p.scale_log2;
-        float s[MW][HB / 8][4];
-        if (wmode == 2) {
-          score_pair_window_after<T, D, HB, MW, CAUSAL>(s, aQ2r, smem_addr(hk2), g, 2, sc, lane);
-        } else {
-          score_pair_window_after<T, D, HB, MW, CAUSAL>(s, aQ1r, smem_addr(hk1), g, 1, sc, lane);
-          if (wmode == 3) {  // both: q2·k2 into a second tile, taken where d >= w
-            float t2[MW][HB / 8][4];
-            score_pair_window_after<T, D, HB, MW, CAUSAL>(t2, aQ2r, smem_addr(hk2), g, 2, sc,
-                                                          lane);
-            take_second_pair<HB, MW>(s, t2, g);
-          }
-        }
-        online_softmax<D, HB, MW, RAW>(s, acc, row_max, row_sum, p.scale_log2);
-        mma_xb<T, D, HB, MW>(acc, s, smem_addr(hv), lane);
-      }
+      straddle_half<T, D, HB, MW, CAUSAL>(acc, row_max, row_sum, aQ1r, aQ2r, smem_addr(hk1),
+                                          smem_addr(hk2), smem_addr(hv), row_p, n0, p.w,
+                                          n_keys, p.scale_log2);
       __syncthreads();
     }
     for (int t = tA; !HALVES && t < tC; ++t) {  // straddling tiles, one stage (slot 1)
