@@ -249,18 +249,16 @@ template <int D> struct Pitch {
 // row and chunk per copy rather than holding them across the tile loop. At the D = 64
 // forward's 128x128x4 tile with two key slots and the visits body (-DPW_FWD_VISITS=1) the
 // held 64-bit chunk offset is the one spilled value (8 bytes; NOTES, thirty-fourth section).
-// RELOAD (the macro by default) asks for the re-read per call: the rotating-slot forward's
-// PW_FWD_STRADDLE_HALVES builds take it for all their copies (forward.cu).
 #ifndef PW_LOAD_TID_RELOAD
 #define PW_LOAD_TID_RELOAD 0
 #endif
-template <int ROWS, int D, int THREADS, bool RELOAD = PW_LOAD_TID_RELOAD != 0>
+template <int ROWS, int D, int THREADS>
 PW_DEVICE void load_rows(u32 dst, const u16* src, i64 rs, i64 row0, i64 nvalid) {
   constexpr int CPR = D / 8;  // 16-byte chunks per row
   static_assert(D % 16 == 0, "head dims are multiples of 16");
   if constexpr (THREADS % CPR == 0) {
     constexpr int RSTEP = THREADS / CPR;
-    const int tid = RELOAD ? tid_reload() : (int)threadIdx.x;
+    const int tid = PW_LOAD_TID_RELOAD ? tid_reload() : (int)threadIdx.x;
     const int r = tid / CPR, ch = tid % CPR;
     i64 gr = row0 + r;
     const u16* g = src + gr * rs + ch * 8;
@@ -491,12 +489,6 @@ PW_DEVICE int tile_mode(i64 q0, int qn, i64 k0, int kn, i64 P, i64 w) {
   const i64 dmin = q0 + P - (k0 + kn - 1);
   const i64 dmax = q0 + qn - 1 + P - k0;
   return (dmin < w ? 1 : 0) | (dmax >= w ? 2 : 0);
-}
-
-// tile_mode in the 32-bit geometry the one-key-slot forward holds across its sweep: `base` is
-// the distance of the tile's row 0 to its column 0 (Geom::base), qn rows by kn columns.
-PW_DEVICE int tile_mode_at(int base, int qn, int kn, int w) {
-  return (base - (kn - 1) < w ? 1 : 0) | (base + qn - 1 >= w ? 2 : 0);
 }
 
 // True when some element of a tile is masked: a column past the end of its tensor or, with

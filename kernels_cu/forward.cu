@@ -126,82 +126,6 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
   }
 }
 
-// PW_FWD_STRADDLE_HALVES (0 by default; an A/B build, not yet timed): the one-key-slot
-// forms (the rotating-slot forward, PW_FWD_Q_ROTATE, D = 128 at 128x64x4; the visits body at
-// D = 64, 128x128x4) meet a straddling key tile in halves of BN / 2 keys whose k1, k2 and v
-// share the one stage, and visit each half once (straddle_half): each warp's own rows decide
-// the products (q1·k1, q2·k2, or both merged by distance where its rows cross d = w), then
-// one softmax and one P·V. The default visits a straddling tile twice, a whole product,
-// softmax and P·V each, with k2 loaded into the slot between the visits. At L = 2048 and
-// w = L / 4 that is 536 visits where a standard attention on the same tiles makes 512 (296
-// against 272 causal), which bounds the forward at 0.955x (0.919x) SDPA flash at equal speed
-// per visit: about half of the gap measured there (0.895-0.905x, 0.836-0.850x; the bound is
-// 0.99x at L = 16384, where it measured 0.99-1.01x). With the halves the bound is 0.988x
-// (0.978x). scripts/straddle_visit_model.py; bench/NOTES.md, forty-first section. In halves
-// and in quarters (PW_FWD_STRADDLE_PARTS=4, the next quarter loading into the stage's other
-// half during a visit) its builds sit at 255 registers without spills, D = 64 and 128,
-// causal and not (tests/test_build_check_cpu.py; straddle_half and the rotating-slot
-// form's copies say what that took).
-#ifndef PW_FWD_STRADDLE_HALVES
-#define PW_FWD_STRADDLE_HALVES 0
-#endif
-// How many parts a straddling tile is met in under PW_FWD_STRADDLE_HALVES (2: halves; 4:
-// quarters, half the score registers of a part, and two parts fit a stage, so they are
-// double-buffered)
-#ifndef PW_FWD_STRADDLE_PARTS
-#define PW_FWD_STRADDLE_PARTS 2
-#endif
-
-// A warp's rows that cross d = w in a straddling half (straddle_half): s holds pair 1's
-// windowed scores, t2 pair 2's; the elements at d >= w take t2's (the lane re-read).
-template <int HB, int MW>
-PW_DEVICE void take_second_pair(float s[MW][HB / 8][4], const float t2[MW][HB / 8][4],
-                                const Geom& g) {
-  const int ln = tid_reload() % 32;
-#pragma unroll
-  for (int mi = 0; mi < MW; ++mi)
-#pragma unroll
-    for (int nb = 0; nb < HB / 8; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (elem_dist<false>(g, frag_row(mi, e, ln), frag_col(nb, e, ln)) >= g.w)
-          s[mi][nb][e] = t2[mi][nb][e];
-}
-
-// One visit of half a straddling key tile (PW_FWD_STRADDLE_HALVES): HB keys whose k1, k2 and
-// v sit at sK1, sK2, sV, against the warp's 16 MW query rows (aQ1, aQ2; row_p the distance
-// of its row 0 to key 0, n0 the half's first key). The warp's own rows decide the products:
-// q1·k1 where some d < w, q2·k2 where some d >= w, both (merged by distance) where they
-// cross d = w; then one online softmax and one P·V. Masked elements (the other pair's,
-// columns past N, causal d < 0) are -inf. The lane is re-read (tid_reload), as the
-// rotating-slot visits do.
-template <typename T, int D, int HB, int MW, bool CAUSAL>
-PW_DEVICE void straddle_half(float acc[MW][D / 8][4], float row_max[MW][2], float row_sum[MW][2],
-                             u32 aQ1, u32 aQ2, u32 sK1, u32 sK2, u32 sV, int row_p, int n0,
-                             i64 w, int n_keys, float scale_log2) {
-  constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
-  const int lane = tid_reload() % 32;
-  const Geom g = make_geom<false>(row_p, n0, 0, w, n_keys);
-  const int wmode = tile_mode_at(g.base, 16 * MW, HB, g.w);
-  const float sc = RAW ? 1.f : scale_log2;
-  float s[MW][HB / 8][4];
-  // wmode is the warp's (g.base is its row 0), which ptxas cannot tell from a per-thread
-  // value: branching on votes of it, the D = 64 causal halves build without spills (on
-  // wmode itself they spilled 80 bytes, 88 loaded)
-  if (__all_sync(0xffffffffu, wmode == 2)) {
-    score_pair_window_after<T, D, HB, MW, CAUSAL>(s, aQ2, sK2, g, 2, sc, lane);
-  } else {
-    score_pair_window_after<T, D, HB, MW, CAUSAL>(s, aQ1, sK1, g, 1, sc, lane);
-    if (__any_sync(0xffffffffu, wmode == 3)) {  // both: q2·k2 into a 2nd tile, taken at d >= w
-      float t2[MW][HB / 8][4];
-      score_pair_window_after<T, D, HB, MW, CAUSAL>(t2, aQ2, sK2, g, 2, sc, lane);
-      take_second_pair<HB, MW>(s, t2, g);
-    }
-  }
-  online_softmax<D, HB, MW, RAW>(s, acc, row_max, row_sum, scale_log2);
-  mma_xb<T, D, HB, MW>(acc, s, sV, lane);
-}
-
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   constexpr int DS = D * Elem<T>::width;   // a row in 16-bit units (common.cuh, Elem)
@@ -263,16 +187,6 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
 
   if constexpr (QROT) {
     static_assert(ONE_K && L::stage_elems == L::q_tile_elems, "a key stage fills one Q slot");
-    // PW_FWD_STRADDLE_HALVES: straddling tiles in halves of BN / 2 keys (a multiple of 16,
-    // the products' step), one stage (slot 1): k1, k2 and v of a half side by side
-    // ([k1 | k2 | v], BN / 2 rows each, within the slot's BM = 2 BN rows), then one visit
-    // with both products where the warp's rows need them (straddle_half)
-    constexpr int PARTS = PW_FWD_STRADDLE_PARTS, HB = BN / PARTS;
-    constexpr bool HALVES = PW_FWD_STRADDLE_HALVES && HB % 16 == 0;
-    // With the parts every copy of this form re-reads threadIdx.x (load_rows, RELOAD): the
-    // thread's copy row and chunk held across the sweep were among the values spilled at 255
-    // registers. The default form keeps its PTX.
-    constexpr bool LR = HALVES || PW_LOAD_TID_RELOAD != 0;
     // Slots of one Q tile each. Far tiles: [q2 | stage 0 | stage 1]; straddling tiles,
     // single-buffered: [q2 | stage | q1]; near tiles: [stage 0 | stage 1 | q1].
     u16* const slot0 = reinterpret_cast<u16*>(smem);
@@ -296,10 +210,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     auto issue_at = [&](int t, u16* st, auto far) {
       const i64 n0 = (i64)t * BN;
       if constexpr (decltype(far)::value)
-        load_rows<BN, DS, THREADS, LR>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
+        load_rows<BN, DS, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
       else
-        load_rows<BN, DS, THREADS, LR>(smem_addr(st + L::k1_in_stage), k1, p.k1.sr, n0, N);
-      load_rows<BN, DS, THREADS, LR>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
+        load_rows<BN, DS, THREADS>(smem_addr(st + L::k1_in_stage), k1, p.k1.sr, n0, N);
+      load_rows<BN, DS, THREADS>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
     };
     // One tile's visits, pairs LO..HI: 2..2 far, 1..2 straddling (always masked), 1..1 near.
     auto visit = [&](int t, u16* st, auto lo, auto hi) {
@@ -313,7 +227,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       for (int pair = LO; pair <= HI; ++pair) {
         if (LO != HI && pair == 2) {  // k1 read by every warp: k2 replaces it
           __syncthreads();
-          load_rows<BN, DS, THREADS, LR>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
+          load_rows<BN, DS, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
           cp_async_commit();
           cp_async_wait<0>();
           __syncthreads();
@@ -338,55 +252,14 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     using Far = IntConst<1>;
     using NotFar = IntConst<0>;
     // far tiles: q2 in slot 0 (also read by the straddling tiles), stages in slots 1 and 2
-    if (t_begin < tC)
-      load_rows<BM, DS, THREADS, LR>(smem_addr(slot0), p.q2.at(b, h, sq.q0), p.q2.sr, m0, M);
+    if (t_begin < tC) load_rows<BM, DS, THREADS>(smem_addr(slot0), p.q2.at(b, h, sq.q0), p.q2.sr, m0, M);
     pipelined_tiles(
         t_begin, tA, [&](int t, int stage) { issue_at(t, slot1 + stage * L::stage_elems, Far{}); },
         [&](int t, int stage) { visit(t, slot1 + stage * L::stage_elems, Two{}, Two{}); });
     // q1 into slot 2, free now: after a far tile the block barrier that ends its visit;
     // with no far tile slot 2 was never written
-    if (tA < ntiles)
-      load_rows<BM, DS, THREADS, LR>(smem_addr(slot2), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
-    // two parts' [k1 | k2 | v] fit the slot (quarters): the next part loads into the other
-    // buffer while this one is visited
-    constexpr bool PART_DBUF = 6 * HB <= BM;
-    constexpr int part_elems = 3 * HB * L::pitch;
-    auto issue_part = [&](int hn) {
-      u16* const pk = slot1 + (PART_DBUF ? (hn % 2) * part_elems : 0);
-      const int n0 = hn * HB;
-      // the products some warp needs: tile_mode of the block's rows, from the block's m0 and
-      // P. (From row_p less a re-read warp index ptxas held the phase bounds in general
-      // registers instead of uniform ones, and they spilled.)
-      const int bmode = tile_mode(m0, BM, n0, HB, P, p.w);
-      if (bmode & 1) load_rows<HB, DS, THREADS, LR>(smem_addr(pk), k1, p.k1.sr, n0, N);
-      if (bmode & 2)
-        load_rows<HB, DS, THREADS, LR>(smem_addr(pk + HB * L::pitch), k2, p.k2.sr, n0, N);
-      load_rows<HB, DS, THREADS, LR>(smem_addr(pk + 2 * HB * L::pitch), vv, p.v.sr, n0, N);
-      cp_async_commit();
-    };
-    if (HALVES && PART_DBUF && tA < tC) issue_part(tA * PARTS);
-#pragma unroll 1
-    for (int hn = tA * PARTS; HALVES && hn < tC * PARTS; ++hn) {
-      const int n0 = hn * HB;
-      if (!PART_DBUF) {
-        issue_part(hn);
-        cp_async_wait<0>();
-      } else if (hn + 1 < tC * PARTS) {  // the other buffer's last reader passed the barrier
-        issue_part(hn + 1);
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
-      __syncthreads();
-      u16* const hk1 = slot1 + (PART_DBUF ? (hn % 2) * part_elems : 0);
-      u16* const hk2 = hk1 + HB * L::pitch;
-      u16* const hv = hk1 + 2 * HB * L::pitch;
-      straddle_half<T, D, HB, MW, CAUSAL>(acc, row_max, row_sum, aQ1r, aQ2r, smem_addr(hk1),
-                                          smem_addr(hk2), smem_addr(hv), row_p, n0, p.w,
-                                          n_keys, p.scale_log2);
-      __syncthreads();
-    }
-    for (int t = tA; !HALVES && t < tC; ++t) {  // straddling tiles, one stage (slot 1)
+    if (tA < ntiles) load_rows<BM, DS, THREADS>(smem_addr(slot2), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
+    for (int t = tA; t < tC; ++t) {  // straddling tiles, one stage (slot 1)
       issue_at(t, slot1, NotFar{});
       cp_async_commit();
       cp_async_wait<0>();
@@ -423,58 +296,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     // does, shortened the loop offline but timed 0.96-1.03x on an H200, 2026-12-05: noise,
     // so that A/B build, PW_FWD_VISIT_RELOAD, was removed.)
     constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
-    // PW_FWD_STRADDLE_HALVES with one key slot: a straddling tile's stage holds its halves
-    // in turn ([k1 | k2 | v] of BN / 2 keys each), visited once each (straddle_half)
-    constexpr int PARTS = PW_FWD_STRADDLE_PARTS, HB = BN / PARTS;  // a multiple of 16, the products' step
-    constexpr bool HALVES = PW_FWD_STRADDLE_HALVES && ONE_K && HB % 16 == 0;
-    constexpr int part_elems = 3 * HB * L::pitch;
-    constexpr bool PART_DBUF = 2 * part_elems <= L::stage_elems;  // two parts fit a stage
-    auto issue_half = [&](int hn, const u16* st) {
-      const i64 h0 = (i64)hn * HB;
-      const int bmode = tile_mode(m0, BM, h0, HB, P, p.w);
-      if (bmode & 1) load_rows<HB, DS, THREADS>(smem_addr(st), k1, p.k1.sr, h0, N);
-      if (bmode & 2) load_rows<HB, DS, THREADS>(smem_addr(st + HB * L::pitch), k2, p.k2.sr, h0, N);
-      load_rows<HB, DS, THREADS>(smem_addr(st + 2 * HB * L::pitch), vv, p.v.sr, h0, N);
-    };
-    auto issue_visits = [&](int t, int stage) {
-      u16* st = sKV + stage * L::stage_elems;
-      if (HALVES && tile_mode(m0, BM, (i64)t * BN, BN, P, p.w) == 3) issue_half(PARTS * t, st);
-      else issue(t, stage);
-    };
-    pipelined_tiles(t_begin, ntiles, issue_visits, [&](int t, int stage) {
+    pipelined_tiles(t_begin, ntiles, issue, [&](int t, int stage) {
       const i64 n0 = (i64)t * BN;
       const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
       const bool masked =
           mode == 3 || tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), n0 + BN, N);
       const u16* st = sKV + stage * L::stage_elems;
-      if (HALVES && mode == 3) {
-        const int row_p = (int)(row0 + P);
-#pragma unroll 1
-        for (int hf = 0; hf < PARTS; ++hf) {
-          if (hf > 0) {
-            if (!PART_DBUF) {  // the next part replaces the last in the stage
-              __syncthreads();
-              issue_half(PARTS * t + hf, st);
-              cp_async_commit();
-            }
-            cp_async_wait<0>();  // with the next tile's loads, issued before this body
-            __syncthreads();
-          }
-          // two parts fit the stage: the next loads into the other buffer during this visit
-          // (its last reader, part hf - 1, passed the barrier above)
-          if (PART_DBUF && hf + 1 < PARTS) {
-            issue_half(PARTS * t + hf + 1, st + ((hf + 1) % 2) * part_elems);
-            cp_async_commit();
-          }
-          const u32 a = smem_addr(st + (PART_DBUF ? (hf % 2) * part_elems : 0));
-          straddle_half<T, D, HB, MW, CAUSAL>(acc, row_max, row_sum, aQ1, aQ2, a,
-                                              a + HB * L::pitch * PW_ELEM_BYTES,
-                                              a + 2 * HB * L::pitch * PW_ELEM_BYTES,
-                                              row_p, (int)(n0 + hf * HB), p.w, (int)N,
-                                              p.scale_log2);
-        }
-        return;
-      }
       const Geom g = make_geom<false>(row0, n0, P, p.w, N);
 #pragma unroll 1
       for (int pair = (mode & 1) ? 1 : 2; pair <= ((mode & 2) ? 2 : 1); ++pair) {

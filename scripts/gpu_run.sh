@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot tilebox rowbox gqa straddle straddle_checks grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot tilebox rowbox gqa grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -37,15 +37,6 @@
 # ncu's kernel times (decode and split merge apart, serialised) of the four shapes at D = 128
 # beside cuDNN's; about 4-5 minutes, logs in logs/gqa_*.
 # ROWBOX_CHECKS=0 leaves rowbox's tests and sanitizers out (a timing call).
-# straddle (not in all): the one-key-slot forwards' straddling tiles in merged halves
-# (-DPW_FWD_STRADDLE_HALVES=1, kernels_cu/forward.cu; D = 128 at 128x64x4, D = 64 at
-# 128x128x4) and in double-buffered quarters (PW_FWD_STRADDLE_PARTS=4) against the default
-# and a control build (scripts/mma_fwd_probe.py with its reference checks, bf16 and fp16,
-# causal and not, STRADDLE_LENGTHS default 2048,8192, STRADDLE_ROUNDS default 2), about 3-4
-# minutes, logs in logs/straddle.*; STRADDLE_VARIANTS replaces the variant list.
-# straddle_checks (not in all): the mma.sync GPU tests (dense and packed) under
-# STRADDLE_MACRO (default PW_FWD_STRADDLE_HALVES=1) beside memcheck and racecheck on the
-# dense mma.sync D 64/128 sanitizer cases, about 4-5 minutes, logs in logs/straddle_*.
 # tilebox (not in all): the Hopper decode's whole-tile TMA boxes (TILEBOX_MACRO, default
 # KV90_TILE_BOX=2: at D = 128 and for paged caches only; =1 everywhere, timed in
 # bench/results/2026-12-06-h100-tilebox; an A/B build): scripts/racecheck_bulk_probe.py
@@ -366,29 +357,6 @@ if asked fwd_d64; then
     --dtypes bf16,fp16 --rounds 2 --control --out "$logs/fwd_d64.txt" > "$logs/fwd_d64.log" 2>&1
   rc=$?; echo "fwd_d64 probe: exit $rc"; tail -24 "$logs/fwd_d64.log"
   status=$((status | rc))
-fi
-if asked straddle; then
-  timeout 330 python3 scripts/mma_fwd_probe.py --variants "${STRADDLE_VARIANTS:-PW_FWD_STRADDLE_HALVES=1;PW_FWD_STRADDLE_HALVES=1 PW_FWD_STRADDLE_PARTS=4}" \
-    --tiles "128:128x64x4;64:128x128x4" --lengths "${STRADDLE_LENGTHS:-2048,8192}" --dtypes bf16,fp16 \
-    --rounds "${STRADDLE_ROUNDS:-2}" --reps 30 \
-    --control --out "$logs/straddle.txt" > "$logs/straddle.log" 2>&1
-  rc=$?; echo "straddle probe: exit $rc"; tail -24 "$logs/straddle.log"
-  status=$((status | rc))
-fi
-if asked straddle_checks; then
-  m=${STRADDLE_MACRO:-PW_FWD_STRADDLE_HALVES=1}
-  for tool in memcheck racecheck; do
-    extra=""; [[ $tool == memcheck ]] && extra="--report-api-errors no"
-    PW_TEST_MACROS="$m" SANITIZE_DIMS=64,128 SANITIZE_PATHS=mma \
-      SANITIZE_SKIP=kvcache,rotary,varlen,torch timeout 300 compute-sanitizer --tool $tool $extra \
-      --error-exitcode 9 python3 scripts/sanitize_cases.py > "$logs/straddle_$tool.log" 2>&1 &
-  done
-  PW_TEST_MACROS="$m" CUPY_PIECEWISE_PATH=mma timeout 270 python3 -m pytest -q -ra -m gpu \
-    -p no:cacheprovider tests/test_kernels_gpu.py tests/test_varlen_gpu.py -k "mma and not hopper" \
-    > "$logs/straddle_pytest.log" 2>&1
-  rc=$?; echo "straddle tests ($m): exit $rc"; tail -3 "$logs/straddle_pytest.log"; status=$((status | rc))
-  for tool in memcheck racecheck; do wait -n; rc=$?; status=$((status | rc)); done
-  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Traceback" "$logs"/straddle_{memcheck,racecheck}.log | tail -4
 fi
 if asked kvprobe; then
   # the Hopper decode's A/B probe: KVPROBE_CONFIGS (';'-separated, scripts/kvdecode_probe.py)

@@ -282,32 +282,6 @@ def test_raw_max_forward_ab_builds_compile(nvrtc, monkeypatch, raw):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-@pytest.mark.parametrize("parts", [2, 4])
-def test_straddle_halves_forward_ab_build_compiles(nvrtc, monkeypatch, parts):
-    """The staged A/B form -DPW_FWD_STRADDLE_HALVES=1 (kernels_cu/forward.cu: a straddling key
-    tile visited once per part, halves or with -DPW_FWD_STRADDLE_PARTS=4 quarters, both
-    products merged by the warp's own rows) builds the sm_90 row's dense 16-bit forward at
-    D = 64 and 128, causal and not, without spills, as a default must (its two kinds of
-    entry, the rotating-slot 128x64x4 at D = 128 and the one-key-slot 128x128x4 at D = 64,
-    sit at 255 registers; they spilled 20-80 bytes until the rotating-slot form's copies
-    re-read threadIdx.x and straddle_half branched on warp votes, 2026-12-07)."""
-    from cupy_piecewise import compile as comp
-
-    base = comp.arch_options
-    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
-        "-DPW_FWD_STRADDLE_HALVES=1", f"-DPW_FWD_STRADDLE_PARTS={parts}"))
-    vs = sorted({Variant(phase, dt, d, t, c)
-                 for phase, d, dt, c, t in capability.selectable_configs(SM90)
-                 if phase == "fwd" and d in (64, 128) and dt in capability.HALF_DTYPES},
-                key=str)
-    one_slot = {v for v in vs if capability.fwd_one_key_slot(v.head_dim, v.tiles)}
-    assert {(v.head_dim, str(v.tiles)) for v in one_slot} >= {(128, "128x64x4x2"),
-                                                              (64, "128x128x4x2")}
-    for r in compile_offline(SM90, vs):
-        assert r.ok and r.registers, (r.variant, r.log)
-        assert not r.spill_stores and not r.spill_loads, (r.variant, r.log)
-
-
 @pytest.mark.parametrize("macros", [
     ("-DPW_BWD_P_FIXED_EXEMPT=1", "-DPW_BWD_TID_RELOAD=0", "-DPW_ONE_BARRIER=0"),
     ("-DPW_BWD_P_FIXED_EXEMPT=2", "-DPW_BWD_TID_RELOAD=2")])

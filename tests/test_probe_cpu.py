@@ -95,8 +95,8 @@ def test_straddle_visit_model_counts_and_the_notes_bounds():
     """scripts/straddle_visit_model.py: visits counted by hand on a tiny case (L = 256,
     128x64 tiles, w = 64: query tile 0 meets key tiles of modes 3, 1, 1, 1 and query tile 1
     modes 2, 3, 3, 1, so 11 visits against 8), a straddling tile's cost with halves by hand
-    (the slowest warp: two half visits and one second product), and the L = 2048 bounds the
-    NOTES and forward.cu quote (0.955 and 0.919; 0.988 and 0.978 with halves)."""
+    (the slowest warp: two half visits and one second product), and the L = 2048 bounds
+    bench/NOTES.md quotes (0.955 and 0.919; 0.988 and 0.978 with halves)."""
     model = pytest.importorskip("straddle_visit_model")
     assert [model.tile_mode(0, 128, k, 64, 64) for k in (0, 64, 128, 192)] == [3, 1, 1, 1]
     assert [model.tile_mode(128, 128, k, 64, 64) for k in (0, 64, 128, 192)] == [2, 3, 3, 1]
