@@ -8,8 +8,8 @@ one-key-slot forms visit it twice, a whole score product, online softmax and P·
 standard attention on the same tiles (FlashAttention-2's work, the SDPA flash peer) visits
 every key tile once. At equal speed per visit, standard / ours bounds our speed ratio from
 above. With halves (``PW_FWD_STRADDLE_HALVES``, an A/B build timed on an H100 on 2026-12-07
-and removed: no gain above the probe's noise; its patch is in
-bench/results/2026-12-07-h100-straddle-parts) a straddling tile costs, per warp of 32 rows,
+and removed: none of the bound's gain at D = 128, +2-3% at D = 64 non-causal only; its patch
+is in bench/results/2026-12-07-h100-straddle-parts) a straddling tile costs, per warp of 32 rows,
 two half visits (0.5 each) plus a quarter visit for each half where the warp's rows cross
 d = w (the second score product over half the keys: a product is half a visit's tensor
 work); the block waits for its slowest warp, so a tile costs the largest warp's sum.
