@@ -103,10 +103,11 @@ def _version_of(mod):
 
 
 def _git_commit():
+    """The sources a run came from (bench/provenance.py): commit, "+modified" where tracked
+    files differ from it, and the kernels' digest."""
     try:
-        import subprocess
-        return subprocess.run(["git", "-C", _ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5).stdout.strip() or None
+        from provenance import source_stamp
+        return source_stamp(_ROOT)
     except Exception:
         return None
 

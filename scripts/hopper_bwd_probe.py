@@ -676,12 +676,9 @@ def main():
             out.flush()
 
     log(f"hopper_bwd_probe: {time.strftime('%Y-%m-%d %H:%M:%S')} repo {ROOT}")
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=str(ROOT)).stdout.strip()
-        log(f"git HEAD {rev}")
-    except Exception:
-        pass
+    sys.path.insert(0, str(ROOT / "bench"))
+    from provenance import source_stamp  # commit, "+modified", kernels digest
+    log(f"git HEAD {source_stamp(ROOT)}")
     common = ["--via", args.via] + [f"--opt={o}" for o in args.opt] + (["--ours-only"] if args.ours_only else [])
     if args.verbose:
         common.append("--verbose")

@@ -164,16 +164,14 @@ def summary_table(results, builds):
 
 def run_header(results):
     """Where and when the figures were taken: date (UTC), GPU and library versions (from the
-    workers' env records), the command line and the checkout's commit."""
+    workers' env records), the command line and the sources (bench/provenance.py)."""
     import datetime
 
     env = next((rec for rounds in results.values() for recs in rounds for rec in recs
                 if rec.get("kind") == "env"), {})
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=ROOT).stdout.strip() or None
-    except OSError:
-        commit = None
+    sys.path.insert(0, str(ROOT / "bench"))
+    from provenance import source_stamp  # commit, "+modified", kernels digest
+    commit = source_stamp(ROOT)
     return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 gpu=env.get("gpu"), torch=env.get("torch"), cupy=env.get("cupy"),
                 command="python3 scripts/mma_fwd_probe.py " + " ".join(sys.argv[1:]),
