@@ -105,10 +105,11 @@ def _version_of(mod):
 def _git_commit():
     """The sources a run came from (bench/provenance.py): commit, "+modified" where tracked
     files differ from it, and the kernels' digest."""
+    from provenance import source_stamp  # bench/ is on sys.path (the entry scripts' folder)
+
     try:
-        from provenance import source_stamp
         return source_stamp(_ROOT)
-    except Exception:
+    except FileNotFoundError:  # no kernels_cu beside bench/: not a checkout
         return None
 
 

@@ -676,9 +676,7 @@ def main():
             out.flush()
 
     log(f"hopper_bwd_probe: {time.strftime('%Y-%m-%d %H:%M:%S')} repo {ROOT}")
-    sys.path.insert(0, str(ROOT / "bench"))
-    from provenance import source_stamp  # commit, "+modified", kernels digest
-    log(f"git HEAD {source_stamp(ROOT)}")
+    log(f"sources {probe_common.source_stamp()}")
     common = ["--via", args.via] + [f"--opt={o}" for o in args.opt] + (["--ours-only"] if args.ours_only else [])
     if args.verbose:
         common.append("--verbose")

@@ -835,9 +835,7 @@ def main():
             out.flush()
 
     log(f"hopper_probe: {time.strftime('%Y-%m-%d %H:%M:%S')} repo {ROOT}")
-    sys.path.insert(0, str(ROOT / "bench"))
-    from provenance import source_stamp  # commit, "+modified", kernels digest
-    log(f"git HEAD {source_stamp(ROOT)}")
+    log(f"sources {probe_common.source_stamp()}")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     if args.variants is not None:

@@ -169,9 +169,8 @@ def run_header(results):
 
     env = next((rec for rounds in results.values() for recs in rounds for rec in recs
                 if rec.get("kind") == "env"), {})
-    sys.path.insert(0, str(ROOT / "bench"))
-    from provenance import source_stamp  # commit, "+modified", kernels digest
-    commit = source_stamp(ROOT)
+    from probe_common import source_stamp  # scripts/ (this file's folder) is on sys.path
+    commit = source_stamp()
     return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 gpu=env.get("gpu"), torch=env.get("torch"), cupy=env.get("cupy"),
                 command="python3 scripts/mma_fwd_probe.py " + " ".join(sys.argv[1:]),

@@ -1,6 +1,7 @@
-"""What the GPU probe scripts share (hopper_probe.py, hopper_bwd_probe.py): kernel source
-splicing, an NVRTC cubin build through cuda.bindings, finding the CUDA tools, CUDA-event
-timing, and running a phase in a worker process with a deadline and hang detection.
+"""What the GPU probe scripts share (hopper_probe.py, hopper_bwd_probe.py; mma_fwd_probe.py
+takes its timer and source stamp): kernel source splicing, an NVRTC cubin build through
+cuda.bindings, finding the CUDA tools, CUDA-event timing, the sources a run came from, and
+running a phase in a worker process with a deadline and hang detection.
 
 Imported by the probes as ``probe_common`` (scripts/ is on sys.path when they run).
 """
@@ -27,6 +28,16 @@ def splice(name: str) -> str:
     from cupy_piecewise.compile import source
 
     return source(name)
+
+
+def source_stamp() -> str:
+    """The sources a probe ran (bench/provenance.py): commit, "+modified" where tracked files
+    differ from it, and the kernels' digest."""
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
+    from provenance import source_stamp as stamp
+
+    return stamp(ROOT)
 
 
 def say(*args):

@@ -68,3 +68,15 @@ def test_no_kernels_directory_is_an_error(tmp_path):
 def test_this_checkout_has_a_stamp():
     stamp = provenance.source_stamp()
     assert stamp.split(", kernels ")[1] == provenance.kernels_digest()
+
+
+def test_probes_and_bench_headers_use_the_stamp():
+    """scripts/probe_common.source_stamp (the probes' headers) and bench/common._git_commit
+    (bench's JSON header) give this checkout's stamp."""
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "scripts"))
+    import probe_common
+    assert probe_common.source_stamp() == provenance.source_stamp()
+    pytest.importorskip("torch")  # bench/common imports it
+    import common
+    assert common._git_commit() == provenance.source_stamp()
