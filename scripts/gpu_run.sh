@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_d64 kvprobe kvrot tilebox rowbox gqa grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_w fwd_d64 kvprobe kvrot tilebox rowbox gqa gqa_ncu grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -29,6 +29,9 @@
 # "default=;halfrow=KV90_ROW_BOX=0"; "" for none); about 3-5 minutes, logs in logs/rowbox_*
 # and logs/decode_<tag>.* (first run: bench/results/2026-12-06-h200-rowbox-default, with
 # ROWBOX_PROBE="").
+# gqa_ncu (not in all): Nsight Compute (memory, warp state, scheduler, instructions, source
+# counters) on the decode kernel, bfloat16 D = 128 N = 32768 (GQA_N), B = 1 with 32 key heads
+# and 32 then 128 query heads, logs in logs/ncu_gqa_ncu_h*.txt; about 2 minutes.
 # gqa (not in all): why the grouped-query decode row (B 4, H 32, Hkv 8) runs 2-4% below the
 # MHA row of the same bytes (B 1, H 32, Hkv 32) against the same cuDNN: the probe on those two
 # shapes, the same grid with one query head per key head (B 4, H 8, Hkv 8) and the MHA grid
@@ -106,7 +109,13 @@
 # D = 128 L 2048 causal and D = 64 L 8192; logs in logs/ncu_grid*.txt, logs/ncu_flash*.txt.
 # ncu_fwd (not in all): Nsight Compute on the mma.sync forward (pw_forward) beside SDPA flash's
 # forward on the same shape, D = 128 L 2048 causal and not (where the forward's ratio to flash
-# drops from 0.96-1.0x at L 8192-16384 to 0.83-0.92x), logs in logs/ncu_fwd*.txt.
+# drops from 0.96-1.0x at L 8192-16384 to 0.83-0.92x), ours also at w = L (one product per
+# tile; logs *_wL.txt) and with source counters at w = L / 4, logs in logs/ncu_*fwd128*.txt.
+# fwd_w (not in all): scripts/mma_fwd_probe.py at w = L / 4 and w = L (every key near: one
+# product per tile and one Q tile, the kernel as a standard attention) beside SDPA flash, D 64
+# and 128 at the table's tiles, L 2048 and 8192 (FWDW_LENGTHS, FWDW_DTYPES, FWDW_ROUNDS):
+# how much of the L = 2048 gap is the piecewise work and how much the kernel; about 3 minutes,
+# logs/fwd_w.txt.
 # ncu_decode (not in all): Nsight Compute on the Hopper decode (pw90_kvdecode) beside SDPA
 # cuDNN's decode on the same shape (profile_case.py --decode --peer cudnn), bfloat16 D = 128
 # B = 8, N = 32768 (one split, DRAM-bound: 0.95-0.99x cuDNN) and B = 1 (8 splits), memory
@@ -323,15 +332,30 @@ if asked ncu_fwd; then
   for causal in "" "--causal"; do
     tag=fwd128_2048${causal:+_causal}
     CUPY_PIECEWISE_PATH=mma timeout 120 ncu --clock-control none -k "regex:^pw_forward$" \
-      --launch-skip 2 --launch-count 1 $secs python3 scripts/profile_case.py --L 2048 --D 128 \
-      $causal > "$logs/ncu_$tag.txt" 2>&1
+      --launch-skip 2 --launch-count 1 $secs --section SourceCounters python3 \
+      scripts/profile_case.py --L 2048 --D 128 $causal > "$logs/ncu_$tag.txt" 2>&1
     rc=$?; echo "ncu $tag: exit $rc"; status=$((status | rc))
+    # w = L: every key near, one product per tile (the kernel as a standard attention)
+    CUPY_PIECEWISE_PATH=mma timeout 120 ncu --clock-control none -k "regex:^pw_forward$" \
+      --launch-skip 2 --launch-count 1 $secs python3 scripts/profile_case.py --L 2048 --D 128 \
+      --w-frac 1 $causal > "$logs/ncu_${tag}_wL.txt" 2>&1
+    rc=$?; echo "ncu ${tag} w=L: exit $rc"; status=$((status | rc))
     timeout 120 ncu --clock-control none -k "regex:flash_fwd" --launch-skip 2 --launch-count 1 \
       $secs python3 scripts/profile_case.py --L 2048 --D 128 $causal --peer flash \
       > "$logs/ncu_flash_$tag.txt" 2>&1
     rc=$?; echo "ncu flash $tag: exit $rc"; status=$((status | rc))
-    grep -E "Duration|Executed Instructions  " "$logs/ncu_$tag.txt" "$logs/ncu_flash_$tag.txt" | head -8
+    grep -E "Duration|Executed Instructions  " "$logs/ncu_$tag.txt" "$logs/ncu_${tag}_wL.txt" \
+      "$logs/ncu_flash_$tag.txt" | head -12
   done
+fi
+if asked fwd_w; then
+  # the L = 2048 forward's gap split: w = L / 4 against w = L (no far or straddling tile, one
+  # Q tile) against SDPA flash, D 64 and 128 at the table's tiles, L 2048 and 8192
+  timeout 420 python3 scripts/mma_fwd_probe.py --tiles "128:128x64x4;64:128x128x4" \
+    --lengths ${FWDW_LENGTHS:-2048,8192} --dtypes ${FWDW_DTYPES:-bf16} --w-fracs 0.25,1 \
+    --rounds ${FWDW_ROUNDS:-3} --out "$logs/fwd_w.txt" > "$logs/fwd_w.log" 2>&1
+  rc=$?; echo "fwd_w probe: exit $rc"; tail -24 "$logs/fwd_w.log"
+  status=$((status | rc))
 fi
 if asked ncu_decode; then
   secs="--section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables
@@ -554,6 +578,22 @@ if asked gqa; then
       --batch $B --heads $H --kv-heads $Hkv --L $N --D 128 --iters 4 > "$logs/ncu_${tag}_cudnn.txt" 2>&1
     rc=$?; echo "ncu ${tag} cudnn: exit $rc"
     grep -E "gpu__time_duration|dram__throughput|launch__grid_size" "$logs/ncu_${tag}_cudnn.txt" | head -4
+  done
+fi
+if asked gqa_ncu; then
+  # where the group's 2 us go inside the decode kernel (D = 128: 183.7 us at one query head
+  # per key head, 185.6-185.9 us at four, H100 2026-12-07): the MHA row against the MHA grid
+  # with four query heads per key head, memory and warp-state sections and source counters
+  secs="--section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables
+    --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters"
+  for H in 32 128; do
+    tag=gqa_ncu_h$H
+    timeout 150 ncu --clock-control none -k "regex:^pw90_kvdecode$" --launch-skip 2 --launch-count 1 \
+      $secs python3 scripts/profile_case.py --decode --batch 1 --heads $H --kv-heads 32 \
+      --L ${GQA_N:-32768} --D 128 --iters 4 > "$logs/ncu_$tag.txt" 2>&1
+    rc=$?; echo "ncu $tag: exit $rc"; status=$((status | rc))
+    grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Executed Instructions  |Warp Cycles Per Issued" \
+      "$logs/ncu_$tag.txt" | head -8
   done
 fi
 if asked rotary; then

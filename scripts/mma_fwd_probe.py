@@ -86,8 +86,11 @@ def worker(args) -> None:
                                      for _ in range(5))
                 for causal in (False, True):
                     flops = 4 * B * H * L * L * D * (0.5 if causal else 1.0)
-                    runs = [(s, lambda: cupy_piecewise.attention(q1, k1, q2, k2, v, L // 4,
-                                                                 causal=causal)) for s in specs]
+                    # one row per (tile candidate, threshold): w = L / 4 keeps the tile name
+                    runs = [(tile_label(s, frac),
+                             lambda s=s, w=w_of(L, frac): cupy_piecewise.attention(
+                                 q1, k1, q2, k2, v, w, causal=causal))
+                            for s in specs for frac in w_fracs(args.w_fracs)]
                     if args.flash and dname != "fp32":
                         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -98,7 +101,7 @@ def worker(args) -> None:
                         runs.append(("sdpa_flash", flash))
                     for spec, fn in runs:
                         if spec != "sdpa_flash":
-                            capability.set_tile_override(f"fwd={spec}")
+                            capability.set_tile_override(f"fwd={spec.split()[0]}")
                         try:
                             with torch.no_grad():
                                 ms = cuda_time(torch, fn, reps=args.reps)
@@ -111,6 +114,27 @@ def worker(args) -> None:
                             capability.set_tile_override(None)
                         out.append(rec)
     print(json.dumps(out), flush=True)
+
+
+def w_fracs(text):
+    """'0.25,1' -> [0.25, 1.0]: the thresholds a worker times, as fractions of L."""
+    out = [float(x) for x in text.split(",") if x.strip()]
+    if not out or any(not 0.0 <= f for f in out):
+        raise ValueError(f"--w-fracs wants non-negative fractions of L, got {text!r}")
+    return out
+
+
+def w_of(L, frac):
+    """The threshold w for length L at fraction frac (w = L / 4 for the default 0.25)."""
+    return L // 4 if frac == 0.25 else int(round(L * frac))
+
+
+def tile_label(spec, frac):
+    """A timing row's tiles column: the candidate alone at the bench's w = L / 4, else the
+    candidate and the fraction ('128x64x4 w=1L'). With w >= L every key is near (d < w), so
+    the kernel does one product per tile, as a standard attention does: the row that tells
+    the piecewise cost (far and straddling tiles, two Q tiles) from the kernel's own."""
+    return spec if frac == 0.25 else f"{spec} w={frac:g}L"
 
 
 def parse_tiles(text):
@@ -229,6 +253,10 @@ def main():
     ap.add_argument("--tiles", default="128:128x64x8,128x64x4;64:128x64x4")
     ap.add_argument("--lengths", default="2048,8192")
     ap.add_argument("--dtypes", default="bf16")
+    ap.add_argument("--w-fracs", default="0.25",
+                    help="thresholds to time, as fractions of L (e.g. '0.25,1': w = L / 4, the "
+                         "bench's, and w = L, where every key is near and one product per tile "
+                         "remains)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-check", action="store_true")
@@ -245,6 +273,10 @@ def main():
     if args.worker:
         worker(args)
         return
+    try:
+        w_fracs(args.w_fracs)
+    except ValueError as e:
+        ap.error(str(e))
     builds = build_list(args.variants, args.control)
     results = {b: [] for b in builds}
     lines = []
@@ -264,7 +296,8 @@ def main():
     for rnd in range(args.rounds):
         for b in (builds if rnd % 2 == 0 else builds[::-1]):
             cmd = [sys.executable, __file__, "--worker", "--macros", b, "--tiles", args.tiles,
-                   "--lengths", args.lengths, "--dtypes", args.dtypes, "--reps", str(args.reps)]
+                   "--lengths", args.lengths, "--dtypes", args.dtypes, "--reps", str(args.reps),
+                   "--w-fracs", args.w_fracs]
             if rnd == 0 and not args.no_check:
                 cmd.append("--check")
             if b == "":

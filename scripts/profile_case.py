@@ -47,7 +47,8 @@ def main() -> None:
     ap.add_argument("--rotary", type=int, default=None, metavar="G2",
                     help="--decode: attention_with_rotary_kvcache instead, keys rotated at n "
                          "(k1) and at n // G2 (k2; 0: ReRoPE's raw k2), halves layout")
-    ap.add_argument("--w-frac", type=float, default=0.25, help="--decode: w = L * this")
+    ap.add_argument("--w-frac", type=float, default=0.25,
+                    help="w = L * this (1: every key near, one product per tile)")
     a = ap.parse_args()
     if a.decode:
         if a.heads < 1 or a.kv_heads < 1 or a.heads % a.kv_heads:
@@ -103,11 +104,12 @@ def main() -> None:
         print(f"done: SDPA {a.peer} B={B} H={H} L={a.L} D={a.D} {a.dtype} causal={a.causal}")
         return
     for _ in range(a.iters):
-        o = cupy_piecewise.attention(*ins, a.L // 4, causal=a.causal, deterministic=a.deterministic)
+        o = cupy_piecewise.attention(*ins, int(a.L * a.w_frac), causal=a.causal,
+                                     deterministic=a.deterministic)
         o.backward(do)
     torch.cuda.synchronize()
     print(f"done: B={B} H={H} L={a.L} D={a.D} {a.dtype} causal={a.causal} "
-          f"deterministic={a.deterministic}")
+          f"w={int(a.L * a.w_frac)} deterministic={a.deterministic}")
 
 
 if __name__ == "__main__":

@@ -167,6 +167,19 @@ def test_mma_fwd_probe_tiles_and_table():
     assert header["command"].startswith("python3 scripts/mma_fwd_probe.py")
 
 
+def test_mma_fwd_probe_thresholds():
+    """--w-fracs: w = L / 4 keeps the candidate's name (earlier tables' rows), any other
+    fraction is named in the tiles column; w = L puts every key near (d < w)."""
+    mma_fwd_probe = pytest.importorskip("mma_fwd_probe")
+    assert mma_fwd_probe.w_fracs("0.25, 1") == [0.25, 1.0]
+    assert [mma_fwd_probe.w_of(2050, f) for f in (0.25, 1.0, 0.5)] == [512, 2050, 1025]
+    assert mma_fwd_probe.tile_label("128x64x4", 0.25) == "128x64x4"
+    assert mma_fwd_probe.tile_label("128x64x4", 1.0) == "128x64x4 w=1L"
+    for bad in ("", "-0.5", "x"):
+        with pytest.raises(ValueError):
+            mma_fwd_probe.w_fracs(bad)
+
+
 def test_mma_fwd_probe_control_build_is_the_default():
     """--control times the default kernels once more under a macro that no kernel source
     reads, so its column measures the cross-process probe's noise."""
