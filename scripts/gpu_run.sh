@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_w fwd_d64 kvprobe kvrot tilebox rowbox gqa gqa_ncu grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_w fwd_ab mma_checks fwd_d64 kvprobe kvrot tilebox rowbox gqa gqa_ncu grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -29,6 +29,14 @@
 # "default=;halfrow=KV90_ROW_BOX=0"; "" for none); about 3-5 minutes, logs in logs/rowbox_*
 # and logs/decode_<tag>.* (first run: bench/results/2026-12-06-h200-rowbox-default, with
 # ROWBOX_PROBE="").
+# fwd_ab (not in all): scripts/mma_fwd_probe.py, FWDAB_VARIANTS (';'-separated macro sets,
+# default PW_FWD_STRADDLE_SPLIT=1) against the default and a control build, with its reference
+# checks, bf16 and fp16, causal and not, tiles FWDAB_TILES (default 128:128x64x4), lengths
+# FWDAB_LENGTHS (2048,8192), thresholds FWDAB_W (0.25,1: w = L / 4 and w = L), FWDAB_ROUNDS
+# (2); about 4 minutes, logs/fwd_ab.*.
+# mma_checks (not in all): the mma.sync GPU tests (dense and packed) under MMA_MACRO (default
+# PW_FWD_STRADDLE_SPLIT=1) beside memcheck and racecheck on the dense mma.sync D 64/128
+# sanitizer cases, about 4-5 minutes, logs/mma_checks_*.
 # gqa_ncu (not in all): Nsight Compute (memory, warp state, scheduler, instructions, source
 # counters) on the decode kernel, bfloat16 D = 128 N = 32768 (GQA_N), B = 1 with 32 key heads
 # and 32 then 128 query heads, logs in logs/ncu_gqa_ncu_h*.txt; about 2 minutes.
@@ -579,6 +587,29 @@ if asked gqa; then
     rc=$?; echo "ncu ${tag} cudnn: exit $rc"
     grep -E "gpu__time_duration|dram__throughput|launch__grid_size" "$logs/ncu_${tag}_cudnn.txt" | head -4
   done
+fi
+if asked fwd_ab; then
+  timeout 400 python3 scripts/mma_fwd_probe.py --variants "${FWDAB_VARIANTS:-PW_FWD_STRADDLE_SPLIT=1}" \
+    --tiles "${FWDAB_TILES:-128:128x64x4}" --lengths "${FWDAB_LENGTHS:-2048,8192}" --dtypes bf16,fp16 \
+    --w-fracs "${FWDAB_W:-0.25,1}" --rounds "${FWDAB_ROUNDS:-2}" --reps 30 \
+    --control --out "$logs/fwd_ab.txt" > "$logs/fwd_ab.log" 2>&1
+  rc=$?; echo "fwd_ab probe: exit $rc"; tail -40 "$logs/fwd_ab.log"
+  status=$((status | rc))
+fi
+if asked mma_checks; then
+  m=${MMA_MACRO:-PW_FWD_STRADDLE_SPLIT=1}
+  for tool in memcheck racecheck; do
+    extra=""; [[ $tool == memcheck ]] && extra="--report-api-errors no"
+    PW_TEST_MACROS="$m" SANITIZE_DIMS=64,128 SANITIZE_PATHS=mma \
+      SANITIZE_SKIP=kvcache,rotary,varlen,torch timeout 300 compute-sanitizer --tool $tool $extra \
+      --error-exitcode 9 python3 scripts/sanitize_cases.py > "$logs/mma_checks_$tool.log" 2>&1 &
+  done
+  PW_TEST_MACROS="$m" CUPY_PIECEWISE_PATH=mma timeout 300 python3 -m pytest -q -ra -m gpu \
+    -p no:cacheprovider tests/test_kernels_gpu.py tests/test_varlen_gpu.py -k "mma and not hopper" \
+    > "$logs/mma_checks_pytest.log" 2>&1
+  rc=$?; echo "mma tests ($m): exit $rc"; tail -3 "$logs/mma_checks_pytest.log"; status=$((status | rc))
+  for tool in memcheck racecheck; do wait -n; rc=$?; status=$((status | rc)); done
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Traceback" "$logs"/mma_checks_{memcheck,racecheck}.log | tail -4
 fi
 if asked gqa_ncu; then
   # where the group's 2 us go inside the decode kernel (D = 128: 183.7 us at one query head
