@@ -306,6 +306,48 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
         tC, ntiles, [&](int t, int stage) { issue_at(t, slot0 + stage * L::stage_elems, NotFar{}); },
         [&](int t, int stage) { visit(t, slot0 + stage * L::stage_elems, One{}, One{}, t >= t_mask); });
     }
+  } else if constexpr (ONE_K && PW_FWD_STRADDLE_SPLIT != 0) {
+    // PW_FWD_STRADDLE_SPLIT in the one-key-slot visits body (D = 64 at 128x128x4): two
+    // pipelined phases, [t_begin, tC) with q2·k2 (far tiles, then the straddling tiles'
+    // second visits) and [tA, ntiles) with q1·k1 (the straddling tiles' first visits, then
+    // near tiles). Every visit's key tile (k2 or k1, and v) is loaded a visit ahead into the
+    // other stage, so a straddling tile no longer waits for k2 between its visits.
+    constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
+    const RotatePhases ph = fwd_rotate_phases(m0, BM, BN, P, p.w, N, t_begin, ntiles, CAUSAL);
+    const int tA = ph.far_end, tC = ph.near_begin, t_mask = ph.mask_begin;
+    auto phase = [&](int t0, int t1, auto pair_c, int plain_lo, unsigned plain_n) {
+      constexpr int PAIR = decltype(pair_c)::value;
+      pipelined_tiles(
+          t0, t1,
+          [&](int t, int stage) {
+            const i64 n0 = (i64)t * BN;
+            u16* st = sKV + stage * L::stage_elems;
+            // one key slot: k1_in_stage == k2_in_stage
+            load_rows<BN, DS, THREADS>(smem_addr(st + L::k1_in_stage), PAIR == 1 ? k1 : k2,
+                                       PAIR == 1 ? p.k1.sr : p.k2.sr, n0, N);
+            load_rows<BN, DS, THREADS>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
+          },
+          [&](int t, int stage) {
+            const bool masked = (unsigned)(t - plain_lo) >= plain_n;  // plain: [lo, lo + n)
+            const i64 n0 = (i64)t * BN;
+            const u16* st = sKV + stage * L::stage_elems;
+            const Geom g = make_geom<false>(row0, n0, P, p.w, N);
+            float s[MW][BN / 8][4];
+            const u32 sB = smem_addr(st + L::k1_in_stage);
+            const float sc = RAW ? 1.f : p.scale_log2;
+            if (masked)
+              score_pair<T, D, BN, MW, true>(s, PAIR == 1 ? aQ1 : aQ2, sB,
+                                             pair_window<MW, CAUSAL>(g, PAIR, lane), sc, lane);
+            else
+              score_pair<T, D, BN, MW, false>(s, PAIR == 1 ? aQ1 : aQ2, sB, PairWindow<MW>{}, sc,
+                                              lane);
+            online_softmax<D, BN, MW, RAW>(s, acc, row_max, row_sum, p.scale_log2);
+            mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + L::v_in_stage), lane);
+          });
+    };
+    // far phase: unmasked on [t_begin, min(tA, t_mask)); near phase on [tC, t_mask)
+    phase(t_begin, tC, IntConst<2>{}, t_begin, (unsigned)max(min(tA, t_mask) - t_begin, 0));
+    phase(tA, ntiles, IntConst<1>{}, tC, (unsigned)max(t_mask - tC, 0));
   } else if constexpr (!VisitPairs<T, CAUSAL, ONE_K>::value) {
     // One visit per tile; a straddling tile's two products go into one score tile.
     constexpr bool RAW = PW_FWD_RAW_MAX == 1;

@@ -31,7 +31,7 @@
 # ROWBOX_PROBE="").
 # fwd_ab (not in all): scripts/mma_fwd_probe.py, FWDAB_VARIANTS (';'-separated macro sets,
 # default PW_FWD_STRADDLE_SPLIT=1) against the default and a control build, with its reference
-# checks, bf16 and fp16, causal and not, tiles FWDAB_TILES (default 128:128x64x4), lengths
+# checks, bf16 and fp16, causal and not, tiles FWDAB_TILES (default 128:128x64x4;64:128x128x4), lengths
 # FWDAB_LENGTHS (2048,8192), thresholds FWDAB_W (0.25,1: w = L / 4 and w = L), FWDAB_ROUNDS
 # (2); about 4 minutes, logs/fwd_ab.*.
 # mma_checks (not in all): the mma.sync GPU tests (dense and packed) under MMA_MACRO (default
@@ -590,7 +590,7 @@ if asked gqa; then
 fi
 if asked fwd_ab; then
   timeout 400 python3 scripts/mma_fwd_probe.py --variants "${FWDAB_VARIANTS:-PW_FWD_STRADDLE_SPLIT=1}" \
-    --tiles "${FWDAB_TILES:-128:128x64x4}" --lengths "${FWDAB_LENGTHS:-2048,8192}" --dtypes bf16,fp16 \
+    --tiles "${FWDAB_TILES:-128:128x64x4;64:128x128x4}" --lengths "${FWDAB_LENGTHS:-2048,8192}" --dtypes bf16,fp16 \
     --w-fracs "${FWDAB_W:-0.25,1}" --rounds "${FWDAB_ROUNDS:-2}" --reps 30 \
     --control --out "$logs/fwd_ab.txt" > "$logs/fwd_ab.log" 2>&1
   rc=$?; echo "fwd_ab probe: exit $rc"; tail -40 "$logs/fwd_ab.log"
