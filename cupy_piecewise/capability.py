@@ -449,8 +449,10 @@ KV90_ROT_STAGE_UNSPLIT = False
 #: 64-row boxes where a 64-key tile lies in one page (:func:`kvcache_launch.kv90_tile_box`),
 #: which its producer loads whole. On an H100 +0.4-1.7% at D = 128 and -0.1-6% at D = 64
 #: (bench/results/2026-12-06-h100-tilebox), hence off; 2 (the next A/B) keeps the boxes to
-#: head dim 128 and paged caches. An int: 0, 1 or 2. Only :func:`apply_kernel_macros`
-#: changes it.
+#: head dim 128 and paged caches; 3 to paged caches at head dim 64, the rows where 2 gained
+#: (+1.0-6.5%, H100, bench/results/2026-12-07-h100-fwd-w-split/rowbox), D = 128 keeping its
+#: row boxes (:func:`kvcache_launch.tile_box_form`). An int: 0, 1, 2 or 3. Only
+#: :func:`apply_kernel_macros` changes it.
 KV90_TILE_BOX = 0
 
 #: Host mirror of the Hopper decode's -DKV90_ROW_BOX (kernels_cu/sm90/kvdecode.cu; 2 by

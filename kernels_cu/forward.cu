@@ -126,18 +126,6 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
   }
 }
 
-// PW_FWD_STRADDLE_SPLIT (rotating-slot form only; 0, the default, is the three-phase sweep
-// below): 1 meets a straddling tile's two visits in the two double-buffered phases, its q2·k2
-// visit as the far phase's last tiles (k2 and v in a far stage) and its q1·k1 visit as the
-// near phase's first (k1 and v in a near stage), both masked. The single-buffered straddle
-// phase goes, and with it its exposed waits (k1 and v, then k2, per straddling tile: about
-// five round trips per query tile at BN = 64) and four barriers per tile; the price is a
-// second load of the straddling tiles' v, in flight behind a visit like every other load.
-// Online softmax does not depend on the order of a row's visits.
-#ifndef PW_FWD_STRADDLE_SPLIT
-#define PW_FWD_STRADDLE_SPLIT 0
-#endif
-
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   constexpr int DS = D * Elem<T>::width;   // a row in 16-bit units (common.cuh, Elem)
@@ -228,14 +216,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       load_rows<BN, DS, THREADS>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
     };
     // One tile's visits, pairs LO..HI: 2..2 far, 1..2 straddling (always masked), 1..1 near.
-    // mask_tile: the tile needs the causal or length mask, or (PW_FWD_STRADDLE_SPLIT) it
-    // straddles d = w; a straddling tile's two visits (LO != HI) are masked anyway.
-    auto visit = [&](int t, u16* st, auto lo, auto hi, bool mask_tile) {
+    auto visit = [&](int t, u16* st, auto lo, auto hi) {
       constexpr int LO = decltype(lo)::value, HI = decltype(hi)::value;
       constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
       const int lane = tid_reload() % 32;  // shadows the kernel's lane on purpose (above)
       const int n0 = t * BN;
-      const bool masked = LO != HI || mask_tile;
+      const bool masked = LO != HI || t >= t_mask;
       const Geom g = make_geom<false>(row_p, n0, 0, p.w, n_keys);
 #pragma unroll 1
       for (int pair = LO; pair <= HI; ++pair) {
@@ -267,29 +253,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     using NotFar = IntConst<0>;
     // far tiles: q2 in slot 0 (also read by the straddling tiles), stages in slots 1 and 2
     if (t_begin < tC) load_rows<BM, DS, THREADS>(smem_addr(slot0), p.q2.at(b, h, sq.q0), p.q2.sr, m0, M);
-    if constexpr (PW_FWD_STRADDLE_SPLIT != 0) {
-      // far phase: far tiles, then the straddling tiles' q2·k2 visits
-      const int far_plain_end = min(tA, t_mask);  // tiles from here on are masked
-      pipelined_tiles(
-          t_begin, tC, [&](int t, int stage) { issue_at(t, slot1 + stage * L::stage_elems, Far{}); },
-          [&](int t, int stage) {
-            visit(t, slot1 + stage * L::stage_elems, Two{}, Two{}, t >= far_plain_end);
-          });
-      // slot 2 is free after the phase's last barrier; q1 waits with the first near tile
-      if (tA < ntiles) load_rows<BM, DS, THREADS>(smem_addr(slot2), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
-      // near phase: the straddling tiles' q1·k1 visits, then near tiles
-      // unmasked: tC <= t < t_mask, one unsigned compare (two held bounds spilled: the
-      // non-causal build 12-20 bytes, or the causal one 28-56, by which two were held)
-      const unsigned near_plain = (unsigned)max(t_mask - tC, 0);
-      pipelined_tiles(
-          tA, ntiles, [&](int t, int stage) { issue_at(t, slot0 + stage * L::stage_elems, NotFar{}); },
-          [&](int t, int stage) {
-            visit(t, slot0 + stage * L::stage_elems, One{}, One{}, (unsigned)(t - tC) >= near_plain);
-          });
-    } else {
     pipelined_tiles(
         t_begin, tA, [&](int t, int stage) { issue_at(t, slot1 + stage * L::stage_elems, Far{}); },
-        [&](int t, int stage) { visit(t, slot1 + stage * L::stage_elems, Two{}, Two{}, t >= t_mask); });
+        [&](int t, int stage) { visit(t, slot1 + stage * L::stage_elems, Two{}, Two{}); });
     // q1 into slot 2, free now: after a far tile the block barrier that ends its visit;
     // with no far tile slot 2 was never written
     if (tA < ntiles) load_rows<BM, DS, THREADS>(smem_addr(slot2), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
@@ -298,56 +264,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
-      visit(t, slot1, One{}, Two{}, true);
+      visit(t, slot1, One{}, Two{});
       __syncthreads();
     }
     // near tiles: q2 is done with, its slot and slot 1 are the stages
     pipelined_tiles(
         tC, ntiles, [&](int t, int stage) { issue_at(t, slot0 + stage * L::stage_elems, NotFar{}); },
-        [&](int t, int stage) { visit(t, slot0 + stage * L::stage_elems, One{}, One{}, t >= t_mask); });
-    }
-  } else if constexpr (ONE_K && PW_FWD_STRADDLE_SPLIT != 0) {
-    // PW_FWD_STRADDLE_SPLIT in the one-key-slot visits body (D = 64 at 128x128x4): two
-    // pipelined phases, [t_begin, tC) with q2·k2 (far tiles, then the straddling tiles'
-    // second visits) and [tA, ntiles) with q1·k1 (the straddling tiles' first visits, then
-    // near tiles). Every visit's key tile (k2 or k1, and v) is loaded a visit ahead into the
-    // other stage, so a straddling tile no longer waits for k2 between its visits.
-    constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
-    const RotatePhases ph = fwd_rotate_phases(m0, BM, BN, P, p.w, N, t_begin, ntiles, CAUSAL);
-    const int tA = ph.far_end, tC = ph.near_begin, t_mask = ph.mask_begin;
-    auto phase = [&](int t0, int t1, auto pair_c, int plain_lo, unsigned plain_n) {
-      constexpr int PAIR = decltype(pair_c)::value;
-      pipelined_tiles(
-          t0, t1,
-          [&](int t, int stage) {
-            const i64 n0 = (i64)t * BN;
-            u16* st = sKV + stage * L::stage_elems;
-            // one key slot: k1_in_stage == k2_in_stage
-            load_rows<BN, DS, THREADS>(smem_addr(st + L::k1_in_stage), PAIR == 1 ? k1 : k2,
-                                       PAIR == 1 ? p.k1.sr : p.k2.sr, n0, N);
-            load_rows<BN, DS, THREADS>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
-          },
-          [&](int t, int stage) {
-            const bool masked = (unsigned)(t - plain_lo) >= plain_n;  // plain: [lo, lo + n)
-            const i64 n0 = (i64)t * BN;
-            const u16* st = sKV + stage * L::stage_elems;
-            const Geom g = make_geom<false>(row0, n0, P, p.w, N);
-            float s[MW][BN / 8][4];
-            const u32 sB = smem_addr(st + L::k1_in_stage);
-            const float sc = RAW ? 1.f : p.scale_log2;
-            if (masked)
-              score_pair<T, D, BN, MW, true>(s, PAIR == 1 ? aQ1 : aQ2, sB,
-                                             pair_window<MW, CAUSAL>(g, PAIR, lane), sc, lane);
-            else
-              score_pair<T, D, BN, MW, false>(s, PAIR == 1 ? aQ1 : aQ2, sB, PairWindow<MW>{}, sc,
-                                              lane);
-            online_softmax<D, BN, MW, RAW>(s, acc, row_max, row_sum, p.scale_log2);
-            mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + L::v_in_stage), lane);
-          });
-    };
-    // far phase: unmasked on [t_begin, min(tA, t_mask)); near phase on [tC, t_mask)
-    phase(t_begin, tC, IntConst<2>{}, t_begin, (unsigned)max(min(tA, t_mask) - t_begin, 0));
-    phase(tA, ntiles, IntConst<1>{}, tC, (unsigned)max(t_mask - tC, 0));
+        [&](int t, int stage) { visit(t, slot0 + stage * L::stage_elems, One{}, One{}); });
   } else if constexpr (!VisitPairs<T, CAUSAL, ONE_K>::value) {
     // One visit per tile; a straddling tile's two products go into one score tile.
     constexpr bool RAW = PW_FWD_RAW_MAX == 1;

@@ -528,11 +528,12 @@ def test_combine_prefetch_builds_without_spills(nvrtc, monkeypatch, prefetch):
             assert not (r.spill_stores or r.spill_loads), (cc, r.variant, r.log)
 
 
-@pytest.mark.parametrize("tile_box", (0, 1, 2))
+@pytest.mark.parametrize("tile_box", (0, 1, 2, 3))
 def test_tile_box_decode_builds_without_spills(nvrtc, monkeypatch, tile_box):
     """The Hopper decode with whole-tile TMA boxes (-DKV90_TILE_BOX=1, an A/B build:
     kernels_cu/sm90/kvdecode.cu; six tensor maps, a stage's K and V panel-major; 2: the
-    boxes at D = 128 and from pages only) builds every plain sm_90a decode variant (every
+    boxes at D = 128 and from pages only; 3: from pages at D = 64 only, D = 128 keeping its
+    row boxes) builds every plain sm_90a decode variant (every
     head dim, dtype and cluster size) and leaves the rotary forms as they are, without
     spills; its default, 0, builds the same variants."""
     from cupy_piecewise import compile as comp
@@ -626,6 +627,13 @@ def test_tile_box_builds_take_no_row_boxes(nvrtc):
             assert _decode_ptx(v, tb) == _decode_ptx(v, tb, "KV90_ROW_BOX=0"), (v, tile_box)
     # the default's own D = 128 unclustered kernel does take the row boxes (not vacuous)
     assert _decode_ptx(pick[0]) != _decode_ptx(pick[0], "KV90_ROW_BOX=0")
+    # mode 3: the D = 64 kernel is mode 2's (the one timed: both load whole tiles from pages
+    # only at D = 64); D = 128 is not a tile-box form and keeps mode 2's row boxes
+    assert _decode_ptx(pick[2], "KV90_TILE_BOX=3") == _decode_ptx(pick[2], "KV90_TILE_BOX=2")
+    assert _decode_ptx(pick[0], "KV90_TILE_BOX=3") != _decode_ptx(
+        pick[0], "KV90_TILE_BOX=3", "KV90_ROW_BOX=0")
+    assert _decode_ptx(pick[1], "KV90_TILE_BOX=3") == _decode_ptx(
+        pick[1], "KV90_TILE_BOX=3", "KV90_ROW_BOX=0")  # a cluster: half rows under mode 2
     with pytest.raises(RuntimeError, match="exclude each other"):
         _build_ptx(pick[0], ["KV90_TILE_BOX=2", "KV90_ROW_BOX=1"])
 

@@ -812,23 +812,26 @@ def _decode_shape(D, capacity, block_size, rotary, B=2, H=8):
     (64, 4096, 0, 0, True, False), (128, 4096, 0, 0, True, True), (64, 32, 0, 0, False, False),
     (64, 4096, 64, 0, True, True), (64, 4096, 128, 0, True, True),
     (64, 4096, 16, 0, False, False), (128, 4096, 48, 0, False, False),
-    (64, 4096, 0, 1, None, None)])
+    (128, 4096, 64, 0, True, True), (64, 4096, 0, 1, None, None)])
 def test_tile_box_decode_passes_six_maps(fake_gpu, fake_maps, monkeypatch, D, capacity,
                                          block_size, rotary, wide, wide2):
-    """capability.KV90_TILE_BOX (the host mirror of -DKV90_TILE_BOX=1 or 2): the plain Hopper
+    """capability.KV90_TILE_BOX (the host mirror of -DKV90_TILE_BOX=1, 2 or 3): the plain Hopper
     decode takes k1, k2, v's maps of 16-row boxes, then the same three of 64-row boxes where
     every 64-key tile lies in one page (kvcache_launch.kv90_tile_box: a contiguous cache of
     at least 64 rows, pages of a multiple of 64 rows; mode 2: and the head dim is 128 or the
-    cache paged), else of 16-row boxes again (the kernel, deciding by the same rule, never
+    cache paged; mode 3: and the head dim is 64 and the cache paged, where D = 128's first
+    three keep their row boxes), else of 16-row boxes again (the kernel, deciding by the same rule, never
     reads them); the rotary forms keep three maps. Without the mirror, three maps."""
     from cupy_piecewise import kvcache_launch as kl
 
     monkeypatch.delenv(capability.PATH_VAR, raising=False)
     capability.refresh_env_override()
     shape = _decode_shape(D, capacity, block_size, rotary)
+    wide3 = wide2 and D == 64 and bool(block_size)  # mode 3: pages at D = 64 only
     if wide is not None:
         assert kl.kv90_tile_box(shape) == wide and kl.kv90_tile_box(shape, 2) == wide2
-    for mirror in (0, 1, 2):
+        assert kl.kv90_tile_box(shape, 3) == wide3
+    for mirror in (0, 1, 2, 3):
         monkeypatch.setattr(capability, "KV90_TILE_BOX", mirror)
         plan = kl.KVPlan(shape)
         assert plan._maps is not None
@@ -838,7 +841,9 @@ def test_tile_box_decode_passes_six_maps(fake_gpu, fake_maps, monkeypatch, D, ca
         boxes = [info[4] for info in fake_maps]
         if mirror and not rotary:
             assert maps == (0x1001, 0x2001, 0x3001) * 2
-            assert boxes == [16] * 3 + [64 if (wide, wide2)[mirror - 1] else 16] * 3
+            assert boxes[3:] == [64 if (wide, wide2, wide3)[mirror - 1] else 16] * 3
+            # D = 128 under mode 3 is no tile-box form: its first maps are its row boxes
+            assert boxes[:3] == [kl.kv90_row_box(shape, plan.cluster)] * 3
         else:
             assert maps == (0x1001, 0x2001, 0x3001) and boxes == [16] * 3
 
@@ -862,14 +867,15 @@ def test_row_box_decode_maps_take_whole_rows(fake_gpu, fake_maps, monkeypatch, D
     shape = _decode_shape(D, capacity, block_size, rotary)
     whole = D == 128 and not rotary
     assert capability.KV90_ROW_BOX == 2  # the default
-    for mirror, tile_box in ((0, 0), (1, 0), (2, 0), (2, 1), (2, 2)):
+    for mirror, tile_box in ((0, 0), (1, 0), (2, 0), (2, 1), (2, 2), (2, 3)):
         monkeypatch.setattr(capability, "KV90_ROW_BOX", mirror)
         monkeypatch.setattr(capability, "KV90_TILE_BOX", tile_box)
         plan = kl.KVPlan(shape)
         # the kernel decides by its own CLUSTER: the variant launched is built for the
         # plan's cluster, the one the maps follow
         assert plan.cluster == cluster and plan._steps[0][0].cluster == cluster
-        rows = whole and not tile_box and (mirror == 1 or (mirror == 2 and cluster == 1))
+        # mode 3 is a tile-box form at D = 64 only (kvcache_launch.tile_box_form)
+        rows = whole and tile_box in (0, 3) and (mirror == 1 or (mirror == 2 and cluster == 1))
         want = (16, 2) if rows else 16
         assert kl.kv90_row_box(shape, plan.cluster) == want
         fake_maps.clear()

@@ -89,8 +89,13 @@
 // eight-split N = 4096 row), paged (block size 64) within 3% of contiguous everywhere; not
 // the default. KV90_TILE_BOX=2 keeps the boxes to D = 128 and paged caches; beside the
 // half-row default and KV90_ROW_BOX=1 in one probe run (H100, bench/results/
-// 2026-12-06-h100-rowbox) it was -1.7% to +0.9% at D = 128 where the row boxes were +3.2-5.1%.
-// Not pursued.
+// 2026-12-06-h100-rowbox) it was -1.7% to +0.9% at D = 128 where the row boxes were +3.2-5.1%,
+// but +1.0-6.5% on the paged D = 64 rows (block size 64; H100, 2026-12-07,
+// bench/results/2026-12-07-h100-fwd-w-split/rowbox), where a tile of 64 keys is one 8 KB page
+// that the 16-row boxes read in four. KV90_TILE_BOX=3 keeps the boxes to those: the kernel
+// takes the tile-box form only at D = 64 (TILE_BOX below; D = 128 keeps the row boxes of
+// KV90_ROW_BOX and ignores the extra maps, which the host passes to every plain form of the
+// build) and loads whole tiles only from pages.
 #ifndef KV90_TILE_BOX
 #define KV90_TILE_BOX 0
 #endif
@@ -221,7 +226,7 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
   using Sm = Smem<D, STAGES, TAB>;
   // KV90_TILE_BOX (plain forms): whole-tile boxes where a tile lies in one page, and the
   // stage's K and V panel-major: PS from a panel to the next, COFF from a chunk to the next
-  constexpr bool TILE_BOX = KV90_TILE_BOX != 0 && ROT == 0;
+  constexpr bool TILE_BOX = KV90_TILE_BOX != 0 && ROT == 0 && (KV90_TILE_BOX != 3 || D == 64);
   constexpr int PS = TILE_BOX ? BN * 128 : BOX_BYTES;
   constexpr int COFF = TILE_BOX ? BOX_BYTES : Sm::chunk_bytes;
   static_assert(CW == CHUNKS, "a consumer warp per 16-key chunk of a tile");
@@ -294,8 +299,9 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
   if (warp == CW) {  // ------------------------------------------------ producer
     // lane c < CHUNKS loads chunk c of each tile; its page is looked up a tile ahead
     // (TILE_BOX: lane 0 loads a whole tile where the tile lies in one page: its chunk 0's
-    // page and row are the tile's; with KV90_TILE_BOX=2 only at D = 128 or from pages; the
-    // host builds the 64-row maps by the same rule, kvcache_launch.kv90_tile_box)
+    // page and row are the tile's; with KV90_TILE_BOX=2 only at D = 128 or from pages, with
+    // 3 only from pages (D = 64: TILE_BOX); the host builds the 64-row maps by the same rule,
+    // kvcache_launch.kv90_tile_box)
     const bool wide_ok =
         TILE_BOX && (KV90_TILE_BOX == 1 || D == 128 || p.block_table != nullptr) &&
         (p.block_table == nullptr ? p.capacity >= BN : p.block_size % BN == 0);
@@ -586,7 +592,8 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
 }
 
 #if KV90_TILE_BOX
-// three more maps, of 64-row boxes (KV90_TILE_BOX above); the host passes six
+// three more maps, of 64-row boxes (KV90_TILE_BOX above); the host passes six (mode 3: to
+// every head dim; D = 128 reads only the first three)
 template <typename T, int D, int STAGES, int CLUSTER, int CW>
 __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
     pw90_kvdecode(const __grid_constant__ pw90::TmaDesc tk1, const __grid_constant__ pw90::TmaDesc tk2,
