@@ -26,11 +26,12 @@ from .compile import (HOPPER_KERNELS, HOPPER_UNCAUSAL, HOPPER_VARLEN_PHASES, ROT
 def variants_for(cc, hopper: bool = False) -> list[Variant]:
     """Every kernel variant the table can select on ``cc``, plus the per-row kernels and the
     KV-cache kernels' rotary-inside forms; with ``hopper`` (``--arch sm_90a``) the wgmma +
-    TMA kernels instead (the TMA decode with its rotary forms too, and their staged-table
-    forms at cluster 1, the only cluster kvcache_launch.staged_tables picks them for)."""
+    TMA kernels instead (the TMA decode with its rotary forms too, their staged-table
+    forms at cluster 1, the only cluster kvcache_launch.staged_tables picks them for, and the
+    paged D = 64 entry at every cluster size)."""
     if hopper:
         return [Variant(phase, dtype, d, capability.kv90_tiles(d) if phase == "kvdecode_sm90"
-                        else None, causal, varlen, cluster, rotary, staged)
+                        else None, causal, varlen, cluster, rotary, staged, pages)
                 for phase in HOPPER_KERNELS
                 for dtype in capability.HALF_DTYPES for d in capability.hopper_head_dims(phase)
                 for causal in ((False,) if phase in HOPPER_UNCAUSAL else (False, True))
@@ -38,7 +39,10 @@ def variants_for(cc, hopper: bool = False) -> list[Variant]:
                 for cluster in (capability.KV90_CLUSTERS if phase == "kvdecode_sm90" else (1,))
                 for rotary in ((0,) + tuple(ROTARY_LAYOUTS.values()) if phase == "kvdecode_sm90"
                                else (0,))
-                for staged in ((False, True) if rotary and cluster == 1 else (False,))]
+                for staged in ((False, True) if rotary and cluster == 1 else (False,))
+                # the paged D = 64 entry (kvcache_launch.page_box)
+                for pages in ((False, True) if phase == "kvdecode_sm90" and not rotary
+                              and d == 64 and capability.KV90_PAGE_BOX else (False,))]
     out = set()
     for phase, head_dim, dtype, causal, tiles in capability.selectable_configs(cc):
         out.add(Variant(phase, dtype, head_dim, tiles, causal))

@@ -449,11 +449,20 @@ KV90_ROT_STAGE_UNSPLIT = False
 #: 64-row boxes where a 64-key tile lies in one page (:func:`kvcache_launch.kv90_tile_box`),
 #: which its producer loads whole. On an H100 +0.4-1.7% at D = 128 and -0.1-6% at D = 64
 #: (bench/results/2026-12-06-h100-tilebox), hence off; 2 (the next A/B) keeps the boxes to
-#: head dim 128 and paged caches; 3 to paged caches at head dim 64, the rows where 2 gained
-#: (+1.0-6.5%, H100, bench/results/2026-12-07-h100-fwd-w-split/rowbox), D = 128 keeping its
-#: row boxes (:func:`kvcache_launch.tile_box_form`). An int: 0, 1, 2 or 3. Only
-#: :func:`apply_kernel_macros` changes it.
+#: head dim 128 and paged caches. An int: 0, 1 or 2. Only :func:`apply_kernel_macros`
+#: changes it.
 KV90_TILE_BOX = 0
+
+#: The Hopper decode's paged D = 64 entry (:func:`kvcache_launch.page_box`, kernels_cu/sm90/
+#: kvdecode.cu ``pw90_kvdecode_pages``): a cache paged in multiples of 64 rows loads each
+#: 64-key tile as one TMA box per operand (one 8 KB page) instead of four 16-row boxes. Its
+#: body is the D = 64 kernel of the -DKV90_TILE_BOX=2 build, which ran the paged D = 64 rows
+#: +1.0-6.5% and kept the paged-within-5% target on 23-24 of 24 rows against 22-23 (H100,
+#: 2026-12-07, bench/results/2026-12-07-h100-fwd-w-split). False sends those caches to the
+#: plain decode: the host mirror of -DKV90_PAGE_BOX (1 by default; 0 builds no such entry),
+#: set by :func:`apply_kernel_macros` for A/B runs; read when a call signature is first
+#: planned.
+KV90_PAGE_BOX = True
 
 #: Host mirror of the Hopper decode's -DKV90_ROW_BOX (kernels_cu/sm90/kvdecode.cu; 2 by
 #: default since 2026-12-06): at head dim 128 the plain decode's k1, k2 and v maps are 5-d, one
@@ -476,7 +485,8 @@ GRID_TWO_DS_D64 = False
 #: arguments depend on it)
 _MACRO_MIRRORS = {"PW_FWD_Q_ROTATE": "FWD_Q_ROTATE", "PW_FWD_ONE_K_D64": "FWD_ONE_K_D64",
                   "KV90_ROT_STAGE": "KV90_ROT_STAGE", "KV90_TILE_BOX": "KV90_TILE_BOX",
-                  "PW_GRID_TWO_DS": "GRID_TWO_DS_D64", "KV90_ROW_BOX": "KV90_ROW_BOX"}
+                  "PW_GRID_TWO_DS": "GRID_TWO_DS_D64", "KV90_ROW_BOX": "KV90_ROW_BOX",
+                  "KV90_PAGE_BOX": "KV90_PAGE_BOX"}
 #: the mirrors' values without any macro (tests restore them: tests/test_capability.py)
 _MIRROR_DEFAULTS = {name: globals()[name] for name in _MACRO_MIRRORS.values()}
 

@@ -126,6 +126,9 @@ class Variant:
     #: kvdecode_sm90's rotary forms: the producer warp stages the table rows (the kernel's
     #: TAB = true, asked for by name); False leaves TAB at its default, -DKV90_ROT_STAGE's
     rot_stage: bool = False
+    #: kvdecode_sm90's plain D = 64 form for caches paged in multiples of 64 rows: the entry
+    #: pw90_kvdecode_pages, whole 64-row tiles per TMA box (kvcache_launch.page_box)
+    page_box: bool = False
 
     @property
     def filename(self) -> str:
@@ -143,6 +146,10 @@ class Variant:
                 if not self.rotary:
                     raise ValueError("rot_stage: only the rotary forms stage table rows")
                 rot += ", true"
+            if self.page_box:
+                if self.rotary or self.head_dim != 64:
+                    raise ValueError("page_box: the plain D = 64 decode only")
+                name += "_pages"
             return (f"{name}<{_ELEM[self.dtype]}, {self.head_dim}, {t.stages}, "
                     f"{self.cluster}, {t.num_warps}{rot}>")
         if self.phase in HOPPER_KERNELS:

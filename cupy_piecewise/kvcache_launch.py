@@ -118,9 +118,9 @@ def kv90_row_box(shape: KVShape, cluster: int = 1):
     in clusters of ``cluster`` blocks: 16 rows (an int), or ``(16, D // 64)``, 16 whole rows
     of ``D // 64`` panels in one 5-d box, for the plain decode (no rotary) at head dims above
     64 under ``capability.KV90_ROW_BOX`` 1, and under 2 only where ``cluster`` is 1; never
-    in a tile-box form (:func:`tile_box_form`). The kernel's rule is ROW_BOX in
+    in a tile-box build (``capability.KV90_TILE_BOX``). The kernel's rule is ROW_BOX in
     kernels_cu/sm90/kvdecode.cu."""
-    mode = 0 if tile_box_form(shape.D) else capability.KV90_ROW_BOX
+    mode = 0 if capability.KV90_TILE_BOX else capability.KV90_ROW_BOX
     if (mode == 1 or (mode == 2 and cluster == 1)) and not shape.rotary and shape.D > 64:
         return (16, shape.D // 64)
     return 16
@@ -138,30 +138,26 @@ def staged_tables(shape: KVShape, nsplit: int) -> bool:
         not capability.KV90_ROT_STAGE)
 
 
-def tile_box_form(D: int, mode: int | None = None) -> bool:
-    """Whether the plain Hopper decode of head dim ``D`` built with ``-DKV90_TILE_BOX=<mode>``
-    (default: the host mirror, ``capability.KV90_TILE_BOX``) is its tile-box form (a stage's K
-    and V panel-major, no row boxes): every head dim under modes 1 and 2, only D = 64 under 3,
-    none under 0 (the kernel's TILE_BOX, kernels_cu/sm90/kvdecode.cu). Every plain form of a
-    tile-box build takes six maps, whichever it reads."""
-    mode = capability.KV90_TILE_BOX if mode is None else mode
-    return bool(mode) and (mode != 3 or D == 64)
-
-
 def kv90_tile_box(shape: KVShape, mode: int = 1) -> bool:
     """Whether the Hopper decode built with ``-DKV90_TILE_BOX=<mode>`` loads ``shape``'s key
     tiles that do not straddle d = w as whole 64-row boxes: where every 64-key tile lies in
     one page (a contiguous cache of at least 64 rows, or pages of a multiple of 64 rows), and
-    with ``mode`` 2 only at head dim 128 or from a paged cache, with 3 only at head dim 64
-    from a paged cache. The kernel decides by the same rule (``wide_ok``,
-    kernels_cu/sm90/kvdecode.cu)."""
-    if not tile_box_form(shape.D, mode):
-        return False
+    with ``mode`` 2 only at head dim 128 or from a paged cache. The kernel decides by the
+    same rule (``wide_ok``, kernels_cu/sm90/kvdecode.cu)."""
     if mode == 2 and not (shape.D == 128 or shape.block_size):
         return False
-    if mode == 3 and not shape.block_size:
-        return False
     return (shape.block_size % 64 == 0) if shape.block_size else shape.capacity >= 64
+
+
+def page_box(shape: KVShape) -> bool:
+    """Whether the Hopper decode of ``shape`` runs its paged D = 64 entry,
+    ``pw90_kvdecode_pages`` (``Variant.page_box``): the plain decode (no rotary) at head dim
+    64 of a cache paged in multiples of 64 rows, under :data:`capability.KV90_PAGE_BOX` and
+    outside a tile-box A/B build (whose own kernel loads pages whole already). That entry
+    takes six maps, the last three of 64-row boxes, and loads each tile that lies on one side
+    of d = w as one box per operand (kernels_cu/sm90/kvdecode.cu)."""
+    return (capability.KV90_PAGE_BOX and not capability.KV90_TILE_BOX and not shape.rotary
+            and shape.D == 64 and bool(shape.block_size) and shape.block_size % 64 == 0)
 
 
 class KVPlan:
@@ -176,7 +172,7 @@ class KVPlan:
         self.shape = s = shape
         cc = launch._compute_capability(s.device)
         self._maps = None
-        self._map_sets = 1  # k1, k2, v's maps once; twice under KV90_TILE_BOX
+        self._map_sets = 1  # k1, k2, v's maps once; twice under KV90_TILE_BOX or page_box
         self.cluster = 1
         #: (decode, merge): programmatic dependent launches (capability.KV90_PDL*)
         self.programmatic = (False, False)
@@ -192,8 +188,9 @@ class KVPlan:
             # up to a cluster's worth of splits merge on chip, without pw_forward_combine
             if self.nsplit <= capability.KV90_MAX_CLUSTER:  # built for KV90_CLUSTERS
                 self.cluster = self.nsplit
+            pages = page_box(s)
             main = Variant("kvdecode_sm90", s.dtype, s.D, tiles, False, cluster=self.cluster,
-                           rotary=s.rotary, rot_stage=staged)
+                           rotary=s.rotary, rot_stage=staged, page_box=pages)
             fn, smem = launch._kernel(s.device, main)
             dims = (s.pages, s.Hkv, s.block_size or s.capacity, s.D)
             st = dict(s.strides)
@@ -203,6 +200,10 @@ class KVPlan:
                 self._map_sets = 2
                 strides = strides * 2
                 boxes += (64 if kv90_tile_box(s, capability.KV90_TILE_BOX) else 16,) * 3
+            elif pages:  # the paged entry's 64-row maps: a page's tile per box
+                self._map_sets = 2
+                strides = strides * 2
+                boxes += (64,) * 3
             self._maps = launch._TensorMaps([dims] * len(boxes), strides, boxes, s.dtype)
         else:
             # one new token: every key has one distance, so one key slot per stage (kvdecode)

@@ -118,7 +118,8 @@ def test_macro_table_entries_follow_their_mirror(monkeypatch):
                                                          "KV90_ROT_STAGE": False,
                                                          "KV90_TILE_BOX": False,
                                                          "GRID_TWO_DS_D64": False,
-                                                         "KV90_ROW_BOX": 2}
+                                                         "KV90_ROW_BOX": 2,
+                                                         "KV90_PAGE_BOX": True}
     for dtype in DTYPES:
         got = lookup((9, 0), "fwd", 128, dtype, False)
         assert got == TileConfig(128, 64, 4) == TABLE[(9, 0)]["fwd"][128]

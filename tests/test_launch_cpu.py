@@ -812,40 +812,58 @@ def _decode_shape(D, capacity, block_size, rotary, B=2, H=8):
     (64, 4096, 0, 0, True, False), (128, 4096, 0, 0, True, True), (64, 32, 0, 0, False, False),
     (64, 4096, 64, 0, True, True), (64, 4096, 128, 0, True, True),
     (64, 4096, 16, 0, False, False), (128, 4096, 48, 0, False, False),
-    (128, 4096, 64, 0, True, True), (64, 4096, 0, 1, None, None)])
+    (128, 4096, 64, 0, True, True), (64, 4096, 64, 1, None, None), (64, 4096, 0, 1, None, None)])
 def test_tile_box_decode_passes_six_maps(fake_gpu, fake_maps, monkeypatch, D, capacity,
                                          block_size, rotary, wide, wide2):
-    """capability.KV90_TILE_BOX (the host mirror of -DKV90_TILE_BOX=1, 2 or 3): the plain Hopper
+    """capability.KV90_TILE_BOX (the host mirror of -DKV90_TILE_BOX=1 or 2): the plain Hopper
     decode takes k1, k2, v's maps of 16-row boxes, then the same three of 64-row boxes where
     every 64-key tile lies in one page (kvcache_launch.kv90_tile_box: a contiguous cache of
     at least 64 rows, pages of a multiple of 64 rows; mode 2: and the head dim is 128 or the
-    cache paged; mode 3: and the head dim is 64 and the cache paged, where D = 128's first
-    three keep their row boxes), else of 16-row boxes again (the kernel, deciding by the same rule, never
-    reads them); the rotary forms keep three maps. Without the mirror, three maps."""
+    cache paged), else of 16-row boxes again (the kernel, deciding by the same rule, never
+    reads them); the rotary forms keep three maps. Without the mirror, three maps, but for the
+    plain D = 64 decode of a cache paged in multiples of 64 rows: the paged entry
+    (kvcache_launch.page_box, Variant.page_box) with six, the last three of 64-row boxes."""
     from cupy_piecewise import kvcache_launch as kl
 
     monkeypatch.delenv(capability.PATH_VAR, raising=False)
     capability.refresh_env_override()
     shape = _decode_shape(D, capacity, block_size, rotary)
-    wide3 = wide2 and D == 64 and bool(block_size)  # mode 3: pages at D = 64 only
     if wide is not None:
         assert kl.kv90_tile_box(shape) == wide and kl.kv90_tile_box(shape, 2) == wide2
-        assert kl.kv90_tile_box(shape, 3) == wide3
-    for mirror in (0, 1, 2, 3):
+    # the default build sends paged D = 64 caches to the paged entry (page_box), six maps
+    pages = D == 64 and not rotary and bool(block_size) and block_size % 64 == 0
+    for mirror in (0, 1, 2):
         monkeypatch.setattr(capability, "KV90_TILE_BOX", mirror)
         plan = kl.KVPlan(shape)
         assert plan._maps is not None
         fake_maps.clear()
-        assert plan._map_sets == (2 if mirror and not rotary else 1)
+        six = not rotary and bool(mirror or pages)
+        assert plan._map_sets == (2 if six else 1)
+        assert plan._steps[0][0].page_box == (pages and not mirror)
         maps, _ = plan._maps.addresses((0x1000, 0x2000, 0x3000) * plan._map_sets)
         boxes = [info[4] for info in fake_maps]
-        if mirror and not rotary:
+        if six:
             assert maps == (0x1001, 0x2001, 0x3001) * 2
-            assert boxes[3:] == [64 if (wide, wide2, wide3)[mirror - 1] else 16] * 3
-            # D = 128 under mode 3 is no tile-box form: its first maps are its row boxes
-            assert boxes[:3] == [kl.kv90_row_box(shape, plan.cluster)] * 3
+            wide_m = (pages, wide, wide2)[mirror]  # mode 0: the paged entry
+            assert boxes == [16] * 3 + [64 if wide_m else 16] * 3
         else:
             assert maps == (0x1001, 0x2001, 0x3001) and boxes == [16] * 3
+
+
+def test_page_box_switch(fake_gpu, fake_maps, monkeypatch):
+    """capability.KV90_PAGE_BOX (default on) is what sends the paged D = 64 decode to its
+    entry; off, the plain kernel with three 16-row maps runs it."""
+    from cupy_piecewise import kvcache_launch as kl
+
+    monkeypatch.delenv(capability.PATH_VAR, raising=False)
+    capability.refresh_env_override()
+    shape = _decode_shape(64, 4096, 64, 0)
+    assert capability.KV90_PAGE_BOX and kl.page_box(shape)
+    assert "pw90_kvdecode_pages<" in kl.KVPlan(shape)._steps[0][0].name_expression
+    monkeypatch.setattr(capability, "KV90_PAGE_BOX", False)
+    plan = kl.KVPlan(shape)
+    assert not kl.page_box(shape) and plan._map_sets == 1
+    assert not plan._steps[0][0].page_box
 
 
 @pytest.mark.parametrize("D,capacity,block_size,rotary,cluster", [
@@ -867,15 +885,14 @@ def test_row_box_decode_maps_take_whole_rows(fake_gpu, fake_maps, monkeypatch, D
     shape = _decode_shape(D, capacity, block_size, rotary)
     whole = D == 128 and not rotary
     assert capability.KV90_ROW_BOX == 2  # the default
-    for mirror, tile_box in ((0, 0), (1, 0), (2, 0), (2, 1), (2, 2), (2, 3)):
+    for mirror, tile_box in ((0, 0), (1, 0), (2, 0), (2, 1), (2, 2)):
         monkeypatch.setattr(capability, "KV90_ROW_BOX", mirror)
         monkeypatch.setattr(capability, "KV90_TILE_BOX", tile_box)
         plan = kl.KVPlan(shape)
         # the kernel decides by its own CLUSTER: the variant launched is built for the
         # plan's cluster, the one the maps follow
         assert plan.cluster == cluster and plan._steps[0][0].cluster == cluster
-        # mode 3 is a tile-box form at D = 64 only (kvcache_launch.tile_box_form)
-        rows = whole and tile_box in (0, 3) and (mirror == 1 or (mirror == 2 and cluster == 1))
+        rows = whole and not tile_box and (mirror == 1 or (mirror == 2 and cluster == 1))
         want = (16, 2) if rows else 16
         assert kl.kv90_row_box(shape, plan.cluster) == want
         fake_maps.clear()

@@ -90,12 +90,12 @@
 // the default. KV90_TILE_BOX=2 keeps the boxes to D = 128 and paged caches; beside the
 // half-row default and KV90_ROW_BOX=1 in one probe run (H100, bench/results/
 // 2026-12-06-h100-rowbox) it was -1.7% to +0.9% at D = 128 where the row boxes were +3.2-5.1%,
-// but +1.0-6.5% on the paged D = 64 rows (block size 64; H100, 2026-12-07,
-// bench/results/2026-12-07-h100-fwd-w-split/rowbox), where a tile of 64 keys is one 8 KB page
-// that the 16-row boxes read in four. KV90_TILE_BOX=3 keeps the boxes to those: the kernel
-// takes the tile-box form only at D = 64 (TILE_BOX below; D = 128 keeps the row boxes of
-// KV90_ROW_BOX and ignores the extra maps, which the host passes to every plain form of the
-// build) and loads whole tiles only from pages.
+// but +1.0-6.5% on the paged D = 64 rows (block size 64), where a 64-key tile is one 8 KB
+// page that 16-row boxes read in four (H100, 2026-12-07; bench/results/
+// 2026-12-07-h100-fwd-w-split/rowbox), and 2-4% slower on the contiguous D = 64 row of eight
+// short splits (N = 4096), which takes no tile box but runs the tile-box form. So the paged
+// D = 64 decode has an entry of its own, pw90_kvdecode_pages below, and the macro stays an
+// A/B build.
 #ifndef KV90_TILE_BOX
 #define KV90_TILE_BOX 0
 #endif
@@ -216,7 +216,9 @@ PW_DEVICE float ld_cluster(const float* local, int rank) {
 // kernels' __grid_constant__ parameters, passed by reference.
 // TAB: the rotary forms' table rows staged by the producer (KV90_ROT_STAGE above).
 // tk1w, tk2w, tvw: the maps of 64-row boxes (KV90_TILE_BOX; the others pass tk1, tk2, tv).
-template <typename T, int D, int STAGES, int CLUSTER, int CW, int ROT, bool TAB>
+// TB: the tile-box form (KV90_TILE_BOX above, or the paged entry pw90_kvdecode_pages).
+template <typename T, int D, int STAGES, int CLUSTER, int CW, int ROT, bool TAB,
+          bool TB = (KV90_TILE_BOX != 0)>
 PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc& tk2,
                                   const pw90::TmaDesc& tv, const pw90::TmaDesc& tk1w,
                                   const pw90::TmaDesc& tk2w, const pw90::TmaDesc& tvw,
@@ -226,7 +228,7 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
   using Sm = Smem<D, STAGES, TAB>;
   // KV90_TILE_BOX (plain forms): whole-tile boxes where a tile lies in one page, and the
   // stage's K and V panel-major: PS from a panel to the next, COFF from a chunk to the next
-  constexpr bool TILE_BOX = KV90_TILE_BOX != 0 && ROT == 0 && (KV90_TILE_BOX != 3 || D == 64);
+  constexpr bool TILE_BOX = TB && ROT == 0;
   constexpr int PS = TILE_BOX ? BN * 128 : BOX_BYTES;
   constexpr int COFF = TILE_BOX ? BOX_BYTES : Sm::chunk_bytes;
   static_assert(CW == CHUNKS, "a consumer warp per 16-key chunk of a tile");
@@ -299,9 +301,9 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
   if (warp == CW) {  // ------------------------------------------------ producer
     // lane c < CHUNKS loads chunk c of each tile; its page is looked up a tile ahead
     // (TILE_BOX: lane 0 loads a whole tile where the tile lies in one page: its chunk 0's
-    // page and row are the tile's; with KV90_TILE_BOX=2 only at D = 128 or from pages, with
-    // 3 only from pages (D = 64: TILE_BOX); the host builds the 64-row maps by the same rule,
-    // kvcache_launch.kv90_tile_box)
+    // page and row are the tile's; with KV90_TILE_BOX=2 only at D = 128 or from pages, and
+    // so in pw90_kvdecode_pages at D = 64 only from pages; the host builds the 64-row maps
+    // by the same rule, kvcache_launch.kv90_tile_box)
     const bool wide_ok =
         TILE_BOX && (KV90_TILE_BOX == 1 || D == 128 || p.block_table != nullptr) &&
         (p.block_table == nullptr ? p.capacity >= BN : p.block_size % BN == 0);
@@ -592,8 +594,7 @@ PW_DEVICE void pw90_kvdecode_body(const pw90::TmaDesc& tk1, const pw90::TmaDesc&
 }
 
 #if KV90_TILE_BOX
-// three more maps, of 64-row boxes (KV90_TILE_BOX above); the host passes six (mode 3: to
-// every head dim; D = 128 reads only the first three)
+// three more maps, of 64-row boxes (KV90_TILE_BOX above); the host passes six
 template <typename T, int D, int STAGES, int CLUSTER, int CW>
 __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
     pw90_kvdecode(const __grid_constant__ pw90::TmaDesc tk1, const __grid_constant__ pw90::TmaDesc tk2,
@@ -609,6 +610,31 @@ __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
     pw90_kvdecode(const __grid_constant__ pw90::TmaDesc tk1, const __grid_constant__ pw90::TmaDesc tk2,
                   const __grid_constant__ pw90::TmaDesc tv, const KVParams p) {
   pw90_kvdecode_body<T, D, STAGES, CLUSTER, CW, 0, false>(tk1, tk2, tv, tk1, tk2, tv, p);
+}
+#endif
+
+// The paged plain decode at D = 64 (kvcache_launch.page_box; compile.Variant.page_box): the
+// tile-box form without the macro, six maps (the last three of 64-row boxes, one page per
+// box), whole tiles loaded from pages only (wide_ok). Its body is, PTX for PTX, the D = 64
+// kernel of the KV90_TILE_BOX=2 build, timed, tested and sanitized on paged and contiguous
+// caches (bench/results/2026-12-07-h100-fwd-w-split); the contiguous D = 64 decode keeps
+// pw90_kvdecode, where the tile-box form ran 2-4% slower on the eight-split N = 4096 row.
+// KV90_PAGE_BOX (1; host mirror capability.KV90_PAGE_BOX): 0 builds no such entry and the
+// host sends those caches to pw90_kvdecode (an A/B build).
+#ifndef KV90_PAGE_BOX
+#define KV90_PAGE_BOX 1
+#endif
+#if KV90_PAGE_BOX
+template <typename T, int D, int STAGES, int CLUSTER, int CW>
+__global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
+    pw90_kvdecode_pages(const __grid_constant__ pw90::TmaDesc tk1,
+                        const __grid_constant__ pw90::TmaDesc tk2,
+                        const __grid_constant__ pw90::TmaDesc tv,
+                        const __grid_constant__ pw90::TmaDesc tk1w,
+                        const __grid_constant__ pw90::TmaDesc tk2w,
+                        const __grid_constant__ pw90::TmaDesc tvw, const KVParams p) {
+  static_assert(D == 64, "the paged entry is D = 64's (D = 128 keeps its row boxes)");
+  pw90_kvdecode_body<T, D, STAGES, CLUSTER, CW, 0, false, true>(tk1, tk2, tv, tk1w, tk2w, tvw, p);
 }
 #endif
 
