@@ -458,7 +458,7 @@ KV90_TILE_BOX = 0
 #: 64-key tile as one TMA box per operand (one 8 KB page) instead of four 16-row boxes. Its
 #: body is the D = 64 kernel of the -DKV90_TILE_BOX=2 build, which ran the paged D = 64 rows
 #: +1.0-6.5% and kept the paged-within-5% target on 23-24 of 24 rows against 22-23 (H100,
-#: 2026-12-07, bench/results/2026-12-07-h100-fwd-w-split). False sends those caches to the
+#: 2026-12-07, bench/results/2026-12-07-h100-paged-d64-entry). False sends those caches to the
 #: plain decode: the host mirror of -DKV90_PAGE_BOX (1 by default; 0 builds no such entry),
 #: set by :func:`apply_kernel_macros` for A/B runs; read when a call signature is first
 #: planned.

@@ -126,6 +126,22 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
   }
 }
 
+// PW_FWD_STRADDLE_SPLIT (rotating-slot form only; 0, the default, is the three-phase sweep
+// below): 1 meets a straddling tile's two visits in the two double-buffered phases, its q2·k2
+// visit as the far phase's last tiles (k2 and v in a far stage) and its q1·k1 visit as the
+// near phase's first (k1 and v in a near stage), both masked. The single-buffered straddle
+// phase goes, and with it its exposed waits (k1 and v, then k2, per straddling tile: about
+// five round trips per query tile at BN = 64) and four barriers per tile; the price is a
+// second load of the straddling tiles' v, in flight behind a visit like every other load.
+// Online softmax does not depend on the order of a row's visits. An A/B build: timed on an
+// H100 (mma_fwd_probe, L = 2048, D = 128, 3 rounds, 12/12 reference checks; bench/results/
+// 2026-12-07-h100-fwd-w-split) +5.9% causal in bf16 and fp16, 0.997-0.999 non-causal, where
+// this build still spills 28 bytes (3 local loads per near-loop visit); not yet run through
+// the GPU suite or at L 8192-16384. First form without the 32-bit geometry: 0.97-1.0.
+#ifndef PW_FWD_STRADDLE_SPLIT
+#define PW_FWD_STRADDLE_SPLIT 0
+#endif
+
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   constexpr int DS = D * Elem<T>::width;   // a row in 16-bit units (common.cuh, Elem)
@@ -216,13 +232,17 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       load_rows<BN, DS, THREADS>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
     };
     // One tile's visits, pairs LO..HI: 2..2 far, 1..2 straddling (always masked), 1..1 near.
-    auto visit = [&](int t, u16* st, auto lo, auto hi) {
+    // mask_tile: the tile needs the causal or length mask, or (PW_FWD_STRADDLE_SPLIT) it
+    // straddles d = w; a straddling tile's two visits (LO != HI) are masked anyway.
+    auto visit = [&](int t, u16* st, auto lo, auto hi, bool mask_tile) {
       constexpr int LO = decltype(lo)::value, HI = decltype(hi)::value;
       constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
       const int lane = tid_reload() % 32;  // shadows the kernel's lane on purpose (above)
       const int n0 = t * BN;
-      const bool masked = LO != HI || t >= t_mask;
+      const bool masked = LO != HI || mask_tile;
+#if PW_FWD_STRADDLE_SPLIT == 0
       const Geom g = make_geom<false>(row_p, n0, 0, p.w, n_keys);
+#endif
 #pragma unroll 1
       for (int pair = LO; pair <= HI; ++pair) {
         if (LO != HI && pair == 2) {  // k1 read by every warp: k2 replaces it
@@ -239,10 +259,20 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
         const u32 sA = pair == 1 ? aQ1r : aQ2r;
         const u32 sB = smem_addr(st + L::k1_in_stage);  // one slot: k1 or k2
         const float sc = RAW ? 1.f : p.scale_log2;
-        if (masked)
+        if (masked) {
+#if PW_FWD_STRADDLE_SPLIT != 0
+          // the geometry in 32-bit form (row_p and key indices stay below 2^31, above) and
+          // in the masked branch: the 64-bit make_geom, hoisted above the branch in this
+          // form, cost 34 instructions per unmasked visit (SASS; ncu at w = L: +3.5%)
+          Geom g;
+          g.base = min(max(row_p - n0, -(1 << 30)), 1 << 30);
+          g.w = (int)p.w;
+          g.cols_left = min(max(n_keys - n0, -1), 1 << 30);
+#endif
           score_pair_window_after<T, D, BN, MW, CAUSAL>(s, sA, sB, g, pair, sc, lane);
-        else
+        } else {
           score_pair<T, D, BN, MW, false>(s, sA, sB, PairWindow<MW>{}, sc, lane);
+        }
         online_softmax<D, BN, MW, RAW>(s, acc, row_max, row_sum, p.scale_log2);
         mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + L::v_in_stage), lane);
       }
@@ -253,9 +283,29 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     using NotFar = IntConst<0>;
     // far tiles: q2 in slot 0 (also read by the straddling tiles), stages in slots 1 and 2
     if (t_begin < tC) load_rows<BM, DS, THREADS>(smem_addr(slot0), p.q2.at(b, h, sq.q0), p.q2.sr, m0, M);
+    if constexpr (PW_FWD_STRADDLE_SPLIT != 0) {
+      // far phase: far tiles, then the straddling tiles' q2·k2 visits
+      const int far_plain_end = min(tA, t_mask);  // tiles from here on are masked
+      pipelined_tiles(
+          t_begin, tC, [&](int t, int stage) { issue_at(t, slot1 + stage * L::stage_elems, Far{}); },
+          [&](int t, int stage) {
+            visit(t, slot1 + stage * L::stage_elems, Two{}, Two{}, t >= far_plain_end);
+          });
+      // slot 2 is free after the phase's last barrier; q1 waits with the first near tile
+      if (tA < ntiles) load_rows<BM, DS, THREADS>(smem_addr(slot2), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
+      // near phase: the straddling tiles' q1·k1 visits, then near tiles
+      // unmasked: tC <= t < t_mask, one unsigned compare (two held bounds spilled: the
+      // non-causal build 12-20 bytes, or the causal one 28-56, by which two were held)
+      const unsigned near_plain = (unsigned)max(t_mask - tC, 0);
+      pipelined_tiles(
+          tA, ntiles, [&](int t, int stage) { issue_at(t, slot0 + stage * L::stage_elems, NotFar{}); },
+          [&](int t, int stage) {
+            visit(t, slot0 + stage * L::stage_elems, One{}, One{}, (unsigned)(t - tC) >= near_plain);
+          });
+    } else {
     pipelined_tiles(
         t_begin, tA, [&](int t, int stage) { issue_at(t, slot1 + stage * L::stage_elems, Far{}); },
-        [&](int t, int stage) { visit(t, slot1 + stage * L::stage_elems, Two{}, Two{}); });
+        [&](int t, int stage) { visit(t, slot1 + stage * L::stage_elems, Two{}, Two{}, t >= t_mask); });
     // q1 into slot 2, free now: after a far tile the block barrier that ends its visit;
     // with no far tile slot 2 was never written
     if (tA < ntiles) load_rows<BM, DS, THREADS>(smem_addr(slot2), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
@@ -264,13 +314,14 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
-      visit(t, slot1, One{}, Two{});
+      visit(t, slot1, One{}, Two{}, true);
       __syncthreads();
     }
     // near tiles: q2 is done with, its slot and slot 1 are the stages
     pipelined_tiles(
         tC, ntiles, [&](int t, int stage) { issue_at(t, slot0 + stage * L::stage_elems, NotFar{}); },
-        [&](int t, int stage) { visit(t, slot0 + stage * L::stage_elems, One{}, One{}); });
+        [&](int t, int stage) { visit(t, slot0 + stage * L::stage_elems, One{}, One{}, t >= t_mask); });
+    }
   } else if constexpr (!VisitPairs<T, CAUSAL, ONE_K>::value) {
     // One visit per tile; a straddling tile's two products go into one score tile.
     constexpr bool RAW = PW_FWD_RAW_MAX == 1;

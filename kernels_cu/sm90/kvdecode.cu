@@ -92,7 +92,7 @@
 // 2026-12-06-h100-rowbox) it was -1.7% to +0.9% at D = 128 where the row boxes were +3.2-5.1%,
 // but +1.0-6.5% on the paged D = 64 rows (block size 64), where a 64-key tile is one 8 KB
 // page that 16-row boxes read in four (H100, 2026-12-07; bench/results/
-// 2026-12-07-h100-fwd-w-split/rowbox), and 2-4% slower on the contiguous D = 64 row of eight
+// 2026-12-07-h100-paged-d64-entry), and 2-4% slower on the contiguous D = 64 row of eight
 // short splits (N = 4096), which takes no tile box but runs the tile-box form. So the paged
 // D = 64 decode has an entry of its own, pw90_kvdecode_pages below, and the macro stays an
 // A/B build.
@@ -617,7 +617,7 @@ __global__ void __cluster_dims__(1, CLUSTER, 1) __launch_bounds__((CW + 1) * 32)
 // tile-box form without the macro, six maps (the last three of 64-row boxes, one page per
 // box), whole tiles loaded from pages only (wide_ok). Its body is, PTX for PTX, the D = 64
 // kernel of the KV90_TILE_BOX=2 build, timed, tested and sanitized on paged and contiguous
-// caches (bench/results/2026-12-07-h100-fwd-w-split); the contiguous D = 64 decode keeps
+// caches (bench/results/2026-12-07-h100-paged-d64-entry); the contiguous D = 64 decode keeps
 // pw90_kvdecode, where the tile-box form ran 2-4% slower on the eight-split N = 4096 row.
 // KV90_PAGE_BOX (1; host mirror capability.KV90_PAGE_BOX): 0 builds no such entry and the
 // host sends those caches to pw90_kvdecode (an A/B build).
