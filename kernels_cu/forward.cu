@@ -136,8 +136,11 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
 // Online softmax does not depend on the order of a row's visits. An A/B build: timed on an
 // H100 (mma_fwd_probe, L = 2048, D = 128, 3 rounds, 12/12 reference checks; bench/results/
 // 2026-12-07-h100-fwd-w-split) +5.9% causal in bf16 and fp16, 0.997-0.999 non-causal, where
-// this build still spills 28 bytes (3 local loads per near-loop visit); not yet run through
-// the GPU suite or at L 8192-16384. First form without the 32-bit geometry: 0.97-1.0.
+// that build spilled 28 bytes (3 local loads per near-loop visit); not yet run through the
+// GPU suite or at L 8192-16384. First form without the 32-bit geometry: 0.97-1.0. Since then
+// spill-free at D = 128 (q1's address and row_p from a fresh threadIdx.x read in the visit,
+// at +10 instructions on the far loop's unmasked path; untimed:
+// tests/test_build_check_cpu.py).
 #ifndef PW_FWD_STRADDLE_SPLIT
 #define PW_FWD_STRADDLE_SPLIT 0
 #endif
@@ -256,7 +259,14 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
         // product (score_pair_window_after), which this layout needs to build without spills
         // and which the visits body does not gain from (bench/NOTES.md, twenty-seventh).
         float s[MW][BN / 8][4];
+#if PW_FWD_STRADDLE_SPLIT != 0
+        // q1's warp address from a fresh threadIdx.x read (warp = tid >> 5), as row_p below:
+        // held across the near loop they spilled (28 bytes non-causal, 36 varlen causal)
+        const u32 sA =
+            pair == 1 ? smem_addr(slot2) + (tid_reload() >> 5) * (L::warp_rows * L::pitch * 2) : aQ2r;
+#else
         const u32 sA = pair == 1 ? aQ1r : aQ2r;
+#endif
         const u32 sB = smem_addr(st + L::k1_in_stage);  // one slot: k1 or k2
         const float sc = RAW ? 1.f : p.scale_log2;
         if (masked) {
@@ -265,7 +275,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
           // in the masked branch: the 64-bit make_geom, hoisted above the branch in this
           // form, cost 34 instructions per unmasked visit (SASS; ncu at w = L: +3.5%)
           Geom g;
-          g.base = min(max(row_p - n0, -(1 << 30)), 1 << 30);
+          const int row_p_now = (int)(m0 + P) + (tid_reload() >> 5) * (16 * MW);  // row_p
+          g.base = min(max(row_p_now - n0, -(1 << 30)), 1 << 30);
           g.w = (int)p.w;
           g.cols_left = min(max(n_keys - n0, -1), 1 << 30);
 #endif

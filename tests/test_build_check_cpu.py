@@ -100,14 +100,16 @@ def test_variants_cover_every_selectable_config_and_the_delta_prepass(monkeypatc
     assert {v.phase for v in hopper if v.varlen} == set(HOPPER_KERNELS) - {"kvdecode_sm90"}
     # the decode: one build per dtype, KV90 head dim, cluster size (no causal flag: M = 1
     # sees every key) and rotary form (none, halves, interleaved); the rotary forms' staged
-    # tables (rot_stage) at cluster 1 besides
-    decode = [(v.head_dim, v.dtype, v.causal, v.cluster, v.rotary, v.rot_stage) for v in hopper
-              if v.phase == "kvdecode_sm90"]
+    # tables (rot_stage) at cluster 1 besides, and the paged D = 64 entry (page_box) of the
+    # plain form at every cluster size
+    decode = [(v.head_dim, v.dtype, v.causal, v.cluster, v.rotary, v.rot_stage, v.page_box)
+              for v in hopper if v.phase == "kvdecode_sm90"]
     assert len(decode) == len(set(decode)) and set(decode) == set(itertools.product(
         capability.KV90_HEAD_DIMS, capability.HALF_DTYPES, (False,), range(1, 9),
-        (0,) + tuple(ROTARY_LAYOUTS.values()), (False,))) | set(itertools.product(
+        (0,) + tuple(ROTARY_LAYOUTS.values()), (False,), (False,))) | set(itertools.product(
         capability.KV90_HEAD_DIMS, capability.HALF_DTYPES, (False,), (1,),
-        tuple(ROTARY_LAYOUTS.values()), (True,)))
+        tuple(ROTARY_LAYOUTS.values()), (True,), (False,))) | set(itertools.product(
+        (64,), capability.HALF_DTYPES, (False,), range(1, 9), (0,), (False,), (True,)))
     # the cp.async KV-cache kernels: both rotary forms of every selectable variant
     kv = {(v.phase, v.head_dim, v.dtype, v.causal, v.tiles) for v in variants
           if v.phase in capability.KV_PHASES and not v.rotary}
@@ -130,11 +132,13 @@ def test_hopper_kernels_build_for_sm90a(capsys, nvrtc):
     for), with no spills: 20 forward (D 64, 80, 96, 128, 256), 32 backward (D 64, 80, 96,
     128; fused dQ or deterministic), 8 prep and 8 dQ-convert kernels, each dense and packed
     (VARLEN). 80 and 96 are the D = 128 kernels with DV columns stored. Plus the KV-cache
-    decode: 104 builds (D 64 and 128, two dtypes, clusters of 1-8, without rotation and with
-    each rotary layout; and the rotary layouts' staged-table forms at cluster 1)."""
+    decode: 120 builds (D 64 and 128, two dtypes, clusters of 1-8, without rotation and with
+    each rotary layout; the rotary layouts' staged-table forms at cluster 1; the paged D = 64
+    entry at every cluster size)."""
     assert build_check.main(["--arch", "sm_90a"]) == 0
     out = capsys.readouterr().out
-    assert "240 variants compiled for sm_90a" in out
+    assert "256 variants compiled for sm_90a" in out
+    assert "pw90_kvdecode_pages<bf16_t, 64, 6, 8, 4>" in out
     assert "pw90_kvdecode_rot<bf16_t, 128, 3, 4, 4, 2>" in out and "pw90_kvdecode<half_t, 64, 6, 1, 4>" in out
     assert "pw90_kvdecode_rot<bf16_t, 128, 3, 1, 4, 1, true>" in out
     for name in ("pw90_forward<pw90::f16, 256, true, true>", "pw90_forward<pw90::bf16, 128, false, false, 96>",
@@ -280,6 +284,31 @@ def test_raw_max_forward_ab_builds_compile(nvrtc, monkeypatch, raw):
             assert r.spill_stores <= 24, (v, r.log)  # the one-key 128x128x4 entry (docstring)
             continue
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+
+
+def test_straddle_split_forward_ab_build_compiles(nvrtc, monkeypatch):
+    """The staged A/B form -DPW_FWD_STRADDLE_SPLIT=1 (kernels_cu/forward.cu: the rotating-slot
+    forward meets a straddling tile's two visits in its double-buffered far and near phases)
+    builds every selectable sm_90 16-bit forward at D = 64 and 128, dense and packed, causal
+    and not, without spills, as a default must. Only the rotating-slot entry (128x64x4 at
+    D = 128, 255 registers) changes under it; it spilled 28 bytes non-causal until q1's warp
+    address and row_p were re-derived from threadIdx.x in the visit (2026-12-07)."""
+    from cupy_piecewise import compile as comp
+
+    base = comp.arch_options
+    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
+        "-DPW_FWD_STRADDLE_SPLIT=1",))
+    vs = sorted({Variant(phase, dt, d, t, c)
+                 for phase, d, dt, c, t in capability.selectable_configs(SM90)
+                 if phase == "fwd" and d in (64, 128) and dt in capability.HALF_DTYPES}
+                | {Variant(phase, dt, d, t, c, varlen=True)
+                   for phase, d, dt, c, t in capability.selectable_configs(SM90, varlen=True)
+                   if phase == "fwd" and d in (64, 128) and dt in capability.HALF_DTYPES},
+                key=str)
+    assert any(capability.fwd_q_rotate(v.head_dim, v.tiles) for v in vs)  # not vacuous
+    for r in compile_offline(SM90, vs):
+        assert r.ok and r.registers, (r.variant, r.log)
+        assert not r.spill_stores and not r.spill_loads, (r.variant, r.log)
 
 
 @pytest.mark.parametrize("macros", [
