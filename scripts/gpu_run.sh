@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_w fwd_ab mma_checks fwd_d64 kvprobe kvrot tilebox rowbox gqa gqa_ncu grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_ab mma_checks fwd_d64 kvprobe kvrot tilebox rowbox gqa gqa_ncu grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -30,7 +30,9 @@
 # and logs/decode_<tag>.* (first run: bench/results/2026-12-06-h200-rowbox-default, with
 # ROWBOX_PROBE="").
 # fwd_ab (not in all): scripts/mma_fwd_probe.py, FWDAB_VARIANTS (';'-separated macro sets,
-# default PW_FWD_STRADDLE_SPLIT=1) against the default and a control build, with its reference
+# default PW_FWD_STRADDLE_SPLIT=1; "" for none: the default alone, whose w = L rows beside
+# w = L / 4 and SDPA flash split the L = 2048 gap into the kernel's and the piecewise work's,
+# bench/results/2026-12-07-h100-fwd-w-split) against the default and a control build, with its reference
 # checks, bf16 and fp16, causal and not, tiles FWDAB_TILES (default 128:128x64x4;64:128x128x4), lengths
 # FWDAB_LENGTHS (2048,8192), thresholds FWDAB_W (0.25,1: w = L / 4 and w = L), FWDAB_ROUNDS
 # (2); about 4 minutes, logs/fwd_ab.*.
@@ -119,11 +121,6 @@
 # forward on the same shape, D = 128 L 2048 causal and not (where the forward's ratio to flash
 # drops from 0.96-1.0x at L 8192-16384 to 0.83-0.92x), ours also at w = L (one product per
 # tile; logs *_wL.txt) and with source counters at w = L / 4, logs in logs/ncu_*fwd128*.txt.
-# fwd_w (not in all): scripts/mma_fwd_probe.py at w = L / 4 and w = L (every key near: one
-# product per tile and one Q tile, the kernel as a standard attention) beside SDPA flash, D 64
-# and 128 at the table's tiles, L 2048 and 8192 (FWDW_LENGTHS, FWDW_DTYPES, FWDW_ROUNDS):
-# how much of the L = 2048 gap is the piecewise work and how much the kernel; about 3 minutes,
-# logs/fwd_w.txt.
 # ncu_decode (not in all): Nsight Compute on the Hopper decode (pw90_kvdecode) beside SDPA
 # cuDNN's decode on the same shape (profile_case.py --decode --peer cudnn), bfloat16 D = 128
 # B = 8, N = 32768 (one split, DRAM-bound: 0.95-0.99x cuDNN) and B = 1 (8 splits), memory
@@ -356,15 +353,6 @@ if asked ncu_fwd; then
       "$logs/ncu_flash_$tag.txt" | head -12
   done
 fi
-if asked fwd_w; then
-  # the L = 2048 forward's gap split: w = L / 4 against w = L (no far or straddling tile, one
-  # Q tile) against SDPA flash, D 64 and 128 at the table's tiles, L 2048 and 8192
-  timeout 420 python3 scripts/mma_fwd_probe.py --tiles "128:128x64x4;64:128x128x4" \
-    --lengths ${FWDW_LENGTHS:-2048,8192} --dtypes ${FWDW_DTYPES:-bf16} --w-fracs 0.25,1 \
-    --rounds ${FWDW_ROUNDS:-3} --out "$logs/fwd_w.txt" > "$logs/fwd_w.log" 2>&1
-  rc=$?; echo "fwd_w probe: exit $rc"; tail -24 "$logs/fwd_w.log"
-  status=$((status | rc))
-fi
 if asked ncu_decode; then
   secs="--section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables
     --section WarpStateStats --section Occupancy --section LaunchStats"
@@ -589,7 +577,7 @@ if asked gqa; then
   done
 fi
 if asked fwd_ab; then
-  timeout 400 python3 scripts/mma_fwd_probe.py --variants "${FWDAB_VARIANTS:-PW_FWD_STRADDLE_SPLIT=1}" \
+  timeout 400 python3 scripts/mma_fwd_probe.py --variants "${FWDAB_VARIANTS-PW_FWD_STRADDLE_SPLIT=1}" \
     --tiles "${FWDAB_TILES:-128:128x64x4;64:128x128x4}" --lengths "${FWDAB_LENGTHS:-2048,8192}" --dtypes bf16,fp16 \
     --w-fracs "${FWDAB_W:-0.25,1}" --rounds "${FWDAB_ROUNDS:-2}" --reps 30 \
     --control --out "$logs/fwd_ab.txt" > "$logs/fwd_ab.log" 2>&1

@@ -125,8 +125,9 @@ def w_fracs(text):
 
 
 def w_of(L, frac):
-    """The threshold w for length L at fraction frac (w = L / 4 for the default 0.25)."""
-    return L // 4 if frac == 0.25 else int(round(L * frac))
+    """The threshold w for length L at fraction frac, rounded down (0.25: the bench's L // 4,
+    as profile_case.py --w-frac)."""
+    return int(L * frac)
 
 
 def tile_label(spec, frac):

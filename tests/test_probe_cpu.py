@@ -172,7 +172,7 @@ def test_mma_fwd_probe_thresholds():
     fraction is named in the tiles column; w = L puts every key near (d < w)."""
     mma_fwd_probe = pytest.importorskip("mma_fwd_probe")
     assert mma_fwd_probe.w_fracs("0.25, 1") == [0.25, 1.0]
-    assert [mma_fwd_probe.w_of(2050, f) for f in (0.25, 1.0, 0.5)] == [512, 2050, 1025]
+    assert [mma_fwd_probe.w_of(2050, f) for f in (0.25, 1.0, 0.5, 0.1)] == [512, 2050, 1025, 205]
     assert mma_fwd_probe.tile_label("128x64x4", 0.25) == "128x64x4"
     assert mma_fwd_probe.tile_label("128x64x4", 1.0) == "128x64x4 w=1L"
     for bad in ("", "-0.5", "x"):
