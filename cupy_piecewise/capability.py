@@ -543,8 +543,8 @@ def fwd_one_key_slot(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> boo
 
 def fwd_q_rotate(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> bool:
     """Whether the mma.sync forward keeps three rotating Q-sized slots (q2 and two key
-    stages over far tiles; q2, one stage and q1 over straddling tiles; two stages and q1 over
-    near tiles) instead of q1, q2 and two stages: with :data:`FWD_Q_ROTATE` (the kernels'
+    stages over far tiles and the straddling tiles' q2·k2 visits; two stages and q1 over the
+    straddling tiles' q1·k1 visits and near tiles) instead of q1, q2 and two stages: with :data:`FWD_Q_ROTATE` (the kernels'
     -DPW_FWD_Q_ROTATE) where :func:`fwd_one_key_slot` holds and ``block_m == 2 * block_n``,
     so that one stage (k and v) is one Q tile. The kernel's rule is ``fwd_q_rotate`` of
     kernels_cu/traits.cuh."""

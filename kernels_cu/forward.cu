@@ -126,25 +126,6 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
   }
 }
 
-// PW_FWD_STRADDLE_SPLIT (rotating-slot form only; 0, the default, is the three-phase sweep
-// below): 1 meets a straddling tile's two visits in the two double-buffered phases, its q2·k2
-// visit as the far phase's last tiles (k2 and v in a far stage) and its q1·k1 visit as the
-// near phase's first (k1 and v in a near stage), both masked. The single-buffered straddle
-// phase goes, and with it its exposed waits (k1 and v, then k2, per straddling tile: about
-// five round trips per query tile at BN = 64) and four barriers per tile; the price is a
-// second load of the straddling tiles' v, in flight behind a visit like every other load.
-// Online softmax does not depend on the order of a row's visits. An A/B build: timed on an
-// H100 (mma_fwd_probe, L = 2048, D = 128, 3 rounds, 12/12 reference checks; bench/results/
-// 2026-12-07-h100-fwd-w-split) +5.9% causal in bf16 and fp16, 0.997-0.999 non-causal, where
-// that build spilled 28 bytes (3 local loads per near-loop visit); not yet run through the
-// GPU suite or at L 8192-16384. First form without the 32-bit geometry: 0.97-1.0. Since then
-// spill-free at D = 128 (q1's address and row_p from a fresh threadIdx.x read in the visit,
-// at +10 instructions on the far loop's unmasked path; untimed:
-// tests/test_build_check_cpu.py).
-#ifndef PW_FWD_STRADDLE_SPLIT
-#define PW_FWD_STRADDLE_SPLIT 0
-#endif
-
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   constexpr int DS = D * Elem<T>::width;   // a row in 16-bit units (common.cuh, Elem)
@@ -206,26 +187,30 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
 
   if constexpr (QROT) {
     static_assert(ONE_K && L::stage_elems == L::q_tile_elems, "a key stage fills one Q slot");
-    // Slots of one Q tile each. Far tiles: [q2 | stage 0 | stage 1]; straddling tiles,
-    // single-buffered: [q2 | stage | q1]; near tiles: [stage 0 | stage 1 | q1].
+    // Slots of one Q tile each. Far phase: [q2 | stage 0 | stage 1]; near phase:
+    // [stage 0 | stage 1 | q1]. A straddling tile (some d < w, some d >= w) is visited in
+    // both: its q2·k2 visit ends the far phase (k2 and v in a far stage), its q1·k1 visit
+    // starts the near phase (k1 and v in a near stage), both masked. Online softmax does not
+    // depend on the order of a row's visits. The price is a second load of the straddling
+    // tiles' v, in flight behind a visit like every other load; what it replaced, a
+    // single-buffered straddle phase between the two, exposed its loads' waits (k1 and v,
+    // then k2, per straddling tile) and four barriers per tile: +3.0-5.9% at L = 2048 causal,
+    // D = 128, neutral elsewhere (H100, bench/results/2026-12-07-h100-fwd-w-split).
     u16* const slot0 = reinterpret_cast<u16*>(smem);
     u16* const slot1 = slot0 + L::q_tile_elems;
     u16* const slot2 = slot1 + L::q_tile_elems;
-    const int wrow = warp * L::warp_rows * L::pitch;
-    const u32 aQ2r = smem_addr(slot0 + wrow), aQ1r = smem_addr(slot2 + wrow);
-    // Key tiles in sweep order have modes 2 (far), then 3 (straddling), then 1 (near), and
-    // each phase passes its mode on, so the visits below call no tile_mode; a far or near
-    // tile needs the mask from tile t_mask on (traits.cuh fwd_rotate_phases).
+    const u32 aQ2r = smem_addr(slot0 + warp * L::warp_rows * L::pitch);
+    // Key tiles in sweep order have modes 2 (far), then 3 (straddling), then 1 (near); a far
+    // or near tile needs the mask from tile t_mask on (traits.cuh fwd_rotate_phases).
     const RotatePhases ph = fwd_rotate_phases(m0, BM, BN, P, p.w, N, t_begin, ntiles, CAUSAL);
     const int tA = ph.far_end, tC = ph.near_begin, t_mask = ph.mask_begin;
-    // The visits' geometry is held in 32-bit form across the sweep: row_p and key indices
-    // stay below 2^31 (lengths below 2^30; P within [-M, N]: core.plan.clamp_w). Lane-derived
-    // addresses are recomputed per visit from a fresh threadIdx.x read (tid_reload): held
-    // across the sweep they cost eight registers, and this layout spilled.
-    const int row_p = (int)(row0 + P);  // distance of the warp's row 0 to key 0
+    // The visits' geometry is in 32-bit form: row_p and key indices stay below 2^31
+    // (lengths below 2^30; P within [-M, N]: core.plan.clamp_w). Lane- and warp-derived
+    // values are recomputed per visit from a fresh threadIdx.x read (tid_reload): held across
+    // the sweep they cost eight registers, and this layout spilled (q1's warp address and
+    // row_p too: 28 bytes non-causal, 36 varlen causal).
     const int n_keys = (int)N;
-    // Far tiles read only k2; a straddling or near tile's first visit reads k1 (the one key
-    // slot takes k2 after that visit).
+    // Far tiles and a straddling tile's far visit read k2; near tiles and its near visit k1.
     auto issue_at = [&](int t, u16* st, auto far) {
       const i64 n0 = (i64)t * BN;
       if constexpr (decltype(far)::value)
@@ -234,105 +219,57 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
         load_rows<BN, DS, THREADS>(smem_addr(st + L::k1_in_stage), k1, p.k1.sr, n0, N);
       load_rows<BN, DS, THREADS>(smem_addr(st + L::v_in_stage), vv, p.v.sr, n0, N);
     };
-    // One tile's visits, pairs LO..HI: 2..2 far, 1..2 straddling (always masked), 1..1 near.
-    // mask_tile: the tile needs the causal or length mask, or (PW_FWD_STRADDLE_SPLIT) it
-    // straddles d = w; a straddling tile's two visits (LO != HI) are masked anyway.
-    auto visit = [&](int t, u16* st, auto lo, auto hi, bool mask_tile) {
-      constexpr int LO = decltype(lo)::value, HI = decltype(hi)::value;
+    // One visit of tile t: projection pair PAIR (1 near, 2 far), its key slot in stage st.
+    // The visits body's steps (below), but with the mask window computed after the product
+    // (score_pair_window_after), which this layout needs to build without spills and which
+    // the visits body does not gain from (bench/NOTES.md, twenty-seventh).
+    auto visit = [&](int t, u16* st, auto pair_c, bool masked) {
+      constexpr int PAIR = decltype(pair_c)::value;
       constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
       const int lane = tid_reload() % 32;  // shadows the kernel's lane on purpose (above)
       const int n0 = t * BN;
-      const bool masked = LO != HI || mask_tile;
-#if PW_FWD_STRADDLE_SPLIT == 0
-      const Geom g = make_geom<false>(row_p, n0, 0, p.w, n_keys);
-#endif
-#pragma unroll 1
-      for (int pair = LO; pair <= HI; ++pair) {
-        if (LO != HI && pair == 2) {  // k1 read by every warp: k2 replaces it
-          __syncthreads();
-          load_rows<BN, DS, THREADS>(smem_addr(st + L::k2_in_stage), k2, p.k2.sr, n0, N);
-          cp_async_commit();
-          cp_async_wait<0>();
-          __syncthreads();
-        }
-        // The visits body's steps (below), but with the mask window computed after the
-        // product (score_pair_window_after), which this layout needs to build without spills
-        // and which the visits body does not gain from (bench/NOTES.md, twenty-seventh).
-        float s[MW][BN / 8][4];
-#if PW_FWD_STRADDLE_SPLIT != 0
-        // q1's warp address from a fresh threadIdx.x read (warp = tid >> 5), as row_p below:
-        // held across the near loop they spilled (28 bytes non-causal, 36 varlen causal)
-        const u32 sA =
-            pair == 1 ? smem_addr(slot2) + (tid_reload() >> 5) * (L::warp_rows * L::pitch * 2) : aQ2r;
-#else
-        const u32 sA = pair == 1 ? aQ1r : aQ2r;
-#endif
-        const u32 sB = smem_addr(st + L::k1_in_stage);  // one slot: k1 or k2
-        const float sc = RAW ? 1.f : p.scale_log2;
-        if (masked) {
-#if PW_FWD_STRADDLE_SPLIT != 0
-          // the geometry in 32-bit form (row_p and key indices stay below 2^31, above) and
-          // in the masked branch: the 64-bit make_geom, hoisted above the branch in this
-          // form, cost 34 instructions per unmasked visit (SASS; ncu at w = L: +3.5%)
-          Geom g;
-          const int row_p_now = (int)(m0 + P) + (tid_reload() >> 5) * (16 * MW);  // row_p
-          g.base = min(max(row_p_now - n0, -(1 << 30)), 1 << 30);
-          g.w = (int)p.w;
-          g.cols_left = min(max(n_keys - n0, -1), 1 << 30);
-#endif
-          score_pair_window_after<T, D, BN, MW, CAUSAL>(s, sA, sB, g, pair, sc, lane);
-        } else {
-          score_pair<T, D, BN, MW, false>(s, sA, sB, PairWindow<MW>{}, sc, lane);
-        }
-        online_softmax<D, BN, MW, RAW>(s, acc, row_max, row_sum, p.scale_log2);
-        mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + L::v_in_stage), lane);
+      float s[MW][BN / 8][4];
+      const u32 sA = PAIR == 1
+          ? smem_addr(slot2) + (tid_reload() >> 5) * (L::warp_rows * L::pitch * 2) : aQ2r;
+      const u32 sB = smem_addr(st + L::k1_in_stage);  // one slot: k1 or k2
+      const float sc = RAW ? 1.f : p.scale_log2;
+      if (masked) {
+        // the geometry in the masked branch: the 64-bit make_geom, hoisted above the branch,
+        // cost 34 instructions per unmasked visit (SASS; ncu at w = L: +3.5%)
+        Geom g;
+        const int row_p = (int)(m0 + P) + (tid_reload() >> 5) * (16 * MW);  // the warp's row 0
+        g.base = min(max(row_p - n0, -(1 << 30)), 1 << 30);
+        g.w = (int)p.w;
+        g.cols_left = min(max(n_keys - n0, -1), 1 << 30);
+        score_pair_window_after<T, D, BN, MW, CAUSAL>(s, sA, sB, g, PAIR, sc, lane);
+      } else {
+        score_pair<T, D, BN, MW, false>(s, sA, sB, PairWindow<MW>{}, sc, lane);
       }
+      online_softmax<D, BN, MW, RAW>(s, acc, row_max, row_sum, p.scale_log2);
+      mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + L::v_in_stage), lane);
     };
-    using One = IntConst<1>;
-    using Two = IntConst<2>;
     using Far = IntConst<1>;
     using NotFar = IntConst<0>;
-    // far tiles: q2 in slot 0 (also read by the straddling tiles), stages in slots 1 and 2
+    // far phase: far tiles, then the straddling tiles' q2·k2 visits (masked from
+    // min(tA, t_mask) on); q2 in slot 0, stages in slots 1 and 2
     if (t_begin < tC) load_rows<BM, DS, THREADS>(smem_addr(slot0), p.q2.at(b, h, sq.q0), p.q2.sr, m0, M);
-    if constexpr (PW_FWD_STRADDLE_SPLIT != 0) {
-      // far phase: far tiles, then the straddling tiles' q2·k2 visits
-      const int far_plain_end = min(tA, t_mask);  // tiles from here on are masked
-      pipelined_tiles(
-          t_begin, tC, [&](int t, int stage) { issue_at(t, slot1 + stage * L::stage_elems, Far{}); },
-          [&](int t, int stage) {
-            visit(t, slot1 + stage * L::stage_elems, Two{}, Two{}, t >= far_plain_end);
-          });
-      // slot 2 is free after the phase's last barrier; q1 waits with the first near tile
-      if (tA < ntiles) load_rows<BM, DS, THREADS>(smem_addr(slot2), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
-      // near phase: the straddling tiles' q1·k1 visits, then near tiles
-      // unmasked: tC <= t < t_mask, one unsigned compare (two held bounds spilled: the
-      // non-causal build 12-20 bytes, or the causal one 28-56, by which two were held)
-      const unsigned near_plain = (unsigned)max(t_mask - tC, 0);
-      pipelined_tiles(
-          tA, ntiles, [&](int t, int stage) { issue_at(t, slot0 + stage * L::stage_elems, NotFar{}); },
-          [&](int t, int stage) {
-            visit(t, slot0 + stage * L::stage_elems, One{}, One{}, (unsigned)(t - tC) >= near_plain);
-          });
-    } else {
+    const int far_plain_end = min(tA, t_mask);
     pipelined_tiles(
-        t_begin, tA, [&](int t, int stage) { issue_at(t, slot1 + stage * L::stage_elems, Far{}); },
-        [&](int t, int stage) { visit(t, slot1 + stage * L::stage_elems, Two{}, Two{}, t >= t_mask); });
-    // q1 into slot 2, free now: after a far tile the block barrier that ends its visit;
-    // with no far tile slot 2 was never written
+        t_begin, tC, [&](int t, int stage) { issue_at(t, slot1 + stage * L::stage_elems, Far{}); },
+        [&](int t, int stage) {
+          visit(t, slot1 + stage * L::stage_elems, IntConst<2>{}, t >= far_plain_end);
+        });
+    // slot 2 is free after the far phase's last barrier; q1 waits with the first near tile
     if (tA < ntiles) load_rows<BM, DS, THREADS>(smem_addr(slot2), p.q1.at(b, h, sq.q0), p.q1.sr, m0, M);
-    for (int t = tA; t < tC; ++t) {  // straddling tiles, one stage (slot 1)
-      issue_at(t, slot1, NotFar{});
-      cp_async_commit();
-      cp_async_wait<0>();
-      __syncthreads();
-      visit(t, slot1, One{}, Two{}, true);
-      __syncthreads();
-    }
-    // near tiles: q2 is done with, its slot and slot 1 are the stages
+    // near phase: the straddling tiles' q1·k1 visits, then near tiles; q2's slot and slot 1
+    // are the stages. Unmasked exactly when tC <= t < t_mask, one unsigned compare (two held
+    // bounds spilled: the non-causal build 12-20 bytes, or the causal one 28-56)
+    const unsigned near_plain = (unsigned)max(t_mask - tC, 0);
     pipelined_tiles(
-        tC, ntiles, [&](int t, int stage) { issue_at(t, slot0 + stage * L::stage_elems, NotFar{}); },
-        [&](int t, int stage) { visit(t, slot0 + stage * L::stage_elems, One{}, One{}, t >= t_mask); });
-    }
+        tA, ntiles, [&](int t, int stage) { issue_at(t, slot0 + stage * L::stage_elems, NotFar{}); },
+        [&](int t, int stage) {
+          visit(t, slot0 + stage * L::stage_elems, IntConst<1>{}, (unsigned)(t - tC) >= near_plain);
+        });
   } else if constexpr (!VisitPairs<T, CAUSAL, ONE_K>::value) {
     // One visit per tile; a straddling tile's two products go into one score tile.
     constexpr bool RAW = PW_FWD_RAW_MAX == 1;

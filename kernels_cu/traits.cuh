@@ -104,9 +104,11 @@ __host__ __device__ constexpr bool fwd_one_key_slot(int width, int D, int BM, in
 // kept for A/B builds): a one-key-slot forward tile whose key stage (k and v of BN keys) is
 // as large as one Q tile (BM == 2 * BN) keeps three such slots instead of four (q1, q2, two
 // stages), and their roles rotate as the block sweeps its key tiles in order. Far tiles
-// (every pair d >= w: q2·k2 only) come first: [q2 | stage | stage]; the straddling tiles
-// (both products; about (BM + BN) / BN of them) run single-buffered with q1 loaded into the
-// third slot: [q2 | stage | q1]; near tiles (q1·k1 only) reuse q2's slot: [stage | stage | q1].
+// (every pair d >= w: q2·k2 only) come first: [q2 | stage | stage], and the straddling tiles'
+// q2·k2 visits end that phase; then q1 goes into the third slot and the straddling tiles'
+// q1·k1 visits start the near phase (q1·k1 only), which reuses q2's slot: [stage | stage | q1]
+// (the straddle split, the default since 2026-12-07: forward.cu; before it the straddling
+// tiles ran single-buffered between the two phases, [q2 | stage | q1]).
 // That takes 128x64x4 at D = 128, FlashAttention-2's D = 128 shape on sm_90 (32 rows x 64
 // keys per warp: 16 score accumulators, twice 128x32x4's), from 139 KB to 104 KB (139264
 // and 104448 bytes), so two blocks share an SM; its dense forms build without spills. It

@@ -30,14 +30,14 @@
 # and logs/decode_<tag>.* (first run: bench/results/2026-12-06-h200-rowbox-default, with
 # ROWBOX_PROBE="").
 # fwd_ab (not in all): scripts/mma_fwd_probe.py, FWDAB_VARIANTS (';'-separated macro sets,
-# default PW_FWD_STRADDLE_SPLIT=1; "" for none: the default alone, whose w = L rows beside
+# default ""; "" for none: the default alone, whose w = L rows beside
 # w = L / 4 and SDPA flash split the L = 2048 gap into the kernel's and the piecewise work's,
 # bench/results/2026-12-07-h100-fwd-w-split) against the default and a control build, with its reference
 # checks, bf16 and fp16, causal and not, tiles FWDAB_TILES (default 128:128x64x4;64:128x128x4), lengths
 # FWDAB_LENGTHS (2048,8192), thresholds FWDAB_W (0.25,1: w = L / 4 and w = L), FWDAB_ROUNDS
 # (2); about 4 minutes, logs/fwd_ab.*.
 # mma_checks (not in all): the mma.sync GPU tests (dense and packed) under MMA_MACRO (default
-# PW_FWD_STRADDLE_SPLIT=1) beside memcheck and racecheck on the dense mma.sync D 64/128
+# "": the default build) beside memcheck and racecheck on the dense mma.sync D 64/128
 # sanitizer cases, about 4-5 minutes, logs/mma_checks_*.
 # gqa_ncu (not in all): Nsight Compute (memory, warp state, scheduler, instructions, source
 # counters) on the decode kernel, bfloat16 D = 128 N = 32768 (GQA_N), B = 1 with 32 key heads
@@ -577,7 +577,7 @@ if asked gqa; then
   done
 fi
 if asked fwd_ab; then
-  timeout 400 python3 scripts/mma_fwd_probe.py --variants "${FWDAB_VARIANTS-PW_FWD_STRADDLE_SPLIT=1}" \
+  timeout 400 python3 scripts/mma_fwd_probe.py --variants "${FWDAB_VARIANTS-}" \
     --tiles "${FWDAB_TILES:-128:128x64x4;64:128x128x4}" --lengths "${FWDAB_LENGTHS:-2048,8192}" --dtypes bf16,fp16 \
     --w-fracs "${FWDAB_W:-0.25,1}" --rounds "${FWDAB_ROUNDS:-2}" --reps 30 \
     --control --out "$logs/fwd_ab.txt" > "$logs/fwd_ab.log" 2>&1
@@ -585,7 +585,7 @@ if asked fwd_ab; then
   status=$((status | rc))
 fi
 if asked mma_checks; then
-  m=${MMA_MACRO:-PW_FWD_STRADDLE_SPLIT=1}
+  m=${MMA_MACRO-}
   for tool in memcheck racecheck; do
     extra=""; [[ $tool == memcheck ]] && extra="--report-api-errors no"
     PW_TEST_MACROS="$m" SANITIZE_DIMS=64,128 SANITIZE_PATHS=mma \
