@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_ab mma_checks fwd_d64 kvprobe kvrot tilebox rowbox gqa gqa_ncu grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_ab bwd_w mma_checks fwd_d64 kvprobe kvrot tilebox rowbox gqa gqa_ncu grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -36,6 +36,11 @@
 # checks, bf16 and fp16, causal and not, tiles FWDAB_TILES (default 128:128x64x4;64:128x128x4), lengths
 # FWDAB_LENGTHS (2048,8192), thresholds FWDAB_W (0.25,1: w = L / 4 and w = L), FWDAB_ROUNDS
 # (2); about 4 minutes, logs/fwd_ab.*.
+# bwd_w (not in all): scripts/mma_bwd_ab.py of the default build alone at w = L / 4 and w = L
+# beside SDPA flash's backward (--flash), D 64/128, L 2048/8192 (BWDW_LENGTHS), bf16 and
+# fp16, causal and not, the default scheme (BWDW_MODES, default "default"): splits the
+# mma.sync backward's gap to flash into the kernel's and the piecewise work's, as fwd_ab
+# does for the forward; about 2 minutes, logs/bwd_w.*.
 # mma_checks (not in all): the mma.sync GPU tests (dense and packed) under MMA_MACRO (default
 # "": the default build) beside memcheck and racecheck on the dense mma.sync D 64/128
 # sanitizer cases, about 4-5 minutes, logs/mma_checks_*.
@@ -582,6 +587,13 @@ if asked fwd_ab; then
     --w-fracs "${FWDAB_W:-0.25,1}" --rounds "${FWDAB_ROUNDS:-2}" --reps 30 \
     --control --out "$logs/fwd_ab.txt" > "$logs/fwd_ab.log" 2>&1
   rc=$?; echo "fwd_ab probe: exit $rc"; tail -40 "$logs/fwd_ab.log"
+  status=$((status | rc))
+fi
+if asked bwd_w; then
+  timeout 300 python3 scripts/mma_bwd_ab.py --w-fracs 0.25,1 --flash --modes "${BWDW_MODES:-default}" \
+    --dims 64,128 --lengths "${BWDW_LENGTHS:-2048,8192}" --dtypes bf16,fp16 --rounds 3 --reps 15 \
+    --out "$logs/bwd_w.txt" > "$logs/bwd_w.log" 2>&1
+  rc=$?; echo "bwd_w probe: exit $rc"; tail -36 "$logs/bwd_w.log"
   status=$((status | rc))
 fi
 if asked mma_checks; then

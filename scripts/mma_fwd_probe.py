@@ -38,6 +38,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from probe_common import w_fracs, w_of  # noqa: E402  (shared with mma_bwd_ab.py)
+
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 CONTROL_MACRO = "PW_PROBE_CONTROL=1"  # read by no kernel: --control's build is the default's
 
@@ -114,20 +117,6 @@ def worker(args) -> None:
                             capability.set_tile_override(None)
                         out.append(rec)
     print(json.dumps(out), flush=True)
-
-
-def w_fracs(text):
-    """'0.25,1' -> [0.25, 1.0]: the thresholds a worker times, as fractions of L."""
-    out = [float(x) for x in text.split(",") if x.strip()]
-    if not out or any(not 0.0 <= f for f in out):
-        raise ValueError(f"--w-fracs wants non-negative fractions of L, got {text!r}")
-    return out
-
-
-def w_of(L, frac):
-    """The threshold w for length L at fraction frac, rounded down (0.25: the bench's L // 4,
-    as profile_case.py --w-frac)."""
-    return int(L * frac)
 
 
 def tile_label(spec, frac):

@@ -90,6 +90,21 @@ def nvrtc_cubin(source_name, names, options):
     return cubin, lowered, log
 
 
+def w_fracs(text):
+    """'0.25,1' -> [0.25, 1.0]: thresholds as fractions of L (mma_fwd_probe.py, mma_bwd_ab.py
+    --w-fracs)."""
+    out = [float(x) for x in text.split(",") if x.strip()]
+    if not out or any(not 0.0 <= f for f in out):
+        raise ValueError(f"--w-fracs wants non-negative fractions of L, got {text!r}")
+    return out
+
+
+def w_of(L, frac):
+    """The threshold w for length L at fraction frac, rounded down (0.25: the bench's L // 4,
+    as profile_case.py --w-frac)."""
+    return int(L * frac)
+
+
 def cuda_time(torch, fn, warmup=3, reps=20):
     """Median of ``reps`` CUDA-event timings (ms) of ``fn()`` after ``warmup`` calls."""
     for _ in range(warmup):

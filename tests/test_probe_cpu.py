@@ -239,9 +239,26 @@ def test_mma_bwd_ab_table_and_cache_swap(monkeypatch):
                  ms=[5.0, 5.0, 5.0])]
     table = [line for line in mma_bwd_ab.summary_table(recs) if line.startswith("| 8192")]
     assert [line.split("|")[5].strip() for line in table] == ["det", "det", "default"]
-    assert table[0].split("|")[7:9] == [" 11.000 (18.2%) ", " 1.000 "]
-    assert table[1].split("|")[7:9] == [" 12.100 (18.2%) ", f" {11.0 / 12.1:.3f} "]
-    assert table[2].split("|")[7:9] == [" 5.000 (0.0%) ", " 1.000 "]  # its own mode's default
+    assert table[0].split("|")[6:11] == [" 0.25L ", " default ", " 11.000 (18.2%) ", " 1.000 ",
+                                         "  "]  # no flash row: no x flash
+    assert table[1].split("|")[8:10] == [" 12.100 (18.2%) ", f" {11.0 / 12.1:.3f} "]
+    assert table[2].split("|")[8:10] == [" 5.000 (0.0%) ", " 1.000 "]  # its own mode's default
+
+    # --w-fracs: each threshold against its own default; --flash: flash's time over each
+    # build's on the same (L, D, dtype, causal), whatever the threshold
+    recs = [dict(L=2048, D=128, dtype="bf16", causal=True, build="sdpa_flash", ms=[2.0, 2.2, 2.1]),
+            dict(L=2048, D=128, dtype="bf16", causal=True, mode="default", w_frac=0.25,
+                 build="default", ms=[3.0, 3.0, 3.0]),
+            dict(L=2048, D=128, dtype="bf16", causal=True, mode="default", w_frac=1.0,
+                 build="default", ms=[2.5, 2.5, 2.5]),
+            dict(L=2048, D=128, dtype="bf16", causal=True, mode="default", w_frac=1.0,
+                 build="X=1", ms=[2.0, 2.0, 2.0])]
+    rows = [line.split("|") for line in mma_bwd_ab.summary_table(recs) if line.startswith("| 2048")]
+    assert [(r[6].strip(), r[7].strip()) for r in rows] == [
+        ("-", "sdpa_flash"), ("0.25L", "default"), ("1L", "default"), ("1L", "X=1")]
+    assert [r[9].strip() for r in rows] == ["", "1.000", "1.000", "1.250"]
+    assert [r[10].strip() for r in rows] == ["1.000", f"{2.1 / 3.0:.3f}", f"{2.1 / 2.5:.3f}",
+                                              f"{2.1 / 2.0:.3f}"]
 
     for name in ("BASE_OPTIONS", "_functions", "_modules"):
         monkeypatch.setattr(comp, name, getattr(comp, name))
