@@ -121,6 +121,17 @@ template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
 #ifndef PW_GRID_GROUP1
 #define PW_GRID_GROUP1 1
 #endif
+// PW_GRID_STASH_PLAIN (0, the default; 1 an A/B build, untimed): the warp-grid backward
+// stashes Pᵀ without stash_ds's per-row key check. The check zeroes the rows of keys past N,
+// a zeroing move beside each predicated pack (16 IMAD.MOV.U32 per stash at D = 64); Pᵀ's rows
+// feed only dV's rows of the same keys (Pᵀ·dO), and the rows of keys past N are never stored,
+// so what they hold does not matter. dSᵀ keeps the check: its rows reach dQ (dS·K, where a
+// key past N has a zero row of K and an infinite P would make 0 · inf = NaN). Offline
+// (scripts/offline_sass.py, bf16, 2026-12-07): the tile loop 1435 -> 1412 instructions at
+// D = 64 non-causal (1487 -> 1456 causal), 2547 -> 2524 at D = 128 (fp16), no spills.
+#ifndef PW_GRID_STASH_PLAIN
+#define PW_GRID_STASH_PLAIN 0
+#endif
 
 // delta[b, h, i] = sum_d dO[i, d] * O[i, d], one warp per row, 16-byte loads.
 template <typename T, int D>
@@ -782,7 +793,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_grid(const Params p
       const bool count_dv = pair == 1 || t >= end1;
       const u32 tPT = s0 + L::pt_offset + wk * 32 * TB;  // the warp's key rows of Pᵀ
       const u32 tDS = s0 + L::ds_offset + wk * 32 * TB;  // and of dSᵀ
-      if (count_dv) stash_ds<T, 32, 2, TB>(tPT + wq * 32 * 2, s, keys, lane);
+      if (count_dv)
+        stash_ds<T, 32, 2, TB>(tPT + wq * 32 * 2, s, PW_GRID_STASH_PLAIN >= 1 ? 32 : keys, lane);
       // dS = P (dP - delta), P's fixed factor removed (exact: a power of two)
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi)
