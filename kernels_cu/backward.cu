@@ -132,6 +132,16 @@ template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
 #ifndef PW_GRID_STASH_PLAIN
 #define PW_GRID_STASH_PLAIN 0
 #endif
+// PW_GRID_FMA_EXP (0, the default; 1 an A/B build, untimed): the warp-grid backward takes
+// raw scores from score_tile (scale 1, the multiply folded away, as the forward's RAW form)
+// and scales them inside the exponent's fma, exp2(fma(s, scale_log2, bias - lse2)), instead
+// of a multiply in score_tile and a subtraction here: one instruction fewer per element
+// (32 per tile and thread), the per-column term (bias - lse2: FixedP's 2^bias rides there)
+// computed once per column. Masked elements stay -inf (fma(-inf, scale > 0, finite) = -inf;
+// a row with no admissible key has lse2 = +inf, as before: -inf, then 0).
+#ifndef PW_GRID_FMA_EXP
+#define PW_GRID_FMA_EXP 0
+#endif
 
 // delta[b, h, i] = sum_d dO[i, d] * O[i, d], one warp per row, 16-byte loads.
 template <typename T, int D>
@@ -774,17 +784,22 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_grid(const Params p
 
       // Sᵀ and P of the warp's 32 keys x 32 queries
       float s[2][4][4];
-      score_tile<PW_MASK_SPLIT_OR(2), T, D, 32, 2, CAUSAL, true, FP::bias>(
+      constexpr bool FMA_EXP = PW_GRID_FMA_EXP != 0;
+      score_tile<PW_MASK_SPLIT_OR(2), T, D, 32, 2, CAUSAL, true, FMA_EXP ? 0 : FP::bias>(
           s, aK1, aK1 + (L::k2_offset - L::k1_offset), st + L::q1_in_stage + wq * 32 * RB,
-          st + L::q2_in_stage + wq * 32 * RB, mode, masked, g, p.scale_log2, lane);
+          st + L::q2_in_stage + wq * 32 * RB, mode, masked, g, FMA_EXP ? 1.f : p.scale_log2,
+          lane);
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
         for (int nb = 0; nb < 4; ++nb)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            s[mi][nb][e] = fast_exp2(
-                s[mi][nb][e] - lse_to_log2(ss[L::lse_in_stage + wq * 32 + frag_col(nb, e, lane)]));
+          for (int e = 0; e < 4; ++e) {
+            const float lse2 = lse_to_log2(ss[L::lse_in_stage + wq * 32 + frag_col(nb, e, lane)]);
+            s[mi][nb][e] = FMA_EXP
+                ? fast_exp2(fmaf(s[mi][nb][e], p.scale_log2, (float)FP::bias - lse2))
+                : fast_exp2(s[mi][nb][e] - lse2);
+          }
       float dp[2][4][4];
       zero_n<32>(&dp[0][0][0]);
       mma_abt<T, D, 32, 2>(dp, s0 + L::v_offset + wk * 32 * RB,

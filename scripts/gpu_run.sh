@@ -41,7 +41,7 @@
 # w = L beside SDPA flash's backward (--flash), D 64/128, L 2048/8192 (BWDW_LENGTHS), bf16
 # and fp16, causal and not, the default scheme (BWDW_MODES, default "default"): splits the
 # mma.sync backward's gap to flash into the kernel's and the piecewise work's, as fwd_ab
-# does for the forward; about 2 minutes alone, logs/bwd_w.*.
+# does for the forward; about 2 minutes alone (each variant adds about a minute), logs/bwd_w.*.
 # mma_checks (not in all): the mma.sync GPU tests (dense and packed) under MMA_MACRO (default
 # "": the default build) beside memcheck and racecheck on the dense mma.sync D 64/128
 # sanitizer cases, about 4-5 minutes, logs/mma_checks_*.
@@ -591,7 +591,7 @@ if asked fwd_ab; then
   status=$((status | rc))
 fi
 if asked bwd_w; then
-  timeout 300 python3 scripts/mma_bwd_ab.py --variants "${BWDW_VARIANTS-}" --w-fracs 0.25,1 --flash \
+  timeout 480 python3 scripts/mma_bwd_ab.py --variants "${BWDW_VARIANTS-}" --w-fracs 0.25,1 --flash \
     --modes "${BWDW_MODES:-default}" \
     --dims 64,128 --lengths "${BWDW_LENGTHS:-2048,8192}" --dtypes bf16,fp16 --rounds 3 --reps 15 \
     --out "$logs/bwd_w.txt" > "$logs/bwd_w.log" 2>&1

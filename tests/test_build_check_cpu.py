@@ -322,16 +322,18 @@ def test_exempt_entry_forms_build_without_spills(nvrtc, monkeypatch, macros):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-def test_grid_stash_plain_ab_build_compiles(nvrtc, monkeypatch):
-    """The staged A/B build -DPW_GRID_STASH_PLAIN=1 (kernels_cu/backward.cu: the warp-grid
-    backward stashes Pᵀ without the per-row key check, whose rows past N only reach dV rows
-    that are never stored) builds every selectable warp-grid backward, sm_80 to sm_90, without
-    spills, as a default must; the default's PTX does not change (the macro is 0)."""
+@pytest.mark.parametrize("macros", [("-DPW_GRID_STASH_PLAIN=1",), ("-DPW_GRID_FMA_EXP=1",),
+                                    ("-DPW_GRID_STASH_PLAIN=1", "-DPW_GRID_FMA_EXP=1")])
+def test_grid_staged_ab_builds_compile(nvrtc, monkeypatch, macros):
+    """The staged A/B builds of the warp-grid backward (kernels_cu/backward.cu):
+    -DPW_GRID_STASH_PLAIN=1 (Pᵀ stashed without the key check, whose rows past N reach only
+    unstored dV rows) and -DPW_GRID_FMA_EXP=1 (raw scores, scaled inside the exponent's fma),
+    alone and together, build every selectable warp-grid backward, sm_80 to sm_90, without
+    spills, as a default must; the default's PTX does not change (both macros are 0)."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
-    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
-        "-DPW_GRID_STASH_PLAIN=1",))
+    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + macros)
     for cc in ((8, 0), (8, 6), (8, 9), SM90):
         vs = [v for v in build_check.variants_for(cc) if v.phase == "bwd_grid"]
         assert vs and {v.causal for v in vs} == {False, True}  # not vacuous
