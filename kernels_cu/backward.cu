@@ -26,6 +26,17 @@
 #ifndef PW_DQ_RED4
 #define PW_DQ_RED4 1
 #endif
+// PW_DQ_PERM (0, the default; 1 an A/B build, untimed): the one-kernel backwards' float32 dQ
+// accumulator in a permuted column order, so that red_block16 needs no lane swap: inside each
+// 16-column group, columns 2t, 2t + 1, 8 + 2t, 9 + 2t (thread t = lane % 4's two accumulator
+// pairs of a row) sit at 4t .. 4t + 3, one 16-byte reduction per row as they are. The swap
+// (PW_DQ_RED4) costs 4 selects, 4 shuffles and about 10 moves per 16 x 16 block (SASS: some
+// 130 instructions per tile of the D = 64 warp-grid backward, whose loop is about 1400).
+// pw_backward_dq_convert reads the permuted order back; nothing else reads the accumulator
+// (a caller's, core.SharedRows, reaches dq only through that conversion).
+#ifndef PW_DQ_PERM
+#define PW_DQ_PERM 0
+#endif
 
 // float16's P in the dk/dv kernel takes a fixed factor 2^14 (PW_BWD_P_FIXED=1, the default)
 // instead of fit_rows' per-row scale. P = 2^(s - lse2) is at most 1 (up to rounding) when lse
@@ -205,7 +216,16 @@ __global__ void __launch_bounds__(256) pw_backward_dq_convert(const Params p) {
     const Tensor& out = pair ? p.dq2 : p.dq1;
     u16* dst = out.mut(b, h) + i * out.sr;
     for (int c = lane; c < D / 8; c += 32) {
+#if PW_DQ_PERM
+      // columns 16j + 8h .. + 7 (j = c / 2, h = c % 2) from the permuted order (PW_DQ_PERM):
+      // column 16j + 8h + 2t + e sits at 16j + 4t + 2h + e
+      const float* g = reinterpret_cast<const float*>(src) + 16 * (c / 2) + 2 * (c % 2);
+      const float2 a0 = *reinterpret_cast<const float2*>(g), a1 = *reinterpret_cast<const float2*>(g + 4);
+      const float2 a2 = *reinterpret_cast<const float2*>(g + 8), a3 = *reinterpret_cast<const float2*>(g + 12);
+      const float4 x = make_float4(a0.x, a0.y, a1.x, a1.y), y = make_float4(a2.x, a2.y, a3.x, a3.y);
+#else
       const float4 x = src[2 * c], y = src[2 * c + 1];
+#endif
       const float s = p.sm_scale;
       uint4 v;
       v.x = Elem<T>::pack(x.x * s, x.y * s);
@@ -259,9 +279,29 @@ PW_DEVICE void stash_ds(u32 sDS, const float x[MW][BM / 8][4], int keys, int lan
 // column; ok_lo and ok_hi say whether each row exists. One v2 reduction per accumulator
 // pair, or (sm_90, PW_DQ_RED4) one v4 per row. (The pointer sums keep add_dq's order from
 // before this helper existed, so its PTX did not change.)
+template <bool FRESH_T = false>
 PW_DEVICE void red_block16(float* row_lo, float* row_hi, int col, const float c[2][4],
                            bool ok_lo, bool ok_hi, int lane) {
-#if PW_DQ_RED4 && __CUDA_ARCH__ >= 900
+#if PW_DQ_PERM
+  // the permuted order (PW_DQ_PERM above): row_lo + 2t is the group's column 4t. FRESH_T
+  // (add_dq): t from a fresh threadIdx.x read, as the lane's spilled 4 bytes in the packed
+  // causal float16 D = 128 one-kernel entry; the warp-grid backward keeps the lane's (12
+  // instructions fewer per tile)
+  const int t2 = 2 * ((FRESH_T ? tid_reload() : lane) % 4);
+  float* lo = row_lo + col + t2;
+  float* hi = row_hi + col + t2;
+#if __CUDA_ARCH__ >= 900
+  if (ok_lo)
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(lo), "f"(c[0][0]),
+                 "f"(c[0][1]), "f"(c[1][0]), "f"(c[1][1]) : "memory");
+  if (ok_hi)
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(hi), "f"(c[0][2]),
+                 "f"(c[0][3]), "f"(c[1][2]), "f"(c[1][3]) : "memory");
+#else
+  if (ok_lo) red_add2(lo, c[0][0], c[0][1]), red_add2(lo + 2, c[1][0], c[1][1]);
+  if (ok_hi) red_add2(hi, c[0][2], c[0][3]), red_add2(hi + 2, c[1][2], c[1][3]);
+#endif
+#elif PW_DQ_RED4 && __CUDA_ARCH__ >= 900
   // Lanes t and t^1 swap halves so that each adds four contiguous floats of one row
   // (even t: block 0, columns 2t..2t+3; odd t: block 1, columns 8 + 2(t-1)..): half the
   // reduction instructions, +1.5-6% forward+backward on an H200 (bench/NOTES.md;
@@ -329,7 +369,7 @@ PW_DEVICE void add_dq(float* acc, int nvalid, u32 sDS, u32 sK, int warp, int lan
         Elem<T>::mma(c[0], a, b[0], b[1]);
         Elem<T>::mma(c[1], a, b[2], b[3]);
       }
-      red_block16(row_lo, row_hi, cp * 16, c, r < nvalid, r + 8 < nvalid, lane);
+      red_block16<true>(row_lo, row_hi, cp * 16, c, r < nvalid, r + 8 < nvalid, lane);
     }
   }
 }

@@ -322,21 +322,49 @@ def test_exempt_entry_forms_build_without_spills(nvrtc, monkeypatch, macros):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
+@pytest.mark.parametrize("skip", [1, 2])
+def test_warp_skip_forward_ab_builds_compile(nvrtc, monkeypatch, skip):
+    """The staged A/B build -DPW_FWD_WARP_SKIP=1 or 2 (kernels_cu/forward.cu: in the
+    rotating-slot forward a warp skips a masked visit none of whose elements is admissible;
+    1 in both phases, 2 in the near phase only) builds every selectable sm_90 16-bit forward
+    at D = 128, dense and packed, causal and not, without spills, as a default must. Only the
+    rotating-slot entries change under it, and their spill-free form is fragile (a plain
+    branch in the near loop spilled 68-144 bytes, a vote in the far loop 136: the macro's
+    comment), which is what this pins."""
+    from cupy_piecewise import compile as comp
+
+    base = comp.arch_options
+    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
+        f"-DPW_FWD_WARP_SKIP={skip}",))
+    vs = [v for v in build_check.variants_for(SM90) if v.phase == "fwd" and v.head_dim == 128
+          and v.dtype in capability.HALF_DTYPES]
+    assert sum(capability.fwd_q_rotate(v.head_dim, v.tiles) for v in vs) == 4  # not vacuous
+    for r in compile_offline(SM90, vs):
+        assert r.ok and r.registers, (r.variant, r.log)
+        assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+
+
 @pytest.mark.parametrize("macros", [("-DPW_GRID_STASH_PLAIN=1",), ("-DPW_GRID_FMA_EXP=1",),
-                                    ("-DPW_GRID_STASH_PLAIN=1", "-DPW_GRID_FMA_EXP=1")])
-def test_grid_staged_ab_builds_compile(nvrtc, monkeypatch, macros):
-    """The staged A/B builds of the warp-grid backward (kernels_cu/backward.cu):
-    -DPW_GRID_STASH_PLAIN=1 (Pᵀ stashed without the key check, whose rows past N reach only
-    unstored dV rows) and -DPW_GRID_FMA_EXP=1 (raw scores, scaled inside the exponent's fma),
-    alone and together, build every selectable warp-grid backward, sm_80 to sm_90, without
-    spills, as a default must; the default's PTX does not change (both macros are 0)."""
+                                    ("-DPW_DQ_PERM=1",),
+                                    ("-DPW_GRID_STASH_PLAIN=1", "-DPW_GRID_FMA_EXP=1",
+                                     "-DPW_DQ_PERM=1")])
+def test_one_kernel_backward_staged_ab_builds_compile(nvrtc, monkeypatch, macros):
+    """The staged A/B builds of the one-kernel backwards (kernels_cu/backward.cu):
+    -DPW_GRID_STASH_PLAIN=1 (the warp-grid backward stashes Pᵀ without the key check, whose
+    rows past N reach only unstored dV rows), -DPW_GRID_FMA_EXP=1 (its raw scores scaled
+    inside the exponent's fma) and -DPW_DQ_PERM=1 (the float32 dQ accumulator in a permuted
+    column order: one 16-byte reduction per row without a lane swap, undone by the
+    conversion kernel), alone and together, build every selectable warp-grid and fused
+    backward, their delta pre-pass and dQ conversion, sm_80 to sm_90, dense and packed,
+    without spills, as a default must; the default's PTX does not change (the macros are 0)."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + macros)
+    phases = ("bwd_grid", "bwd_fused", "bwd_dq_convert", "bwd_delta")
     for cc in ((8, 0), (8, 6), (8, 9), SM90):
-        vs = [v for v in build_check.variants_for(cc) if v.phase == "bwd_grid"]
-        assert vs and {v.causal for v in vs} == {False, True}  # not vacuous
+        vs = [v for v in build_check.variants_for(cc) if v.phase in phases]
+        assert {v.phase for v in vs} == set(phases) and any(v.varlen for v in vs)  # not vacuous
         for r in compile_offline(cc, vs):
             assert r.ok and r.registers, (r.variant, r.log)
             assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
