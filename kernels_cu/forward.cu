@@ -126,6 +126,38 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
   }
 }
 
+// PW_FWD_WARP_SKIP (A/B build; 0, the default, leaves the code as it was): in the
+// rotating-slot forward (PW_FWD_Q_ROTATE), a warp skips a masked visit (score product,
+// online softmax, P·V) in which none of its 16 MW rows has an admissible key
+// (warp_visit_empty): in a straddling tile some warps' pair-1 or pair-2 visit is empty, and
+// so is a causal diagonal tile's visit for warps whose rows all come before its keys. A
+// visit whose scores are all -inf leaves row_max, row_sum and acc as they were
+// (online_softmax: alpha 1 on a row with a finite max, 0 times an acc of 0 on a row still
+// at -inf; P·V adds products of 0), so the output bits are the same for finite inputs (an
+// inf or NaN in a masked key's v, which the full visit turns into NaN by 0 * inf, and the
+// sign of an accumulator that underflowed to -0 aside). The visit is a pipelined_tiles body,
+// whose barriers are outside it: a warp that returns early still reaches every one. The
+// test is in the masked branch only, so unmasked visits run no extra code. 1: both phases;
+// 2: the near phase only. Forms that build without spills (ptxas, sm_90, D = 128 128x64x4,
+// bf16 and fp16, causal or not): the far phase a plain branch, the near phase a warp vote
+// (__all_sync). The plain branch in the near loop spilled 68-144 bytes, the vote in the far
+// loop 136 bytes. Cost offline: +1 SASS instruction on every far-loop path (its loop counter
+// leaves the uniform registers), +4-5 on a near-loop masked visit, none on near unmasked.
+#ifndef PW_FWD_WARP_SKIP
+#define PW_FWD_WARP_SKIP 0
+#endif
+// True when no element of a warp's ROWS x BN visit of projection pair PAIR is admissible
+// (pair_window, common.cuh): base is the distance of its (row 0, column 0) element, so its
+// distances span [base - (BN - 1), base + ROWS - 1]. Pair 1 keeps d < w, pair 2 d >= w;
+// CAUSAL also drops d < 0. (Columns past N would empty a visit too, but every visited tile
+// starts below N.) |base| <= 2^30 (Geom): base - (BN - 1) and base + ROWS - 1 fit an int.
+template <int PAIR, bool CAUSAL, int ROWS, int BN>
+PW_DEVICE bool warp_visit_empty(int base, int w) {
+  const int dmax = base + (ROWS - 1);
+  if constexpr (PAIR == 1) return base - (BN - 1) >= w || (CAUSAL && dmax < 0);
+  else return dmax < w || (CAUSAL && dmax < 0);
+}
+
 template <typename T, int D, int BM, int BN, int WARPS, bool CAUSAL, bool VARLEN = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
   constexpr int DS = D * Elem<T>::width;   // a row in 16-bit units (common.cuh, Elem)
@@ -241,6 +273,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
         g.base = min(max(row_p - n0, -(1 << 30)), 1 << 30);
         g.w = (int)p.w;
         g.cols_left = min(max(n_keys - n0, -1), 1 << 30);
+#if PW_FWD_WARP_SKIP
+        // warp-uniform: row_p and the tile are the warp's (forms: PW_FWD_WARP_SKIP above)
+        const bool empty = warp_visit_empty<PAIR, CAUSAL, 16 * MW, BN>(g.base, g.w);
+        if constexpr (PAIR == 2) {
+          if (PW_FWD_WARP_SKIP == 1 && empty) return;
+        } else {
+          if (__all_sync(0xffffffffu, empty)) return;
+        }
+#endif
         score_pair_window_after<T, D, BN, MW, CAUSAL>(s, sA, sB, g, PAIR, sc, lane);
       } else {
         score_pair<T, D, BN, MW, false>(s, sA, sB, PairWindow<MW>{}, sc, lane);
