@@ -143,6 +143,15 @@ template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
 #ifndef PW_GRID_STASH_PLAIN
 #define PW_GRID_STASH_PLAIN 0
 #endif
+// PW_GRID_GEOM32 (0, the default; 1 an A/B build, untimed): the warp-grid backward's
+// per-tile geometry (the tile's mode, whether it needs the mask, the warp's Geom) in 32-bit
+// integers instead of tile_mode / tile_needs_mask / make_geom's 64-bit ones, as the
+// rotating-slot forward does. Every operand fits: lengths are below 2^30, the shift P lies in
+// [-M, N] and w in [-(M + N + 1), M + N + 1] (core.plan.clamp_w), so m0 + P - n0 and the
+// like stay inside +-2^31; Geom's clamps to +-2^30 are kept.
+#ifndef PW_GRID_GEOM32
+#define PW_GRID_GEOM32 0
+#endif
 // PW_GRID_FMA_EXP (0, the default; 1 an A/B build, untimed): the warp-grid backward takes
 // raw scores from score_tile (scale 1, the multiply folded away, as the forward's RAW form)
 // and scales them inside the exponent's fma, exp2(fma(s, scale_log2, bias - lse2)), instead
@@ -814,12 +823,33 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_grid(const Params p
       const int keys = (int)clamp64(N - krow0, 0, 32);  // the warp's keys inside K
       i64 h, m0;
       tile_of(lo, per_head, it, h, m0);
+#if PW_GRID_GEOM32
+      // the tile's geometry in 32-bit form (PW_GRID_GEOM32 above), lengths and shift read
+      // from the parameters again rather than held
+      const int Mi = (int)p.M, Pi = (int)p.shift, wi = (int)p.w;
+      const int m0i = (int)m0, n0i = (int)blockIdx.x * BN;
+      const int t = m0i / BM;  // a shift: m0 >= 0
+      const int dmin = m0i + Pi - (n0i + BN - 1);
+      const int mode = (dmin < wi ? 1 : 0) | (m0i + (BM - 1) + Pi - n0i >= wi ? 2 : 0);
+      const bool masked = m0i + BM > Mi || (CAUSAL && dmin < 0);
+#else
       const int t = (int)(m0 / BM);
       const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
       const bool masked = tile_needs_mask<CAUSAL>(tile_dmin(m0, n0, BN, P), m0 + BM, M);
+#endif
       const u32 st = s0 + L::q_offset + stage * L::stage_bytes;
       const float* ss = sStat + stage * L::stats_stage_floats;
+#if PW_GRID_GEOM32
+      Geom g;  // make_geom<true>'s clamps, in 32 bits
+      {
+        const int q0 = m0i + wq * 32;
+        g.base = min(max(q0 + Pi - (n0i + wk * 32), -(1 << 30)), 1 << 30);
+        g.w = wi;
+        g.cols_left = min(max(Mi - q0, -1), 1 << 30);
+      }
+#else
       const Geom g = make_geom<true>(krow0, m0 + wq * 32, P, p.w, M);
+#endif
       const u32 aK1 = s0 + L::k1_offset + wk * 32 * RB;
 
       // Sᵀ and P of the warp's 32 keys x 32 queries

@@ -345,16 +345,17 @@ def test_warp_skip_forward_ab_builds_compile(nvrtc, monkeypatch, skip):
 
 
 @pytest.mark.parametrize("macros", [("-DPW_GRID_STASH_PLAIN=1",), ("-DPW_GRID_FMA_EXP=1",),
-                                    ("-DPW_DQ_PERM=1",),
+                                    ("-DPW_DQ_PERM=1",), ("-DPW_GRID_GEOM32=1",),
                                     ("-DPW_GRID_STASH_PLAIN=1", "-DPW_GRID_FMA_EXP=1",
-                                     "-DPW_DQ_PERM=1")])
+                                     "-DPW_DQ_PERM=1", "-DPW_GRID_GEOM32=1")])
 def test_one_kernel_backward_staged_ab_builds_compile(nvrtc, monkeypatch, macros):
     """The staged A/B builds of the one-kernel backwards (kernels_cu/backward.cu):
     -DPW_GRID_STASH_PLAIN=1 (the warp-grid backward stashes Pᵀ without the key check, whose
     rows past N reach only unstored dV rows), -DPW_GRID_FMA_EXP=1 (its raw scores scaled
     inside the exponent's fma) and -DPW_DQ_PERM=1 (the float32 dQ accumulator in a permuted
     column order: one 16-byte reduction per row without a lane swap, undone by the
-    conversion kernel), alone and together, build every selectable warp-grid and fused
+    conversion kernel) and -DPW_GRID_GEOM32=1 (the warp-grid backward's per-tile geometry in
+    32-bit integers), alone and together, build every selectable warp-grid and fused
     backward, their delta pre-pass and dQ conversion, sm_80 to sm_90, dense and packed,
     without spills, as a default must; the default's PTX does not change (the macros are 0)."""
     from cupy_piecewise import compile as comp
