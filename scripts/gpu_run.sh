@@ -37,14 +37,16 @@
 # FWDAB_LENGTHS (2048,8192), thresholds FWDAB_W (0.25,1: w = L / 4 and w = L), FWDAB_ROUNDS
 # (2); about 4 minutes, logs/fwd_ab.*.
 # bwd_w (not in all): scripts/mma_bwd_ab.py of the default build (and of the ';'-separated
-# macro sets of BWDW_VARIANTS, default none, e.g. PW_GRID_STASH_PLAIN=1) at w = L / 4 and
-# w = L beside SDPA flash's backward (--flash), D 64/128, L 2048/8192 (BWDW_LENGTHS), bf16
-# and fp16, causal and not, the default scheme (BWDW_MODES, default "default"): splits the
-# mma.sync backward's gap to flash into the kernel's and the piecewise work's, as fwd_ab
-# does for the forward; about 2 minutes alone (each variant adds about a minute), logs/bwd_w.*.
-# mma_checks (not in all): the mma.sync GPU tests (dense and packed) under MMA_MACRO (default
-# "": the default build) beside memcheck and racecheck on the dense mma.sync D 64/128
-# sanitizer cases, about 4-5 minutes, logs/mma_checks_*.
+# macro sets of BWDW_VARIANTS, default none, e.g. PW_GRID_STASH_PLAIN=0) at w = L / 4 and
+# w = L beside SDPA flash's backward (--flash), D 64/128 (BWDW_DIMS), L 2048/8192
+# (BWDW_LENGTHS), bf16 and fp16, causal and not, BWDW_ROUNDS rounds (3), the default scheme
+# (BWDW_MODES, default "default"): splits the mma.sync backward's gap to flash into the
+# kernel's and the piecewise work's, as fwd_ab does for the forward; about 2 minutes alone
+# (each variant adds about a minute), logs/bwd_w.*.
+# mma_checks (not in all): the mma.sync GPU tests (dense and packed, and the forced fused and
+# warp-grid one-kernel backwards) under MMA_MACRO (default "": the default build) beside
+# memcheck and racecheck on the dense mma.sync D 64/128 sanitizer cases, about 4-5 minutes,
+# logs/mma_checks_*.
 # gqa_ncu (not in all): Nsight Compute (memory, warp state, scheduler, instructions, source
 # counters) on the decode kernel, bfloat16 D = 128 N = 32768 (GQA_N), B = 1 with 32 key heads
 # and 32 then 128 query heads, logs in logs/ncu_gqa_ncu_h*.txt; about 2 minutes.
@@ -593,7 +595,8 @@ fi
 if asked bwd_w; then
   timeout 480 python3 scripts/mma_bwd_ab.py --variants "${BWDW_VARIANTS-}" --w-fracs 0.25,1 --flash \
     --modes "${BWDW_MODES:-default}" \
-    --dims 64,128 --lengths "${BWDW_LENGTHS:-2048,8192}" --dtypes bf16,fp16 --rounds 3 --reps 15 \
+    --dims "${BWDW_DIMS:-64,128}" --lengths "${BWDW_LENGTHS:-2048,8192}" --dtypes bf16,fp16 \
+    --rounds "${BWDW_ROUNDS:-3}" --reps 15 \
     --out "$logs/bwd_w.txt" > "$logs/bwd_w.log" 2>&1
   rc=$?; echo "bwd_w probe: exit $rc"; tail -70 "$logs/bwd_w.log"
   status=$((status | rc))
@@ -606,8 +609,9 @@ if asked mma_checks; then
       SANITIZE_SKIP=kvcache,rotary,varlen,torch timeout 300 compute-sanitizer --tool $tool $extra \
       --error-exitcode 9 python3 scripts/sanitize_cases.py > "$logs/mma_checks_$tool.log" 2>&1 &
   done
+  sel="(mma and not hopper) or grid_backward_forced or fused_backward_forced"
   PW_TEST_MACROS="$m" CUPY_PIECEWISE_PATH=mma timeout 300 python3 -m pytest -q -ra -m gpu \
-    -p no:cacheprovider tests/test_kernels_gpu.py tests/test_varlen_gpu.py -k "mma and not hopper" \
+    -p no:cacheprovider tests/test_kernels_gpu.py tests/test_varlen_gpu.py -k "$sel" \
     > "$logs/mma_checks_pytest.log" 2>&1
   rc=$?; echo "mma tests ($m): exit $rc"; tail -3 "$logs/mma_checks_pytest.log"; status=$((status | rc))
   for tool in memcheck racecheck; do wait -n; rc=$?; status=$((status | rc)); done

@@ -6,7 +6,8 @@ scripts/mma_fwd_probe.py's tile argument and A/B table, scripts/mma_bwd_probe.py
 scripts/mma_bwd_ab.py's table and kernel-cache swap, scripts/fit_vote_model.py's replay of
 the float16 dS fit, scripts/hopper_bwd_ab.py's parsing and summary,
 scripts/kvdecode_probe.py's configs, table and knob settings, scripts/bitwise_ab.py's cases, and
-scripts/causal_schedule_model.py's makespans, scripts/warp_skip_model.py's proof."""
+scripts/causal_schedule_model.py's makespans, scripts/warp_skip_model.py's proof,
+scripts/merge_margin.py's seed lists."""
 from __future__ import annotations
 
 import os
@@ -504,3 +505,22 @@ def test_warp_skip_model_never_skips_work():
     assert n_vis == 3000 and 0 < n_skip <= n_empty
     assert model.share(2048, 512, False) == (2144, 192, 48)
     assert model.share(2048, 512, True) == (1184, 320, 80)
+
+
+def test_merge_margin_seed_lists_and_gpu_test_hook():
+    """scripts/merge_margin.py: its seed list syntax, and the GPU test it replays still has
+    the signature it calls (kernel_path, causal, D) and reads tolerance.compare through the
+    module (the spy it installs)."""
+    import inspect
+
+    import merge_margin
+
+    assert merge_margin.parse_seeds("1-3,9,12-12") == [1, 2, 3, 9, 12]
+    assert merge_margin.parse_seeds("") == []
+    sys.path.insert(0, str(ROOT / "tests"))
+    pytest.importorskip("cupy")
+    import test_kernels_gpu as t
+
+    fn = t.test_merge_of_complementary_key_ranges
+    assert list(inspect.signature(fn).parameters) == ["kernel_path", "causal", "D"]
+    assert "tolerance.compare(" in inspect.getsource(fn)
