@@ -26,7 +26,7 @@
 #ifndef PW_DQ_RED4
 #define PW_DQ_RED4 1
 #endif
-// PW_DQ_PERM (0, the default; 1 an A/B build, untimed): the one-kernel backwards' float32 dQ
+// PW_DQ_PERM (1, the default since 2026-12-07; 0, the natural order, an A/B build): the one-kernel backwards' float32 dQ
 // accumulator in a permuted column order, so that red_block16 needs no lane swap: inside each
 // 16-column group, columns 2t, 2t + 1, 8 + 2t, 9 + 2t (thread t = lane % 4's two accumulator
 // pairs of a row) sit at 4t .. 4t + 3, one 16-byte reduction per row as they are. The swap
@@ -35,7 +35,7 @@
 // pw_backward_dq_convert reads the permuted order back; nothing else reads the accumulator
 // (a caller's, core.SharedRows, reaches dq only through that conversion).
 #ifndef PW_DQ_PERM
-#define PW_DQ_PERM 0
+#define PW_DQ_PERM 1
 #endif
 
 // float16's P in the dk/dv kernel takes a fixed factor 2^14 (PW_BWD_P_FIXED=1, the default)
@@ -132,7 +132,7 @@ template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
 #ifndef PW_GRID_GROUP1
 #define PW_GRID_GROUP1 1
 #endif
-// PW_GRID_STASH_PLAIN (0, the default; 1 an A/B build, untimed): the warp-grid backward
+// PW_GRID_STASH_PLAIN (1, the default since 2026-12-07; 0 an A/B build): the warp-grid backward
 // stashes Pᵀ without stash_ds's per-row key check. The check zeroes the rows of keys past N,
 // a zeroing move beside each predicated pack (16 IMAD.MOV.U32 per stash at D = 64); Pᵀ's rows
 // feed only dV's rows of the same keys (Pᵀ·dO), and the rows of keys past N are never stored,
@@ -141,26 +141,32 @@ template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
 // (scripts/offline_sass.py, bf16, 2026-12-07): the tile loop 1435 -> 1412 instructions at
 // D = 64 non-causal (1487 -> 1456 causal), 2547 -> 2524 at D = 128 (fp16), no spills.
 #ifndef PW_GRID_STASH_PLAIN
-#define PW_GRID_STASH_PLAIN 0
+#define PW_GRID_STASH_PLAIN 1
 #endif
-// PW_GRID_GEOM32 (0, the default; 1 an A/B build, untimed): the warp-grid backward's
+// PW_GRID_GEOM32 (1, the default since 2026-12-07; 0 an A/B build): the warp-grid backward's
 // per-tile geometry (the tile's mode, whether it needs the mask, the warp's Geom) in 32-bit
 // integers instead of tile_mode / tile_needs_mask / make_geom's 64-bit ones, as the
 // rotating-slot forward does. Every operand fits: lengths are below 2^30, the shift P lies in
 // [-M, N] and w in [-(M + N + 1), M + N + 1] (core.plan.clamp_w), so m0 + P - n0 and the
 // like stay inside +-2^31; Geom's clamps to +-2^30 are kept.
 #ifndef PW_GRID_GEOM32
-#define PW_GRID_GEOM32 0
+#define PW_GRID_GEOM32 1
 #endif
-// PW_GRID_FMA_EXP (0, the default; 1 an A/B build, untimed): the warp-grid backward takes
+// PW_GRID_FMA_EXP (1, the default since 2026-12-07; 0 an A/B build): the warp-grid backward takes
 // raw scores from score_tile (scale 1, the multiply folded away, as the forward's RAW form)
 // and scales them inside the exponent's fma, exp2(fma(s, scale_log2, bias - lse2)), instead
 // of a multiply in score_tile and a subtraction here: one instruction fewer per element
 // (32 per tile and thread), the per-column term (bias - lse2: FixedP's 2^bias rides there)
 // computed once per column. Masked elements stay -inf (fma(-inf, scale > 0, finite) = -inf;
-// a row with no admissible key has lse2 = +inf, as before: -inf, then 0).
+// a row with no admissible key has lse2 = +inf, as before: -inf, then 0). The four warp-grid
+// macros (STASH_PLAIN, GEOM32, FMA_EXP and PW_DQ_PERM) took the tile loop from 1435 to 1267
+// SASS instructions at D = 64 bf16 (1976 -> 1810 at D = 128). Timed together, the backward
+// alone against the earlier default (scripts/mma_bwd_ab.py, two runs, H100, 2026-12-07,
+// bench/results/2026-12-07-h100-bwd-macros): median 1.019x at D = 64 (0.939-1.085, the low
+// end a 11%-spread row that ran 1.084 in the other run), 1.007x at D = 128 (0.977-1.030). The
+// GPU suite, memcheck and racecheck ran under the four before they became the default.
 #ifndef PW_GRID_FMA_EXP
-#define PW_GRID_FMA_EXP 0
+#define PW_GRID_FMA_EXP 1
 #endif
 
 // delta[b, h, i] = sum_d dO[i, d] * O[i, d], one warp per row, 16-byte loads.

@@ -47,24 +47,21 @@ template <typename T, bool CAUSAL, bool ONE_K> struct VisitPairs {
 #ifndef PW_FWD_LAZY_RESCALE
 #define PW_FWD_LAZY_RESCALE -1
 #endif
-// PW_FWD_RAW_MAX (2, the default; 0: the earlier form, kept for A/B builds): the score tile
-// stays unscaled (score_tile and score_pair get a scale of exactly 1, which folds their
+// Raw scores in the visits bodies (the rotating-slot visit and the visits body): the score
+// tile stays unscaled (score_tile and score_pair get a scale of exactly 1, which folds their
 // multiply away), the row max is taken over raw scores and scaled once per row, and each
-// probability is exp2(fma(s, scale_log2, -max)): one fma per score where form 0 pays a
-// multiply in the score tile and a subtraction here (FlashAttention-2's form). It needs
+// probability is exp2(fma(s, scale_log2, -max)): one fma per score where the scaled form
+// pays a multiply in the score tile and a subtraction here (FlashAttention-2's form). It needs
 // scale_log2 > 0, which validation guarantees (sm_scale is finite and positive), so that the
-// max commutes with the scaling; masked scores stay -inf through the fma. 1: in both bodies;
-// 2: in the visits body only. Measured on the H200 with the mma.sync path forced
-// (mma_fwd_probe, four runs, bf16 and fp16, L 2048-16384; bench/results/
-// 2026-12-04-h200-mma-vs-flag-attn and 2026-12-04-h200-staged-defaults): the visits body
-// gains at D = 64 causal (+1.2-6.4% at L >= 8192) and +1.3-2.7% at D = 128 (one key slot:
-// visits too) on 7 of 8 rows of the last run (one -3.3%, float16 causal L 16384), while the
-// merged body (D = 64 non-causal) loses 1.3-3.2% with 1, hence 2. The GPU suite, memcheck and
-// racecheck ran on 2 before it became the default.
-#ifndef PW_FWD_RAW_MAX
-#define PW_FWD_RAW_MAX 2
-#endif
-// RAW: s holds raw scores and scale is scale_log2 (PW_FWD_RAW_MAX); otherwise s is in the
+// max commutes with the scaling; masked scores stay -inf through the fma. Measured on the
+// H200 with the mma.sync path forced (mma_fwd_probe, four runs, bf16 and fp16, L 2048-16384;
+// bench/results/2026-12-04-h200-mma-vs-flag-attn and 2026-12-04-h200-staged-defaults): the
+// visits body gains at D = 64 causal (+1.2-6.4% at L >= 8192) and +1.3-2.7% at D = 128 on 7
+// of 8 rows of the last run, while the merged body (D = 64 non-causal) lost 1.3-3.2% with
+// it, so the merged body keeps scaled scores. The A/B macro of that comparison
+// (PW_FWD_RAW_MAX) was removed on 2026-12-07: its scaled form had come to spill 40 bytes at
+// the rotating-slot entry once the straddle split became that entry's sweep.
+// RAW: s holds raw scores and scale is scale_log2 (above); otherwise s is in the
 // log2 domain already and scale is unused.
 template <int D, int BN, int MW, bool RAW = false>
 PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
@@ -126,7 +123,7 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
   }
 }
 
-// PW_FWD_WARP_SKIP (A/B build; 0, the default, leaves the code as it was): in the
+// PW_FWD_WARP_SKIP (1, the default since 2026-12-07; 0 and 2 A/B builds): in the
 // rotating-slot forward (PW_FWD_Q_ROTATE), a warp skips a masked visit (score product,
 // online softmax, P·V) in which none of its 16 MW rows has an admissible key
 // (warp_visit_empty): in a straddling tile some warps' pair-1 or pair-2 visit is empty, and
@@ -143,8 +140,12 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
 // (__all_sync). The plain branch in the near loop spilled 68-144 bytes, the vote in the far
 // loop 136 bytes. Cost offline: +1 SASS instruction on every far-loop path (its loop counter
 // leaves the uniform registers), +4-5 on a near-loop masked visit, none on near unmasked.
+// Timed against the default and a control build (mma_fwd_probe, gpu_run.sh fwd_ab, H100,
+// 2026-12-07, D = 128 L = 2048, bf16/fp16, causal or not, w = L / 4 and L): 1 ran
+// 1.020-1.078x, 2 0.986-1.036x, the control 0.976-1.016x. 1 is faster at w = L too, where
+// it skips only causal diagonal visits: the far loop's code changed shape (not analysed).
 #ifndef PW_FWD_WARP_SKIP
-#define PW_FWD_WARP_SKIP 0
+#define PW_FWD_WARP_SKIP 1
 #endif
 // True when no element of a warp's ROWS x BN visit of projection pair PAIR is admissible
 // (pair_window, common.cuh): base is the distance of its (row 0, column 0) element, so its
@@ -257,14 +258,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     // the visits body does not gain from (bench/NOTES.md, twenty-seventh).
     auto visit = [&](int t, u16* st, auto pair_c, bool masked) {
       constexpr int PAIR = decltype(pair_c)::value;
-      constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
       const int lane = tid_reload() % 32;  // shadows the kernel's lane on purpose (above)
       const int n0 = t * BN;
       float s[MW][BN / 8][4];
       const u32 sA = PAIR == 1
           ? smem_addr(slot2) + (tid_reload() >> 5) * (L::warp_rows * L::pitch * 2) : aQ2r;
       const u32 sB = smem_addr(st + L::k1_in_stage);  // one slot: k1 or k2
-      const float sc = RAW ? 1.f : p.scale_log2;
+      const float sc = 1.f;  // raw scores (above online_softmax)
       if (masked) {
         // the geometry in the masked branch: the 64-bit make_geom, hoisted above the branch,
         // cost 34 instructions per unmasked visit (SASS; ncu at w = L: +3.5%)
@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       } else {
         score_pair<T, D, BN, MW, false>(s, sA, sB, PairWindow<MW>{}, sc, lane);
       }
-      online_softmax<D, BN, MW, RAW>(s, acc, row_max, row_sum, p.scale_log2);
+      online_softmax<D, BN, MW, true>(s, acc, row_max, row_sum, p.scale_log2);
       mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + L::v_in_stage), lane);
     };
     using Far = IntConst<1>;
@@ -313,7 +313,6 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
         });
   } else if constexpr (!VisitPairs<T, CAUSAL, ONE_K>::value) {
     // One visit per tile; a straddling tile's two products go into one score tile.
-    constexpr bool RAW = PW_FWD_RAW_MAX == 1;
     pipelined_tiles(t_begin, ntiles, issue, [&](int t, int stage) {
       const i64 n0 = (i64)t * BN;
       const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
@@ -325,8 +324,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
       // table entry, and the build check allows no spill.
       score_tile<PW_MASK_SPLIT_OR(D >= 128 ? 2 : 0), T, D, BN, MW, CAUSAL, false>(
           s, aQ1, aQ2, smem_addr(st + L::k1_in_stage), smem_addr(st + L::k2_in_stage), mode,
-          masked, g, RAW ? 1.f : p.scale_log2, lane);  // a 1 folds the multiply away
-      online_softmax<D, BN, MW, RAW>(s, acc, row_max, row_sum, p.scale_log2);
+          masked, g, p.scale_log2, lane);  // scaled scores (above online_softmax)
+      online_softmax<D, BN, MW, false>(s, acc, row_max, row_sum, p.scale_log2);
       mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + L::v_in_stage), lane);
     });
   } else {
@@ -335,7 +334,6 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
     // any mask code. (Re-reading threadIdx.x per tile here, as the rotating-slot visit
     // does, shortened the loop offline but timed 0.96-1.03x on an H200, 2026-12-05: noise,
     // so that A/B build, PW_FWD_VISIT_RELOAD, was removed.)
-    constexpr bool RAW = PW_FWD_RAW_MAX == 1 || PW_FWD_RAW_MAX == 2;
     pipelined_tiles(t_begin, ntiles, issue, [&](int t, int stage) {
       const i64 n0 = (i64)t * BN;
       const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
@@ -358,13 +356,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
         // offset times (pair - 1): a select here changed the PTX of every causal variant.
         constexpr int k2_off = L::k2_in_stage - L::k1_in_stage;
         const u32 sB = smem_addr(st + L::k1_in_stage + (pair - 1) * k2_off);
-        const float sc = RAW ? 1.f : p.scale_log2;  // a 1 folds the multiply away
+        const float sc = 1.f;  // raw scores: a 1 folds the multiply away
         if (masked)
           score_pair<T, D, BN, MW, true>(s, sA, sB, pair_window<MW, CAUSAL>(g, pair, lane), sc,
                                          lane);
         else
           score_pair<T, D, BN, MW, false>(s, sA, sB, PairWindow<MW>{}, sc, lane);
-        online_softmax<D, BN, MW, RAW>(s, acc, row_max, row_sum, p.scale_log2);
+        online_softmax<D, BN, MW, true>(s, acc, row_max, row_sum, p.scale_log2);
         mma_xb<T, D, BN, MW>(acc, s, smem_addr(st + L::v_in_stage), lane);
       }
     });

@@ -93,11 +93,7 @@
 # control build) and scripts/mma_bwd_ab.py (backward alone, both schemes) of BARRIER_MACROS
 # against the default, about 5 minutes; logs in logs/one_barrier_*.
 # mma_probes (not in all): the mma.sync backward against SDPA flash (scripts/mma_bwd_probe.py,
-# bfloat16 and float16), then the forward's earlier forms -DPW_FWD_RAW_MAX=0 and =1
-# (kernels_cu/forward.cu: the default, 2, scales raw scores inside the exponential's fma in
-# the visits body) against the default (scripts/mma_fwd_probe.py, D 64 and 128, L 8192 and
-# 16384, 40 reps, with its reference checks and a control build of the default kernels
-# that shows the probe's noise), and the earlier default of the float16 causal
+# bfloat16 and float16), then the earlier default of the float16 causal
 # D = 128 one-kernel backward (-DPW_BWD_P_FIXED_EXEMPT=1 with -DPW_BWD_TID_RELOAD=0 and
 # -DPW_ONE_BARRIER=0, with which it builds without spills: the
 # per-row P scale, kernels_cu/backward.cu) against the default (scripts/mma_bwd_ab.py,
@@ -266,7 +262,6 @@ if asked probes; then
 fi
 if asked mma_probes; then
   for args in "mma_bwd_probe --dtypes bf16,fp16" \
-              "mma_fwd_probe --variants PW_FWD_RAW_MAX=0;PW_FWD_RAW_MAX=1 --tiles 128:128x64x4;64:128x64x4 --lengths 8192,16384 --dtypes bf16,fp16 --rounds 3 --reps 40 --control" \
               "mma_bwd_ab --modes default --dtypes fp16,bf16 --dims 128 --variants PW_BWD_P_FIXED_EXEMPT=1,PW_BWD_TID_RELOAD=0,PW_ONE_BARRIER=0" \
               "mma_fwd_probe --variants PW_FWD_Q_ROTATE=0 --tiles 128:128x64x4,128x32x4 --lengths 2048,8192,16384 --dtypes bf16,fp16 --rounds 3 --reps 30 --control"; do
     name=$(echo "$args" | tr ' =,;:' '_____' | tr -d '-' | tr -s '_' | cut -c1-60)

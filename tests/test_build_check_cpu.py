@@ -258,40 +258,6 @@ def test_lazy_rescale_ab_builds_compile(nvrtc, monkeypatch, lazy):
             assert (r.spill_stores or 0) <= bound and (r.spill_loads or 0) <= bound, (r.variant, r.log)
 
 
-@pytest.mark.parametrize("raw", [0, 1])
-def test_raw_max_forward_ab_builds_compile(nvrtc, monkeypatch, raw):
-    """The A/B forms of -DPW_FWD_RAW_MAX (kernels_cu/forward.cu; the default, 2, scales raw
-    scores inside the exponential's fma in the visits body, and is the build check's):
-    0 (scores scaled in the score tile everywhere, the default until 2026-12-04) and 1 (the fma
-    form in both loop bodies) build the sm_90 row's dense forward in every dtype at D = 64
-    and 128, causal and not (both bodies, float32 included), without spills, except form 0
-    at the D = 64 entry since 2026-12-05, 128x128x4 with one key slot: 24 bytes of spill
-    stores there (12 of loads, NVRTC 13.5), so an A/B run of form 0 at D = 64 times a
-    spilling build (bench/NOTES.md, thirty-fourth section); and form 0 at the non-causal
-    D = 128 rotating-slot entry since the straddle split became its sweep (2026-12-07): 40
-    bytes of spill stores, 64 of loads."""
-    from cupy_piecewise import compile as comp
-
-    base = comp.arch_options
-    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
-        f"-DPW_FWD_RAW_MAX={raw}",))
-    vs = sorted({Variant(phase, dt, d, t, c)
-                 for phase, d, dt, c, t in capability.selectable_configs(SM90)
-                 if phase == "fwd" and d in (64, 128)}, key=str)
-    assert {v.causal for v in vs} == {False, True} and len({v.dtype for v in vs}) == 3
-    for r in compile_offline(SM90, vs):
-        assert r.ok and r.registers, (r.variant, r.log)
-        v = r.variant
-        if raw == 0 and v.head_dim == 64 and v.dtype != "float32" and v.tiles.block_n == 128:
-            assert r.spill_stores <= 24, (v, r.log)  # the one-key 128x128x4 entry (docstring)
-            continue
-        rotating = capability.fwd_q_rotate(v.head_dim, v.tiles, 4 if v.dtype == "float32" else 2)
-        if raw == 0 and rotating and not v.causal:
-            assert r.spill_stores <= 40, (v, r.log)  # the rotating-slot entry (docstring)
-            continue
-        assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
-
-
 @pytest.mark.parametrize("macros", [
     ("-DPW_BWD_P_FIXED_EXEMPT=1", "-DPW_BWD_TID_RELOAD=0", "-DPW_ONE_BARRIER=0"),
     ("-DPW_BWD_P_FIXED_EXEMPT=2", "-DPW_BWD_TID_RELOAD=2")])
@@ -322,15 +288,16 @@ def test_exempt_entry_forms_build_without_spills(nvrtc, monkeypatch, macros):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-@pytest.mark.parametrize("skip", [1, 2])
+@pytest.mark.parametrize("skip", [0, 2])
 def test_warp_skip_forward_ab_builds_compile(nvrtc, monkeypatch, skip):
-    """The staged A/B build -DPW_FWD_WARP_SKIP=1 or 2 (kernels_cu/forward.cu: in the
-    rotating-slot forward a warp skips a masked visit none of whose elements is admissible;
-    1 in both phases, 2 in the near phase only) builds every selectable sm_90 16-bit forward
-    at D = 128, dense and packed, causal and not, without spills, as a default must. Only the
-    rotating-slot entries change under it, and their spill-free form is fragile (a plain
-    branch in the near loop spilled 68-144 bytes, a vote in the far loop 136: the macro's
-    comment), which is what this pins."""
+    """The A/B forms of -DPW_FWD_WARP_SKIP (kernels_cu/forward.cu: in the rotating-slot
+    forward a warp skips a masked visit none of whose elements is admissible; 1, the default
+    since 2026-12-07 and the build check's, in both phases; 2 in the near phase only; 0 no
+    skip, the default before) build every selectable sm_90 16-bit forward at D = 128, dense
+    and packed, causal and not, without spills, so that an A/B run times spill-free builds.
+    Only the rotating-slot entries change under it, and their spill-free form is fragile (a
+    plain branch in the near loop spilled 68-144 bytes, a vote in the far loop 136: the
+    macro's comment), which is what this pins."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
@@ -344,20 +311,20 @@ def test_warp_skip_forward_ab_builds_compile(nvrtc, monkeypatch, skip):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-@pytest.mark.parametrize("macros", [("-DPW_GRID_STASH_PLAIN=1",), ("-DPW_GRID_FMA_EXP=1",),
-                                    ("-DPW_DQ_PERM=1",), ("-DPW_GRID_GEOM32=1",),
-                                    ("-DPW_GRID_STASH_PLAIN=1", "-DPW_GRID_FMA_EXP=1",
-                                     "-DPW_DQ_PERM=1", "-DPW_GRID_GEOM32=1")])
+_GRID_EARLIER = ("-DPW_GRID_STASH_PLAIN=0", "-DPW_GRID_FMA_EXP=0", "-DPW_DQ_PERM=0",
+                 "-DPW_GRID_GEOM32=0")
+
+
+@pytest.mark.parametrize("macros", [(m,) for m in _GRID_EARLIER] + [_GRID_EARLIER])
 def test_one_kernel_backward_staged_ab_builds_compile(nvrtc, monkeypatch, macros):
-    """The staged A/B builds of the one-kernel backwards (kernels_cu/backward.cu):
-    -DPW_GRID_STASH_PLAIN=1 (the warp-grid backward stashes Pᵀ without the key check, whose
-    rows past N reach only unstored dV rows), -DPW_GRID_FMA_EXP=1 (its raw scores scaled
-    inside the exponent's fma) and -DPW_DQ_PERM=1 (the float32 dQ accumulator in a permuted
-    column order: one 16-byte reduction per row without a lane swap, undone by the
-    conversion kernel) and -DPW_GRID_GEOM32=1 (the warp-grid backward's per-tile geometry in
-    32-bit integers), alone and together, build every selectable warp-grid and fused
-    backward, their delta pre-pass and dQ conversion, sm_80 to sm_90, dense and packed,
-    without spills, as a default must; the default's PTX does not change (the macros are 0)."""
+    """The A/B forms of the one-kernel backwards' four cuts (kernels_cu/backward.cu; each 1
+    by default since 2026-12-07, the build check's): -DPW_GRID_STASH_PLAIN=0 (the warp-grid
+    backward stashes Pᵀ with the key check), -DPW_GRID_FMA_EXP=0 (its scores scaled in the
+    score tile), -DPW_DQ_PERM=0 (the float32 dQ accumulator in natural column order, a lane
+    swap before each 16-byte reduction) and -DPW_GRID_GEOM32=0 (the per-tile geometry in
+    64-bit integers), each alone and all four (the default before), build every selectable
+    warp-grid and fused backward, their delta pre-pass and dQ conversion, sm_80 to sm_90,
+    dense and packed, without spills, so that an A/B run times spill-free builds."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options

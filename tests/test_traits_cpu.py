@@ -447,10 +447,10 @@ def test_apply_test_macros_reaches_options_and_mirrors(monkeypatch):
     t = capability.TileConfig(128, 64, 4)
     assert capability.lookup((9, 0), "fwd", 128, "bfloat16", False) == t
     assert capability.shared_bytes("fwd", 128, t) == 104448
-    monkeypatch.setenv("PW_TEST_MACROS", " PW_FWD_Q_ROTATE=0  PW_FWD_RAW_MAX=2 ")
-    assert comp.apply_test_macros() == ("-DPW_FWD_Q_ROTATE=0", "-DPW_FWD_RAW_MAX=2")
-    assert comp.BASE_OPTIONS == ("-std=c++17", "-DPW_FWD_Q_ROTATE=0", "-DPW_FWD_RAW_MAX=2")
-    assert comp.arch_options((9, 0))[1:3] == ("-DPW_FWD_Q_ROTATE=0", "-DPW_FWD_RAW_MAX=2")
+    monkeypatch.setenv("PW_TEST_MACROS", " PW_FWD_Q_ROTATE=0  PW_GRID_FMA_EXP=0 ")
+    assert comp.apply_test_macros() == ("-DPW_FWD_Q_ROTATE=0", "-DPW_GRID_FMA_EXP=0")
+    assert comp.BASE_OPTIONS == ("-std=c++17", "-DPW_FWD_Q_ROTATE=0", "-DPW_GRID_FMA_EXP=0")
+    assert comp.arch_options((9, 0))[1:3] == ("-DPW_FWD_Q_ROTATE=0", "-DPW_GRID_FMA_EXP=0")
     assert not capability.FWD_Q_ROTATE
     assert capability.lookup((9, 0), "fwd", 128, "bfloat16", False) == t
     assert capability.shared_bytes("fwd", 128, t) == 139264
