@@ -88,7 +88,9 @@
 # one_barrier (not in all): the mma.sync GPU cases of test_kernels_gpu.py and the packed-batch
 # mma cases, racecheck and synccheck on the dense mma.sync D 64/128 cases, under
 # BARRIER_MACROS (default -DPW_ONE_BARRIER=0, the two-barrier tile loop of kernels_cu/common.cuh
-# pipelined_tiles that the default replaced on 2026-12-06), about 5-6 minutes;
+# pipelined_tiles that the default replaced on 2026-12-06; since the forward warp skip became
+# the default, 2026-12-07, give forward runs PW_FWD_WARP_SKIP=0 beside it: two barriers with
+# the skip spill 144 bytes at the D = 128 rotating-slot entry), about 5-6 minutes;
 # one_barrier_ab (not in all): scripts/mma_fwd_probe.py (forward, with its checks and a
 # control build) and scripts/mma_bwd_ab.py (backward alone, both schemes) of BARRIER_MACROS
 # against the default, about 5 minutes; logs in logs/one_barrier_*.

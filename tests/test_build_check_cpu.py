@@ -447,8 +447,9 @@ def test_grid_backward_reload_modes_build_without_spills(nvrtc, monkeypatch, cc)
     warp-grid backward's lane- and warp-derived offsets across the tile loop at D = 64 and
     re-reads threadIdx.x per tile above it; 1, the earlier default kept for A/B runs,
     re-reads at every D. Every bwd_grid entry of every listed architecture builds without
-    spills in both forms; the D = 64 entries' reports differ between them (the mode reached
-    them), the D = 128 ones do not."""
+    spills in both forms; the D = 128 entries' reports do not differ between them, and some
+    D = 64 entry's does (the mode reached them; since the four tile-loop cuts of 2026-12-07
+    the sm_90 bfloat16 causal one reports 240 registers in both)."""
     from cupy_piecewise import compile as comp
 
     vs = sorted({Variant(phase, dt, d, t, c)
@@ -463,11 +464,16 @@ def test_grid_backward_reload_modes_build_without_spills(nvrtc, monkeypatch, cc)
         default[r.variant] = (r.registers, r.spill_stores)
     monkeypatch.setattr(comp, "arch_options",
                         lambda c, hopper=False: base(c, hopper) + ("-DPW_GRID_TID_RELOAD=1",))
+    moved_64 = []
     for r in compile_offline(cc, vs):
         assert r.ok and r.registers, (r.variant, r.log)
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
         moved = (r.registers, r.spill_stores) != default[r.variant]
-        assert moved == (r.variant.head_dim == 64), (r.variant, default[r.variant], r.registers)
+        if r.variant.head_dim == 64:
+            moved_64.append(moved)
+        else:
+            assert not moved, (r.variant, default[r.variant], r.registers)
+    assert not moved_64 or any(moved_64), "the mode reached no D = 64 entry"
 
 
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
@@ -496,12 +502,14 @@ def test_two_barrier_tile_loop_builds_without_spills(nvrtc, monkeypatch):
     two barriers per tile, kept for A/B runs against the default (one barrier since
     2026-12-06; the build check covers it). The sm_90 row's dense bfloat16 forward,
     one-kernel backward and deterministic backward entries at head dims 64 and 128 build
-    without spills in that form."""
+    without spills in that form, with the forward of its day (-DPW_FWD_WARP_SKIP=0: with
+    the warp skip, the default since 2026-12-07, two barriers spill 144 bytes at the
+    non-causal D = 128 rotating-slot entry, 8 causal; ptxas 13.0)."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
-    monkeypatch.setattr(comp, "arch_options",
-                        lambda c, hopper=False: base(c, hopper) + ("-DPW_ONE_BARRIER=0",))
+    monkeypatch.setattr(comp, "arch_options", lambda c, hopper=False: base(c, hopper) + (
+        "-DPW_ONE_BARRIER=0", "-DPW_FWD_WARP_SKIP=0"))
     vs = sorted({Variant(phase, dt, d, t, c)
                  for phase, d, dt, c, t in capability.selectable_configs(SM90)
                  if phase in ("fwd", "bwd_grid", "bwd_dq", "bwd_dkv") and d in (64, 128)
