@@ -356,6 +356,21 @@ PW_DEVICE void mma_abt_block(float acc[MW][2][4], u32 sA, u32 sB, int np, int la
 
 // acc(16MW x BN) += A(16MW x D) * B(BN x D)^T, both operands row-major tiles in shared
 // memory (A: the warp's rows). Scores, dP and their transposes all take this form.
+// One k step of mma_abt for the 16-column group np: B's fragment from shared memory, two
+// mma per 16-row block.
+template <typename T, int DS, int BN, int MW>
+PW_DEVICE void mma_abt_step(float acc[MW][BN / 8][4], const u32 a[MW][4], u32 sB, int np, int k,
+                            int lane) {
+  u32 b[4];
+  load_b<DS>(b, sB, np, k, lane);
+  ready<T>(b);
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi) {
+    Elem<T>::mma(acc[mi][2 * np], a[mi], b[0], b[1]);
+    Elem<T>::mma(acc[mi][2 * np + 1], a[mi], b[2], b[3]);
+  }
+}
+
 template <typename T, int D, int BN, int MW>
 PW_DEVICE void mma_abt(float acc[MW][BN / 8][4], u32 sA, u32 sB, int lane) {
   constexpr int DS = D * Elem<T>::width;
@@ -366,15 +381,32 @@ PW_DEVICE void mma_abt(float acc[MW][BN / 8][4], u32 sA, u32 sB, int lane) {
 #pragma unroll
     for (int mi = 0; mi < MW; ++mi) ready<T>(a[mi]);
 #pragma unroll
-    for (int np = 0; np < BN / 16; ++np) {
-      u32 b[4];
-      load_b<DS>(b, sB, np, k, lane);
-      ready<T>(b);
+    for (int np = 0; np < BN / 16; ++np) mma_abt_step<T, DS, BN, MW>(acc, a, sB, np, k, lane);
+  }
+}
+
+// One 16-column group kk of mma_xb for 16-bit types: x's two 8-column blocks packed as the
+// A fragment, B's rows kk * 16 .. + 15 read transposed by ldmatrix.
+template <typename T, int D, int BN, int MW>
+PW_DEVICE void mma_xb_step16(float acc[MW][D / 8][4], const float x[MW][BN / 8][4], u32 sB, int kk,
+                             int lane) {
+  u32 a[MW][4];
 #pragma unroll
-      for (int mi = 0; mi < MW; ++mi) {
-        Elem<T>::mma(acc[mi][2 * np], a[mi], b[0], b[1]);
-        Elem<T>::mma(acc[mi][2 * np + 1], a[mi], b[2], b[3]);
-      }
+  for (int mi = 0; mi < MW; ++mi) {
+    a[mi][0] = Elem<T>::pack(x[mi][2 * kk][0], x[mi][2 * kk][1]);
+    a[mi][1] = Elem<T>::pack(x[mi][2 * kk][2], x[mi][2 * kk][3]);
+    a[mi][2] = Elem<T>::pack(x[mi][2 * kk + 1][0], x[mi][2 * kk + 1][1]);
+    a[mi][3] = Elem<T>::pack(x[mi][2 * kk + 1][2], x[mi][2 * kk + 1][3]);
+  }
+#pragma unroll
+  for (int dp = 0; dp < D / 16; ++dp) {
+    u32 b[4];
+    ldsm_x4_trans(b, sB + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * Pitch<D>::bytes +
+                         (dp * 16 + (lane / 16) * 8) * 2);
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) {
+      Elem<T>::mma(acc[mi][2 * dp], a[mi], b[0], b[1]);
+      Elem<T>::mma(acc[mi][2 * dp + 1], a[mi], b[2], b[3]);
     }
   }
 }
@@ -416,27 +448,7 @@ PW_DEVICE void mma_xb(float acc[MW][D / 8][4], const float x[MW][BN / 8][4], u32
     }
   } else {
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      u32 a[MW][4];
-#pragma unroll
-      for (int mi = 0; mi < MW; ++mi) {
-        a[mi][0] = Elem<T>::pack(x[mi][2 * kk][0], x[mi][2 * kk][1]);
-        a[mi][1] = Elem<T>::pack(x[mi][2 * kk][2], x[mi][2 * kk][3]);
-        a[mi][2] = Elem<T>::pack(x[mi][2 * kk + 1][0], x[mi][2 * kk + 1][1]);
-        a[mi][3] = Elem<T>::pack(x[mi][2 * kk + 1][2], x[mi][2 * kk + 1][3]);
-      }
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        u32 b[4];
-        ldsm_x4_trans(b, sB + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * Pitch<D>::bytes +
-                             (dp * 16 + (lane / 16) * 8) * 2);
-#pragma unroll
-        for (int mi = 0; mi < MW; ++mi) {
-          Elem<T>::mma(acc[mi][2 * dp], a[mi], b[0], b[1]);
-          Elem<T>::mma(acc[mi][2 * dp + 1], a[mi], b[2], b[3]);
-        }
-      }
-    }
+    for (int kk = 0; kk < BN / 16; ++kk) mma_xb_step16<T, D, BN, MW>(acc, x, sB, kk, lane);
   }
 }
 
@@ -700,6 +712,83 @@ PW_DEVICE void score_pair_window_after(float s[MW][BN / 8][4], u32 sA, u32 sB, c
   zero_n<MW * BN / 2>(&s[0][0][0]);
   mma_abt<T, D, BN, MW>(s, sA, sB, lane);
   scale_in_window<BN, MW, true>(s, pair_window<MW, CAUSAL>(g, pair, tid_reload() % 32), scale_log2);
+}
+
+// ---------------------------------------------------------------- column groups of a visit
+// (forward.cu, PW_FWD_COL_RANGE)
+// [glo, ghi): the 16-column groups of a warp's ROWS x BN visit of projection pair `pair`
+// that hold an admissible element of some row (pair_window's bounds taken over the warp's
+// rows: the first column is past base - hi, the last at most base + ROWS - 1 - lo and below
+// cols_left). ghi <= glo when none does. Every column outside gets -inf from pair_window's
+// mask in every row of the warp (scripts/col_range_model.py checks it).
+template <int ROWS, int BN, bool CAUSAL>
+PW_DEVICE void pair_groups(const Geom& g, int pair, int& glo, int& ghi) {
+  constexpr int NONE = 0x7fffffff;
+  const int w = g.w;
+  const int lo = pair == 1 ? (CAUSAL ? 0 : -NONE) : (CAUSAL ? max(0, w) : w);
+  const int hi = pair == 1 ? w : NONE;
+  const int first = max(sub_sat(sub_sat(g.base, hi), -1), 0);
+  const int last = min(sub_sat(g.base + (ROWS - 1), lo), min(g.cols_left, BN) - 1);
+  glo = first >> 4;
+  ghi = first <= last ? (last >> 4) + 1 : 0;
+}
+
+// Whether chunk c of CH 16-column groups (groups c CH .. c CH + CH - 1) meets [glo, ghi).
+// glo and ghi are the warp's, but ptxas cannot tell: a plain branch on them is taken as
+// divergent, and the mma.sync products behind it (convergence barriers around every chunk)
+// spilled 76-148 bytes at the D = 64 128x128x4 forward. A vote makes the branch uniform.
+template <int CH> PW_DEVICE bool chunk_in(int c, int glo, int ghi) {
+  return __any_sync(0xffffffffu, c * CH < ghi && (c + 1) * CH > glo);
+}
+
+// score_pair's product over the chunks of CH 16-column groups that meet [glo, ghi) only (a
+// branch per chunk; chunk_in); the other chunks' scores are set to -inf (in their branch:
+// zeroing the whole tile up front kept the zero stores on the computed chunks too, where
+// the first mma otherwise takes a zero accumulator for free).
+template <typename T, int D, int BN, int MW, int CH>
+PW_DEVICE void mma_abt_groups(float acc[MW][BN / 8][4], u32 sA, u32 sB, int lane, int glo,
+                              int ghi) {
+  constexpr int DS = D * Elem<T>::width;
+  static_assert((BN / 16) % CH == 0, "mma_abt_groups: CH divides BN / 16");
+#pragma unroll
+  for (int c = 0; c < BN / 16 / CH; ++c) {
+    if (!chunk_in<CH>(c, glo, ghi)) {
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi) {
+#pragma unroll
+        for (int i = 0; i < CH * 8; ++i) (&acc[mi][2 * c * CH][0])[i] = PW_NEG_INF;
+      }
+      continue;
+    }
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) zero_n<CH * 8>(&acc[mi][2 * c * CH][0]);
+#pragma unroll
+    for (int k = 0; k < DS / 16; ++k) {
+      u32 a[MW][4];
+      load_a<DS, MW>(a, sA, k, lane);
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi) ready<T>(a[mi]);
+#pragma unroll
+      for (int np = c * CH; np < (c + 1) * CH; ++np)
+        mma_abt_step<T, DS, BN, MW>(acc, a, sB, np, k, lane);
+    }
+  }
+}
+
+// mma_xb (16-bit types) over the chunks of CH 16-column groups of x that meet [glo, ghi)
+// only: x is 0 in the others.
+template <typename T, int D, int BN, int MW, int CH>
+PW_DEVICE void mma_xb_groups(float acc[MW][D / 8][4], const float x[MW][BN / 8][4], u32 sB,
+                             int lane, int glo, int ghi) {
+  static_assert(Elem<T>::width == 1, "mma_xb_groups: 16-bit types");
+  static_assert((BN / 16) % CH == 0, "mma_xb_groups: CH divides BN / 16");
+#pragma unroll
+  for (int c = 0; c < BN / 16 / CH; ++c) {
+    if (!chunk_in<CH>(c, glo, ghi)) continue;
+#pragma unroll
+    for (int kk = c * CH; kk < (c + 1) * CH; ++kk)
+      mma_xb_step16<T, D, BN, MW>(acc, x, sB, kk, lane);
+  }
 }
 
 // Zeroes the entries of a (dS) fragment that belong to the other projection pair: the

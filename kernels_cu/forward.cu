@@ -147,6 +147,41 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
 #ifndef PW_FWD_WARP_SKIP
 #define PW_FWD_WARP_SKIP 1
 #endif
+// PW_FWD_COL_RANGE (0, the default; 2 or 4, CH, an A/B build, untimed): in the visits body (D =
+// 64's one-key-slot forward, and the 16-bit causal builds that take it), dense (not varlen)
+// 16-bit kernels, a masked visit runs its two products (scores and P·V) only over the
+// chunks of PW_FWD_COL_RANGE 16-key groups that meet the groups holding an admissible
+// element of the warp's rows (pair_groups, common.cuh). The rest of its scores are -inf
+// under the mask whether computed or not, and their probabilities 0, so the result is the
+// same. At 128x128x4 (32 rows per warp) with w a multiple of 128, a straddling tile's two
+// visits then cost each warp 10 of 16 groups instead of 16, and warp k's causal diagonal
+// visit 2k + 2 of 8: 40 of 64 and 20 of 32 over the block, which chunks of 2 meet exactly
+// (chunks of 4: 48 and 24; scripts/col_range_model.py). The masked visit is a function of
+// its own (visit_masked_groups) with its own softmax and P·V, so unmasked visits run the
+// default's code (the loop's static size grows by that copy: 1876 -> 3022 SASS
+// instructions at sm_90 D = 64 128x128x4); the range is held across its softmax (one pair
+// of registers). Offline (ptxas 13.0) every selectable 16-bit sm_80 and sm_90 forward
+// builds with 2 without spills; with 4 the sm_90 D = 64 causal entry spills 4 bytes. Forms
+// that spilled at that entry: plain branches on the range (76-148 bytes: chunk_in), the
+// ranged products inside the default's shared softmax and P·V (12-76 bytes), per-group
+// branches (36).
+#ifndef PW_FWD_COL_RANGE
+#define PW_FWD_COL_RANGE 0
+#endif
+// A masked visit of the visits body over its warp's column groups, in chunks of CH groups
+// (PW_FWD_COL_RANGE): score product, mask, online softmax and P·V.
+template <typename T, int D, int BN, int MW, int CH, bool CAUSAL>
+PW_DEVICE void visit_masked_groups(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
+                                   float row_max[MW][2], float row_sum[MW][2], u32 sA, u32 sB,
+                                   u32 sV, const Geom& g, int pair, float scale_log2, int lane) {
+  int glo, ghi;
+  pair_groups<16 * MW, BN, CAUSAL>(g, pair, glo, ghi);
+  mma_abt_groups<T, D, BN, MW, CH>(s, sA, sB, lane, glo, ghi);
+  scale_in_window<BN, MW, true>(s, pair_window<MW, CAUSAL>(g, pair, lane), 1.f);  // raw scores
+  online_softmax<D, BN, MW, true>(s, acc, row_max, row_sum, scale_log2);
+  mma_xb_groups<T, D, BN, MW, CH>(acc, s, sV, lane, glo, ghi);
+}
+
 // True when no element of a warp's ROWS x BN visit of projection pair PAIR is admissible
 // (pair_window, common.cuh): base is the distance of its (row 0, column 0) element, so its
 // distances span [base - (BN - 1), base + ROWS - 1]. Pair 1 keeps d < w, pair 2 d >= w;
@@ -357,6 +392,16 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
         constexpr int k2_off = L::k2_in_stage - L::k1_in_stage;
         const u32 sB = smem_addr(st + L::k1_in_stage + (pair - 1) * k2_off);
         const float sc = 1.f;  // raw scores: a 1 folds the multiply away
+#if PW_FWD_COL_RANGE
+        if constexpr (!VARLEN && Elem<T>::width == 1 && (BN / 16) % PW_FWD_COL_RANGE == 0) {
+          if (masked) {  // (PW_FWD_COL_RANGE above)
+            visit_masked_groups<T, D, BN, MW, PW_FWD_COL_RANGE, CAUSAL>(
+                s, acc, row_max, row_sum, sA, sB, smem_addr(st + L::v_in_stage), g, pair,
+                p.scale_log2, lane);
+            continue;
+          }
+        }
+#endif
         if (masked)
           score_pair<T, D, BN, MW, true>(s, sA, sB, pair_window<MW, CAUSAL>(g, pair, lane), sc,
                                          lane);

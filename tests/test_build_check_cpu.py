@@ -311,6 +311,28 @@ def test_warp_skip_forward_ab_builds_compile(nvrtc, monkeypatch, skip):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
+def test_column_range_forward_ab_build_compiles(nvrtc, monkeypatch):
+    """The staged A/B build -DPW_FWD_COL_RANGE=2 (kernels_cu/forward.cu: a masked visit of
+    the visits body runs its score product and P·V only over the chunks of two 16-key groups
+    its warp's rows can see; a function of its own, so unmasked visits keep the default's
+    code) builds every selectable 16-bit forward of sm_80 to sm_90, dense and packed (the
+    packed ones keep the default's code), without spills, as a default must. Its spill-free
+    form is fragile: plain branches on the range spilled 76-148 bytes at the sm_90 D = 64
+    entry, chunks of four 4 bytes there (causal)."""
+    from cupy_piecewise import compile as comp
+
+    base = comp.arch_options
+    monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
+        "-DPW_FWD_COL_RANGE=2",))
+    for cc in ((8, 0), (8, 6), (8, 9), SM90):
+        vs = [v for v in build_check.variants_for(cc)
+              if v.phase == "fwd" and v.dtype in capability.HALF_DTYPES]
+        assert any(v.causal for v in vs) and any(v.head_dim == 64 for v in vs)  # not vacuous
+        for r in compile_offline(cc, vs):
+            assert r.ok and r.registers, (r.variant, r.log)
+            assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+
+
 _GRID_EARLIER = ("-DPW_GRID_STASH_PLAIN=0", "-DPW_GRID_FMA_EXP=0", "-DPW_DQ_PERM=0",
                  "-DPW_GRID_GEOM32=0")
 

@@ -7,7 +7,7 @@ scripts/mma_bwd_ab.py's table and kernel-cache swap, scripts/fit_vote_model.py's
 the float16 dS fit, scripts/hopper_bwd_ab.py's parsing and summary,
 scripts/kvdecode_probe.py's configs, table and knob settings, scripts/bitwise_ab.py's cases, and
 scripts/causal_schedule_model.py's makespans, scripts/warp_skip_model.py's proof,
-scripts/merge_margin.py's seed lists."""
+scripts/merge_margin.py's seed lists, scripts/col_range_model.py's check of the column groups."""
 from __future__ import annotations
 
 import os
@@ -524,3 +524,20 @@ def test_merge_margin_seed_lists_and_gpu_test_hook():
     fn = t.test_merge_of_complementary_key_ranges
     assert list(inspect.signature(fn).parameters) == ["kernel_path", "causal", "D"]
     assert "tolerance.compare(" in inspect.getsource(fn)
+
+
+def test_col_range_model_groups_cover_the_mask(capsys):
+    """scripts/col_range_model.py: pair_groups (kernels_cu/common.cuh, -DPW_FWD_COL_RANGE)
+    computed as the kernel does (int32, saturating) covers every column that holds an
+    admissible element of a warp's 32 rows, over random and extreme geometries, the kernel's
+    per-lane window equals the exact mask, and the aligned 128x128 cases compute 40 of 64
+    groups (straddling tile) and 20 of 32 (causal diagonal) at chunks of 1 or 2."""
+    model = pytest.importorskip("col_range_model")
+    assert model.main(["--trials", "4000", "--window-trials", "150", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "4000 geometries: 0 failures" in out
+    for ch in (1, 2):
+        assert f"CH={ch}: straddle" in out
+    lines = {ln.split(":")[0]: ln for ln in out.splitlines() if ln.startswith("CH=")}
+    assert "total 40 of 64" in lines["CH=2"] and "total 20 of 32" in lines["CH=2"]
+    assert "total 48 of 64" in lines["CH=4"] and "total 24 of 32" in lines["CH=4"]
