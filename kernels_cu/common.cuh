@@ -371,8 +371,10 @@ PW_DEVICE void mma_abt_step(float acc[MW][BN / 8][4], const u32 a[MW][4], u32 sB
   }
 }
 
+// mma_abt over acc's 16-column groups np0 <= np < np1 (constants once inlined and unrolled).
 template <typename T, int D, int BN, int MW>
-PW_DEVICE void mma_abt(float acc[MW][BN / 8][4], u32 sA, u32 sB, int lane) {
+PW_DEVICE void mma_abt_cols(float acc[MW][BN / 8][4], u32 sA, u32 sB, int lane, int np0,
+                            int np1) {
   constexpr int DS = D * Elem<T>::width;
 #pragma unroll
   for (int k = 0; k < DS / 16; ++k) {
@@ -381,8 +383,13 @@ PW_DEVICE void mma_abt(float acc[MW][BN / 8][4], u32 sA, u32 sB, int lane) {
 #pragma unroll
     for (int mi = 0; mi < MW; ++mi) ready<T>(a[mi]);
 #pragma unroll
-    for (int np = 0; np < BN / 16; ++np) mma_abt_step<T, DS, BN, MW>(acc, a, sB, np, k, lane);
+    for (int np = np0; np < np1; ++np) mma_abt_step<T, DS, BN, MW>(acc, a, sB, np, k, lane);
   }
+}
+
+template <typename T, int D, int BN, int MW>
+PW_DEVICE void mma_abt(float acc[MW][BN / 8][4], u32 sA, u32 sB, int lane) {
+  mma_abt_cols<T, D, BN, MW>(acc, sA, sB, lane, 0, BN / 16);
 }
 
 // One 16-column group kk of mma_xb for 16-bit types: x's two 8-column blocks packed as the
@@ -748,7 +755,6 @@ template <int CH> PW_DEVICE bool chunk_in(int c, int glo, int ghi) {
 template <typename T, int D, int BN, int MW, int CH>
 PW_DEVICE void mma_abt_groups(float acc[MW][BN / 8][4], u32 sA, u32 sB, int lane, int glo,
                               int ghi) {
-  constexpr int DS = D * Elem<T>::width;
   static_assert((BN / 16) % CH == 0, "mma_abt_groups: CH divides BN / 16");
 #pragma unroll
   for (int c = 0; c < BN / 16 / CH; ++c) {
@@ -762,16 +768,7 @@ PW_DEVICE void mma_abt_groups(float acc[MW][BN / 8][4], u32 sA, u32 sB, int lane
     }
 #pragma unroll
     for (int mi = 0; mi < MW; ++mi) zero_n<CH * 8>(&acc[mi][2 * c * CH][0]);
-#pragma unroll
-    for (int k = 0; k < DS / 16; ++k) {
-      u32 a[MW][4];
-      load_a<DS, MW>(a, sA, k, lane);
-#pragma unroll
-      for (int mi = 0; mi < MW; ++mi) ready<T>(a[mi]);
-#pragma unroll
-      for (int np = c * CH; np < (c + 1) * CH; ++np)
-        mma_abt_step<T, DS, BN, MW>(acc, a, sB, np, k, lane);
-    }
+    mma_abt_cols<T, D, BN, MW>(acc, sA, sB, lane, c * CH, (c + 1) * CH);
   }
 }
 
