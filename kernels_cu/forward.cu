@@ -153,7 +153,8 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
 // chunks of PW_FWD_COL_RANGE 16-key groups that meet the groups holding an admissible
 // element of the warp's rows (pair_groups, common.cuh). The rest of its scores are -inf
 // under the mask whether computed or not, and their probabilities 0, so the result is the
-// same. At 128x128x4 (32 rows per warp) with w a multiple of 128, a straddling tile's two
+// same for finite v (the full visit turns an inf or NaN in a masked key's v into NaN by
+// 0 * inf, a skipped chunk does not). At 128x128x4 (32 rows per warp) with w a multiple of 128, a straddling tile's two
 // visits then cost each warp 10 of 16 groups instead of 16, and warp k's causal diagonal
 // visit 2k + 2 of 8: 40 of 64 and 20 of 32 over the block, which chunks of 2 meet exactly
 // (chunks of 4: 48 and 24; scripts/col_range_model.py). The masked visit is a function of
@@ -168,6 +169,9 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
 #ifndef PW_FWD_COL_RANGE
 #define PW_FWD_COL_RANGE 0
 #endif
+static_assert(PW_FWD_COL_RANGE == 0 || PW_FWD_COL_RANGE == 1 || PW_FWD_COL_RANGE == 2 ||
+                  PW_FWD_COL_RANGE == 4,
+              "PW_FWD_COL_RANGE: 0 (off) or a chunk of 1, 2 or 4 16-key groups");
 // A masked visit of the visits body over its warp's column groups, in chunks of CH groups
 // (PW_FWD_COL_RANGE): score product, mask, online softmax and P·V.
 template <typename T, int D, int BN, int MW, int CH, bool CAUSAL>

@@ -87,10 +87,10 @@
 # bench/results/2026-12-06-h100-one-barrier); logs in logs/grid_barrier_*.
 # one_barrier (not in all): the mma.sync GPU cases of test_kernels_gpu.py and the packed-batch
 # mma cases, racecheck and synccheck on the dense mma.sync D 64/128 cases, under
-# BARRIER_MACROS (default -DPW_ONE_BARRIER=0, the two-barrier tile loop of kernels_cu/common.cuh
-# pipelined_tiles that the default replaced on 2026-12-06; since the forward warp skip became
-# the default, 2026-12-07, give forward runs PW_FWD_WARP_SKIP=0 beside it: two barriers with
-# the skip spill 144 bytes at the D = 128 rotating-slot entry), about 5-6 minutes;
+# BARRIER_MACROS (default "PW_ONE_BARRIER=0 PW_FWD_WARP_SKIP=0": the two-barrier tile loop of
+# kernels_cu/common.cuh pipelined_tiles that the default replaced on 2026-12-06, with the
+# forward of its day, as two barriers with the warp skip, the default since 2026-12-07, spill
+# 144 bytes at the D = 128 rotating-slot entry), about 5-6 minutes;
 # one_barrier_ab (not in all): scripts/mma_fwd_probe.py (forward, with its checks and a
 # control build) and scripts/mma_bwd_ab.py (backward alone, both schemes) of BARRIER_MACROS
 # against the default, about 5 minutes; logs in logs/one_barrier_*.
@@ -441,7 +441,7 @@ if asked grid_reload_bench; then
   rc=$?; echo "grid_reload bench: exit $rc"; status=$((status | rc))
 fi
 if asked one_barrier; then
-  m=${BARRIER_MACROS:-"PW_ONE_BARRIER=0"}
+  m=${BARRIER_MACROS:-"PW_ONE_BARRIER=0 PW_FWD_WARP_SKIP=0"}
   PW_TEST_MACROS="$m" CUPY_PIECEWISE_PATH=mma timeout 540 python3 -m pytest -q -m gpu -x \
     tests/test_kernels_gpu.py tests/test_varlen_gpu.py -k "mma and not hopper" \
     2>&1 | tee "$logs/one_barrier_pytest.log" | tail -3
@@ -455,7 +455,7 @@ if asked one_barrier; then
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Traceback" "$logs"/one_barrier_{racecheck,synccheck}.log | tail -4
 fi
 if asked one_barrier_ab; then
-  m=${BARRIER_MACROS:-"PW_ONE_BARRIER=0"}
+  m=${BARRIER_MACROS:-"PW_ONE_BARRIER=0 PW_FWD_WARP_SKIP=0"}
   timeout 300 python3 scripts/mma_fwd_probe.py --variants "$m" --tiles "128:128x64x4;64:128x128x4" \
     --lengths 2048,8192 --dtypes bf16,fp16 --rounds 3 --reps 30 --control \
     --out "$logs/one_barrier_fwd.txt" > "$logs/one_barrier_fwd.log" 2>&1
@@ -473,7 +473,7 @@ if asked grid_barrier_ab; then
     --variants "PW_GRID_TID_RELOAD=1,PW_ONE_BARRIER=0;PW_GRID_TID_RELOAD=1;PW_ONE_BARRIER=0;PW_GRID_TWO_DS=1" \
     --out "$logs/grid_barrier_bwd.txt" > "$logs/grid_barrier_bwd.log" 2>&1
   rc=$?; echo "grid_barrier bwd ab: exit $rc"; tail -40 "$logs/grid_barrier_bwd.log"; status=$((status | rc))
-  timeout 200 python3 scripts/mma_fwd_probe.py --variants "PW_ONE_BARRIER=0" --tiles "128:128x64x4;64:128x128x4" \
+  timeout 200 python3 scripts/mma_fwd_probe.py --variants "PW_ONE_BARRIER=0 PW_FWD_WARP_SKIP=0" --tiles "128:128x64x4;64:128x128x4" \
     --lengths 2048,8192 --dtypes bf16,fp16 --rounds 3 --reps 30 --control \
     --out "$logs/grid_barrier_fwd.txt" > "$logs/grid_barrier_fwd.log" 2>&1
   rc=$?; echo "grid_barrier fwd probe: exit $rc"; tail -16 "$logs/grid_barrier_fwd.log"; status=$((status | rc))

@@ -517,6 +517,10 @@ def test_merge_margin_seed_lists_and_gpu_test_hook():
 
     assert merge_margin.parse_seeds("1-3,9,12-12") == [1, 2, 3, 9, 12]
     assert merge_margin.parse_seeds("") == []
+    # a failing case stops at its first failed compare: its later outputs count nowhere
+    rows = [dict(ratios={"o": 0.5, "dk1": 1.1}), dict(ratios={"o": 0.3, "dk1": 0.5, "dv": 0.4})]
+    assert merge_margin.summarise(rows) == ({"dk1": 1.1, "dv": 0.4, "o": 0.5},
+                                            {"dk1": 0.8, "dv": 0.4, "o": 0.4})
     sys.path.insert(0, str(ROOT / "tests"))
     pytest.importorskip("cupy")
     import test_kernels_gpu as t
