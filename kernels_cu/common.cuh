@@ -658,12 +658,19 @@ template <int MW> struct PairWindow {
   int cmin[MW][2], cmax[MW][2];
 };
 
+// The distances projection pair `pair` keeps: lo <= d < hi (pair 1: d < w; pair 2: d >= w;
+// CAUSAL raises lo to 0; 0x7fffffff and its negation: no bound on that side).
+template <bool CAUSAL> PW_DEVICE void pair_bounds(const Geom& g, int pair, int& lo, int& hi) {
+  constexpr int NONE = 0x7fffffff;
+  const int w = g.w;  // the boundary (tests/test_selection_gpu.py moves it by one here)
+  lo = pair == 1 ? (CAUSAL ? 0 : -NONE) : (CAUSAL ? max(0, w) : w);
+  hi = pair == 1 ? w : NONE;
+}
+
 template <int MW, bool CAUSAL>
 PW_DEVICE PairWindow<MW> pair_window(const Geom& g, int pair, int lane) {
-  constexpr int NONE = 0x7fffffff;  // no bound on that side
-  const int w = g.w;  // the boundary (tests/test_selection_gpu.py moves it by one here)
-  const int lo = pair == 1 ? (CAUSAL ? 0 : -NONE) : (CAUSAL ? max(0, w) : w);
-  const int hi = pair == 1 ? w : NONE;
+  int lo, hi;
+  pair_bounds<CAUSAL>(g, pair, lo, hi);
   const int c0 = 2 * (lane % 4);
   PairWindow<MW> win;
 #pragma unroll
@@ -730,10 +737,8 @@ PW_DEVICE void score_pair_window_after(float s[MW][BN / 8][4], u32 sA, u32 sB, c
 // mask in every row of the warp (scripts/col_range_model.py checks it).
 template <int ROWS, int BN, bool CAUSAL>
 PW_DEVICE void pair_groups(const Geom& g, int pair, int& glo, int& ghi) {
-  constexpr int NONE = 0x7fffffff;
-  const int w = g.w;
-  const int lo = pair == 1 ? (CAUSAL ? 0 : -NONE) : (CAUSAL ? max(0, w) : w);
-  const int hi = pair == 1 ? w : NONE;
+  int lo, hi;
+  pair_bounds<CAUSAL>(g, pair, lo, hi);
   const int first = max(sub_sat(sub_sat(g.base, hi), -1), 0);
   const int last = min(sub_sat(g.base + (ROWS - 1), lo), min(g.cols_left, BN) - 1);
   glo = first >> 4;

@@ -21,7 +21,10 @@ def parse_seeds(text: str) -> list[int]:
     out: list[int] = []
     for part in filter(None, text.split(",")):
         lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi) + 1) if hi else [int(lo)])
+        try:
+            out.extend(range(int(lo), int(hi) + 1) if hi else [int(lo)])
+        except ValueError:
+            raise ValueError(f"--seeds: {part!r} is not N or N-M") from None
     return out
 
 

@@ -517,6 +517,8 @@ def test_merge_margin_seed_lists_and_gpu_test_hook():
 
     assert merge_margin.parse_seeds("1-3,9,12-12") == [1, 2, 3, 9, 12]
     assert merge_margin.parse_seeds("") == []
+    with pytest.raises(ValueError, match="--seeds"):
+        merge_margin.parse_seeds("1,x-3")
     # a failing case stops at its first failed compare: its later outputs count nowhere
     rows = [dict(ratios={"o": 0.5, "dk1": 1.1}), dict(ratios={"o": 0.3, "dk1": 0.5, "dv": 0.4})]
     assert merge_margin.summarise(rows) == ({"dk1": 1.1, "dv": 0.4, "o": 0.5},
