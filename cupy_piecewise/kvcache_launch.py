@@ -196,14 +196,17 @@ class KVPlan:
             st = dict(s.strides)
             strides = [st[n] + (1,) for n in ("k1", "k2", "v")]
             boxes = (kv90_row_box(s, self.cluster),) * 3
-            if capability.KV90_TILE_BOX and not s.rotary:  # three more maps (kvdecode.cu)
+            # three more maps (kvdecode.cu): the tile-box A/B build's, or the paged entry's
+            # 64-row maps (a page's tile per box)
+            wide = None
+            if capability.KV90_TILE_BOX and not s.rotary:
+                wide = 64 if kv90_tile_box(s, capability.KV90_TILE_BOX) else 16
+            elif pages:
+                wide = 64
+            if wide is not None:
                 self._map_sets = 2
                 strides = strides * 2
-                boxes += (64 if kv90_tile_box(s, capability.KV90_TILE_BOX) else 16,) * 3
-            elif pages:  # the paged entry's 64-row maps: a page's tile per box
-                self._map_sets = 2
-                strides = strides * 2
-                boxes += (64,) * 3
+                boxes += (wide,) * 3
             self._maps = launch._TensorMaps([dims] * len(boxes), strides, boxes, s.dtype)
         else:
             # one new token: every key has one distance, so one key slot per stage (kvdecode)
