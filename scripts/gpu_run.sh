@@ -45,7 +45,8 @@
 # (each variant adds about a minute), logs/bwd_w.*.
 # mma_checks (not in all): the mma.sync GPU tests (dense and packed, and the forced fused and
 # warp-grid one-kernel backwards) under MMA_MACRO (default "": the default build) beside
-# memcheck and racecheck on the dense mma.sync D 64/128 sanitizer cases, about 4-5 minutes,
+# memcheck and racecheck on the dense mma.sync D 64/128 sanitizer cases, about 4-5 minutes
+# (up to 7 under a macro set: its kernels are not in the compile cache),
 # logs/mma_checks_*.
 # gqa_ncu (not in all): Nsight Compute (memory, warp state, scheduler, instructions, source
 # counters) on the decode kernel, bfloat16 D = 128 N = 32768 (GQA_N), B = 1 with 32 key heads
@@ -607,7 +608,9 @@ if asked mma_checks; then
       --error-exitcode 9 python3 scripts/sanitize_cases.py > "$logs/mma_checks_$tool.log" 2>&1 &
   done
   sel="(mma and not hopper) or grid_backward_forced or fused_backward_forced"
-  PW_TEST_MACROS="$m" CUPY_PIECEWISE_PATH=mma timeout 300 python3 -m pytest -q -ra -m gpu \
+  # 420 s: under a macro set every kernel compiles afresh beside the two sanitizers (the
+  # PW_FWD_COL_RANGE=2 run reached 310 of 318 tests in 300 s, H100 2026-12-07)
+  PW_TEST_MACROS="$m" CUPY_PIECEWISE_PATH=mma timeout 420 python3 -m pytest -q -ra -m gpu \
     -p no:cacheprovider tests/test_kernels_gpu.py tests/test_varlen_gpu.py -k "$sel" \
     > "$logs/mma_checks_pytest.log" 2>&1
   rc=$?; echo "mma tests ($m): exit $rc"; tail -3 "$logs/mma_checks_pytest.log"; status=$((status | rc))
