@@ -147,9 +147,10 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
 #ifndef PW_FWD_WARP_SKIP
 #define PW_FWD_WARP_SKIP 1
 #endif
-// PW_FWD_COL_RANGE (0, the default; 2 or 4, CH, an A/B build, untimed): in the visits body (D =
-// 64's one-key-slot forward, and the 16-bit causal builds that take it), dense (not varlen)
-// 16-bit kernels, a masked visit runs its two products (scores and P·V) only over the
+// PW_FWD_COL_RANGE (2, CH, the default; 4 an A/B build; 0 builds the full masked visit): in
+// the visits body (D = 64's one-key-slot forward, and the 16-bit builds that take it), dense
+// (not varlen) 16-bit non-causal kernels, a masked visit runs its two products (scores and
+// P·V) only over the
 // chunks of PW_FWD_COL_RANGE 16-key groups that meet the groups holding an admissible
 // element of the warp's rows (pair_groups, common.cuh). The rest of its scores are -inf
 // under the mask whether computed or not, and their probabilities 0, so the result is the
@@ -165,9 +166,15 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
 // builds with 2 without spills; with 4 the sm_90 D = 64 causal entry spills 4 bytes. Forms
 // that spilled at that entry: plain branches on the range (76-148 bytes: chunk_in), the
 // ranged products inside the default's shared softmax and P·V (12-76 bytes), per-group
-// branches (36).
+// branches (36). Timed against the full visit and a control build (mma_fwd_probe, H100,
+// 2026-12-07, D = 64 128x128x4, w = L / 4, bf16/fp16, 4 rounds;
+// bench/results/2026-12-07-h100-col-range): non-causal 1.015-1.023x at L = 2048 (control
+// 0.999-1.002x) and 1.004-1.021x at L = 8192; causal 0.950-0.974x at L = 2048 (control
+// 1.006-1.014x), where the counted saving is larger (10% of the tensor work against 3.4%)
+// but the grouped body loses more than it saves (not analysed), so causal kernels keep the
+// full masked visit.
 #ifndef PW_FWD_COL_RANGE
-#define PW_FWD_COL_RANGE 0
+#define PW_FWD_COL_RANGE 2
 #endif
 static_assert(PW_FWD_COL_RANGE == 0 || PW_FWD_COL_RANGE == 1 || PW_FWD_COL_RANGE == 2 ||
                   PW_FWD_COL_RANGE == 4,
@@ -397,7 +404,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
         const u32 sB = smem_addr(st + L::k1_in_stage + (pair - 1) * k2_off);
         const float sc = 1.f;  // raw scores: a 1 folds the multiply away
 #if PW_FWD_COL_RANGE
-        if constexpr (!VARLEN && Elem<T>::width == 1 && (BN / 16) % PW_FWD_COL_RANGE == 0) {
+        if constexpr (!CAUSAL && !VARLEN && Elem<T>::width == 1 &&
+                      (BN / 16) % PW_FWD_COL_RANGE == 0) {
           if (masked) {  // (PW_FWD_COL_RANGE above)
             visit_masked_groups<T, D, BN, MW, PW_FWD_COL_RANGE, CAUSAL>(
                 s, acc, row_max, row_sum, sA, sB, smem_addr(st + L::v_in_stage), g, pair,

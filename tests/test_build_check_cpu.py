@@ -235,12 +235,14 @@ def test_lazy_rescale_ab_builds_compile(nvrtc, monkeypatch, lazy):
     rescale is what lets the rotation fit. =1 at D = 64 only (at D = 128 it is the default's
     code, which the build check compiles). With =1 D = 64's non-causal 128x64x4 entry, at
     255 registers, spills 12/16 bytes (NVRTC 13.5, 2026-12-04): one reason the default
-    leaves D = 64 eager."""
+    leaves D = 64 eager. Built with -DPW_FWD_COL_RANGE=0, the forward of their day: the
+    column-range masked visit (non-causal default since 2026-12-07) spills 76 bytes in the
+    eager 128x32x4 D = 128 build, an entry no table selects."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
-        f"-DPW_FWD_LAZY_RESCALE={lazy}",))
+        f"-DPW_FWD_LAZY_RESCALE={lazy}", "-DPW_FWD_COL_RANGE=0"))
     vs = {Variant(phase, dt, d, t, c)
           for phase, d, dt, c, t in capability.selectable_configs(SM90)
           if phase == "fwd" and d in ((64,) if lazy else (64, 128))
@@ -311,19 +313,20 @@ def test_warp_skip_forward_ab_builds_compile(nvrtc, monkeypatch, skip):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-def test_column_range_forward_ab_build_compiles(nvrtc, monkeypatch):
-    """The staged A/B build -DPW_FWD_COL_RANGE=2 (kernels_cu/forward.cu: a masked visit of
-    the visits body runs its score product and P·V only over the chunks of two 16-key groups
-    its warp's rows can see; a function of its own, so unmasked visits keep the default's
-    code) builds every selectable 16-bit forward of sm_80 to sm_90, dense and packed (the
-    packed ones keep the default's code), without spills, as a default must. Its spill-free
-    form is fragile: plain branches on the range spilled 76-148 bytes at the sm_90 D = 64
-    entry, chunks of four 4 bytes there (causal)."""
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_column_range_forward_ab_build_compiles(nvrtc, monkeypatch, chunk):
+    """The A/B forms of the column-range masked visit (kernels_cu/forward.cu,
+    PW_FWD_COL_RANGE; 2 by default since 2026-12-07, the build check's): 0, the full
+    masked visit of every kernel before, and 4, chunks of four 16-key groups, build every
+    selectable 16-bit forward of sm_80 to sm_90, dense and packed, causal and not (only
+    dense non-causal kernels take the ranged visit), without spills. Its spill-free form
+    is fragile: plain branches on the range spilled 76-148 bytes at the sm_90 D = 64 entry,
+    chunks of four 4 bytes there when causal kernels took it."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
-        "-DPW_FWD_COL_RANGE=2",))
+        f"-DPW_FWD_COL_RANGE={chunk}",))
     for cc in ((8, 0), (8, 6), (8, 9), SM90):
         vs = [v for v in build_check.variants_for(cc)
               if v.phase == "fwd" and v.dtype in capability.HALF_DTYPES]
