@@ -148,31 +148,31 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
 #define PW_FWD_WARP_SKIP 1
 #endif
 // PW_FWD_COL_RANGE (2, CH, the default; 4 an A/B build; 0 builds the full masked visit): in
-// the visits body (D = 64's one-key-slot forward, and the 16-bit builds that take it), dense
-// (not varlen) 16-bit non-causal kernels, a masked visit runs its two products (scores and
-// P·V) only over the
-// chunks of PW_FWD_COL_RANGE 16-key groups that meet the groups holding an admissible
-// element of the warp's rows (pair_groups, common.cuh). The rest of its scores are -inf
-// under the mask whether computed or not, and their probabilities 0, so the result is the
-// same for finite v (the full visit turns an inf or NaN in a masked key's v into NaN by
-// 0 * inf, a skipped chunk does not). At 128x128x4 (32 rows per warp) with w a multiple of 128, a straddling tile's two
-// visits then cost each warp 10 of 16 groups instead of 16, and warp k's causal diagonal
-// visit 2k + 2 of 8: 40 of 64 and 20 of 32 over the block, which chunks of 2 meet exactly
-// (chunks of 4: 48 and 24; scripts/col_range_model.py). The masked visit is a function of
-// its own (visit_masked_groups) with its own softmax and P·V, so unmasked visits run the
-// default's code (the loop's static size grows by that copy: 1876 -> 3022 SASS
-// instructions at sm_90 D = 64 128x128x4); the range is held across its softmax (one pair
-// of registers). Offline (ptxas 13.0) every selectable 16-bit sm_80 and sm_90 forward
-// builds with 2 without spills; with 4 the sm_90 D = 64 causal entry spills 4 bytes. Forms
-// that spilled at that entry: plain branches on the range (76-148 bytes: chunk_in), the
-// ranged products inside the default's shared softmax and P·V (12-76 bytes), per-group
-// branches (36). Timed against the full visit and a control build (mma_fwd_probe, H100,
-// 2026-12-07, D = 64 128x128x4, w = L / 4, bf16/fp16, 4 rounds;
-// bench/results/2026-12-07-h100-col-range): non-causal 1.015-1.023x at L = 2048 (control
-// 0.999-1.002x) and 1.004-1.021x at L = 8192; causal 0.950-0.974x at L = 2048 (control
-// 1.006-1.014x), where the counted saving is larger (10% of the tensor work against 3.4%)
-// but the grouped body loses more than it saves (not analysed), so causal kernels keep the
-// full masked visit.
+// the visits body of dense (not varlen) 16-bit non-causal kernels at D = 64 with 128-key
+// tiles (the shape it was timed in: sm_90's D = 64 entry, 128x128x4 with one key slot), a
+// masked visit runs its two products (scores and P·V) only over the chunks of
+// PW_FWD_COL_RANGE 16-key groups that meet the groups holding an admissible element of the
+// warp's rows (pair_groups, common.cuh). The rest of its scores are -inf under the mask
+// whether computed or not, and their probabilities 0, so the result is the same for finite
+// v (the full visit turns an inf or NaN in a masked key's v into NaN by 0 * inf, a skipped
+// chunk does not). At 128x128x4 (32 rows per warp) with w a multiple of 128, a straddling
+// tile's two visits then cost each warp 10 of 16 groups instead of 16: 40 of 64 over the
+// block, which chunks of 2 meet exactly (chunks of 4: 48; scripts/col_range_model.py). The
+// masked visit is a function of its own (visit_masked_groups) with its own softmax and P·V,
+// so unmasked visits run the default's code (the loop's static size grows by that copy:
+// 1876 -> 3022 SASS instructions at sm_90 D = 64 128x128x4); the range is held across its
+// softmax (one pair of registers). Forms that spilled at that entry: plain branches on the
+// range (76-148 bytes: chunk_in), the ranged products inside the default's shared softmax
+// and P·V (12-76 bytes), per-group branches (36). Other shapes are left out because they
+// were not timed and some spill with it (non-causal D = 128 128x32x4, a tile override:
+// 64/68 bytes against none). Timed against the full visit and a control build
+// (mma_fwd_probe, H100, 2026-12-07, D = 64 128x128x4, w = L / 4, bf16/fp16, chunks of 2,
+// two runs; bench/results/2026-12-07-h100-col-range): non-causal 1.007-1.024x the control
+// at L = 2048 and 1.003-1.029x at L = 8192. The causal form (pair_groups takes CAUSAL; warp
+// k's diagonal visit then costs 2k + 2 of 8 groups, 20 of 32 over the block, chunks of 4:
+// 24; with 4 it spilled 4 bytes) ran 0.921-0.961x the control at L = 2048, where the
+// counted saving is larger (10.1% of the tensor work against 3.4%): the grouped body loses
+// more than it saves there (not analysed), so causal kernels keep the full masked visit.
 #ifndef PW_FWD_COL_RANGE
 #define PW_FWD_COL_RANGE 2
 #endif
@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
         const u32 sB = smem_addr(st + L::k1_in_stage + (pair - 1) * k2_off);
         const float sc = 1.f;  // raw scores: a 1 folds the multiply away
 #if PW_FWD_COL_RANGE
-        if constexpr (!CAUSAL && !VARLEN && Elem<T>::width == 1 &&
+        if constexpr (!CAUSAL && !VARLEN && Elem<T>::width == 1 && D == 64 && BN == 128 &&
                       (BN / 16) % PW_FWD_COL_RANGE == 0) {
           if (masked) {  // (PW_FWD_COL_RANGE above)
             visit_masked_groups<T, D, BN, MW, PW_FWD_COL_RANGE, CAUSAL>(
