@@ -179,6 +179,11 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
 static_assert(PW_FWD_COL_RANGE == 0 || PW_FWD_COL_RANGE == 1 || PW_FWD_COL_RANGE == 2 ||
                   PW_FWD_COL_RANGE == 4,
               "PW_FWD_COL_RANGE: 0 (off) or a chunk of 1, 2 or 4 16-key groups");
+// Whether a visits-body kernel takes the column-range masked visit: the timed shape only.
+template <typename T, int D, int BN, bool CAUSAL, bool VARLEN>
+__host__ __device__ constexpr bool fwd_col_range() {
+  return PW_FWD_COL_RANGE && !CAUSAL && !VARLEN && Elem<T>::width == 1 && D == 64 && BN == 128;
+}
 // A masked visit of the visits body over its warp's column groups, in chunks of CH groups
 // (PW_FWD_COL_RANGE): score product, mask, online softmax and P·V.
 template <typename T, int D, int BN, int MW, int CH, bool CAUSAL>
@@ -404,8 +409,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
         const u32 sB = smem_addr(st + L::k1_in_stage + (pair - 1) * k2_off);
         const float sc = 1.f;  // raw scores: a 1 folds the multiply away
 #if PW_FWD_COL_RANGE
-        if constexpr (!CAUSAL && !VARLEN && Elem<T>::width == 1 && D == 64 && BN == 128 &&
-                      (BN / 16) % PW_FWD_COL_RANGE == 0) {
+        if constexpr (fwd_col_range<T, D, BN, CAUSAL, VARLEN>()) {
           if (masked) {  // (PW_FWD_COL_RANGE above)
             visit_masked_groups<T, D, BN, MW, PW_FWD_COL_RANGE, CAUSAL>(
                 s, acc, row_max, row_sum, sA, sB, smem_addr(st + L::v_in_stage), g, pair,
