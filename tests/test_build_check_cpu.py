@@ -311,29 +311,32 @@ def test_warp_skip_forward_ab_builds_compile(nvrtc, monkeypatch, skip):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-@pytest.mark.parametrize("chunk", [0, 4])
-def test_column_range_forward_ab_build_compiles(nvrtc, monkeypatch, chunk):
+@pytest.mark.parametrize("macro", ["PW_FWD_COL_RANGE=0", "PW_FWD_COL_RANGE=4",
+                                   "PW_FWD_COL_RANGE_CAUSAL=1", "PW_FWD_COL_RANGE_CAUSAL=2"])
+def test_column_range_forward_ab_build_compiles(nvrtc, monkeypatch, macro):
     """The A/B forms of the column-range masked visit (kernels_cu/forward.cu,
     PW_FWD_COL_RANGE; 2 by default since 2026-12-07, the build check's): 0, the full
-    masked visit of every kernel before, and 4, chunks of four 16-key groups, build every
-    selectable 16-bit forward of sm_80 to sm_90 without spills. Only the dense non-causal
-    D = 64 kernels with 128-key tiles take the ranged visit (sm_90's 128x128x4 entry, bf16
-    and fp16); the rest build the same code under every value, and the test asserts those
-    two are among the variants built. Its spill-free form is fragile: plain branches on the
-    range spilled 76-148 bytes at that entry, chunks of four 4 bytes there when causal
-    kernels took it."""
+    masked visit of every kernel before, 4, chunks of four 16-key groups, and the causal
+    forms (PW_FWD_COL_RANGE_CAUSAL 1: straddling tiles only, 2: every masked visit) build
+    every selectable 16-bit forward of sm_80 to sm_90 without spills. Only the dense D = 64
+    kernels with 128-key tiles take the ranged visit (sm_90's 128x128x4 entry, bf16 and
+    fp16; non-causal by default, causal too under PW_FWD_COL_RANGE_CAUSAL); the rest build
+    the same code under every value, and the test asserts those are among the variants
+    built. Its spill-free form is fragile: plain branches on the range spilled 76-148 bytes
+    at that entry, chunks of four 4 bytes there when causal kernels took it."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
-        f"-DPW_FWD_COL_RANGE={chunk}",))
+        f"-D{macro}",))
     for cc in ((8, 0), (8, 6), (8, 9), SM90):
         vs = [v for v in build_check.variants_for(cc)
               if v.phase == "fwd" and v.dtype in capability.HALF_DTYPES]
-        if cc == SM90:  # not vacuous: the ranged visit's two variants are built
-            ranged = {v.dtype for v in vs if v.head_dim == 64 and not v.causal and not v.varlen
-                      and v.tiles.block_n == 128}
-            assert ranged == set(capability.HALF_DTYPES)
+        if cc == SM90:  # not vacuous: the ranged visit's variants are built
+            for causal in (False, True):
+                ranged = {v.dtype for v in vs if v.head_dim == 64 and v.causal == causal
+                          and not v.varlen and v.tiles.block_n == 128}
+                assert ranged == set(capability.HALF_DTYPES)
         for r in compile_offline(cc, vs):
             assert r.ok and r.registers, (r.variant, r.log)
             assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
