@@ -507,6 +507,20 @@ def test_grid_backward_reload_modes_build_without_spills(nvrtc, monkeypatch, cc)
     assert not moved_64 or any(moved_64), "the mode reached no D = 64 entry"
 
 
+def test_grid_backward_128_query_override_builds_without_spills(nvrtc):
+    """bwd_grid=128x128x8 (an override, in no table row: 128-query steps at D = 64, each warp
+    32 keys x 64 queries of Sᵀ and dPᵀ) builds its four sm_90 variants without spills with
+    the defaults that apply only at BM = 128 (kernels_cu/backward.cu PW_GRID_PACKED_P and
+    PW_GRID_HELD_RELOAD, both 2). NVRTC 13.5, 2026-12-07: HELD_RELOAD=0 spills 4-36 bytes
+    (stores/loads up to 24/36), PACKED_P=0 28/40 in the causal pair, both 0 24-60/40-100."""
+    vs = [Variant("bwd_grid", dt, 64, capability.TileConfig(128, 128, 8), c)
+          for dt in ("bfloat16", "float16") for c in (False, True)]
+    assert all(not capability.check_config("bwd_grid", 64, v.tiles, SM90) for v in vs)
+    for r in compile_offline(SM90, vs):
+        assert r.ok and r.registers, (r.variant, r.log)
+        assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+
+
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
 @pytest.mark.parametrize("macros", [("PW_GRID_TWO_DS=1",),
                                     ("PW_GRID_TWO_DS=1", "PW_GRID_TID_RELOAD=2")])
