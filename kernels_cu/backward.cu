@@ -298,6 +298,20 @@ PW_DEVICE void red_add2(float* at, float x0, float x1) {
 #endif
 }
 
+// The stores of stash_ds and stash_packed: word(mi, nb, h) is the 16-bit pair of row half h.
+template <int BM, int MW, int PB, typename Word>
+PW_DEVICE void stash_words(u32 sDS, int keys, int lane, Word word) {
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi) {
+    const bool lo = mi * 16 + lane / 4 < keys, hi = mi * 16 + lane / 4 + 8 < keys;
+#pragma unroll
+    for (int nb = 0; nb < BM / 8; ++nb) {
+      const u32 at = sDS + (mi * 16 + lane / 4) * PB + (nb * 8 + 2 * (lane % 4)) * 2;
+      sts32(at, lo ? word(mi, nb, 0) : 0u);
+      sts32(at + 8 * PB, hi ? word(mi, nb, 1) : 0u);
+    }
+  }
+}
 // The warp's dSᵀ fragments (its 16MW keys x the tile's BM queries), rounded to T, into the
 // block's key-major dS buffer (BwdDkvTraits: BN rows, pitch PB bytes); sDS is the warp's
 // first row. Rows at or past `keys` (keys past the end of K) are stored as zeros: their
@@ -307,31 +321,15 @@ PW_DEVICE void red_add2(float* at, float x0, float x1) {
 // it, by the caller's loss scaling (tolerance.float16_loss_scale).
 template <typename T, int BM, int MW, int PB>
 PW_DEVICE void stash_ds(u32 sDS, const float x[MW][BM / 8][4], int keys, int lane) {
-#pragma unroll
-  for (int mi = 0; mi < MW; ++mi) {
-    const bool lo = mi * 16 + lane / 4 < keys, hi = mi * 16 + lane / 4 + 8 < keys;
-#pragma unroll
-    for (int nb = 0; nb < BM / 8; ++nb) {
-      const u32 at = sDS + (mi * 16 + lane / 4) * PB + (nb * 8 + 2 * (lane % 4)) * 2;
-      sts32(at, lo ? Elem<T>::pack(x[mi][nb][0], x[mi][nb][1]) : 0u);
-      sts32(at + 8 * PB, hi ? Elem<T>::pack(x[mi][nb][2], x[mi][nb][3]) : 0u);
-    }
-  }
+  stash_words<BM, MW, PB>(sDS, keys, lane, [&](int mi, int nb, int h) {
+    return Elem<T>::pack(x[mi][nb][2 * h], x[mi][nb][2 * h + 1]);
+  });
 }
 // stash_ds of fragments already rounded and packed (pk[mi][nb][h]: row half h's pair), the
 // warp-grid backward's packed P (PW_GRID_PACKED_P): one rounding serves Pᵀ and dS.
 template <typename T, int BM, int MW, int PB>
 PW_DEVICE void stash_packed(u32 sDS, const u32 pk[MW][BM / 8][2], int keys, int lane) {
-#pragma unroll
-  for (int mi = 0; mi < MW; ++mi) {
-    const bool lo = mi * 16 + lane / 4 < keys, hi = mi * 16 + lane / 4 + 8 < keys;
-#pragma unroll
-    for (int nb = 0; nb < BM / 8; ++nb) {
-      const u32 at = sDS + (mi * 16 + lane / 4) * PB + (nb * 8 + 2 * (lane % 4)) * 2;
-      sts32(at, lo ? pk[mi][nb][0] : 0u);
-      sts32(at + 8 * PB, hi ? pk[mi][nb][1] : 0u);
-    }
-  }
+  stash_words<BM, MW, PB>(sDS, keys, lane, [&](int mi, int nb, int h) { return pk[mi][nb][h]; });
 }
 
 // Adds a warp's 16 x 16 float32 block c (two m16n8 accumulators: columns 0-7 and 8-15) to
