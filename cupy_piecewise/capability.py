@@ -514,20 +514,17 @@ def grid_two_ds_buffers(head_dim: int, cfg: TileConfig) -> bool:
     second buffer fits every listed architecture that can run the entry. The kernel's rule is
     ``grid_two_ds_buffers`` of kernels_cu/traits.cuh (tests/test_traits_cpu.py compares the
     layouts). With :data:`GRID_TWO_DS_D64` (the mirror of -DPW_GRID_TWO_DS, an A/B build)
-    also at 4 warps. 128-query steps (``block_m`` 128, an override only) keep one buffer:
-    two would take D = 64 at 8 warps to 237568 bytes, over sm_90's 232448."""
-    return cfg.block_m == 64 and head_dim <= 64 and (
-        cfg.num_warps == 8 or (GRID_TWO_DS_D64 and cfg.num_warps == 4))
+    also at 4 warps."""
+    return head_dim <= 64 and (cfg.num_warps == 8 or (GRID_TWO_DS_D64 and cfg.num_warps == 4))
 
 
-def _grid_dq_tiles_fit(head_dim: int, warps: int, block_m: int = 64) -> bool:
-    """BwdGridTraits' static_assert "dQ tiles cover D" (kernels_cu/traits.cuh): the
-    block_m x D dQ block, block_m / 32 blocks of 32 queries, splits into warp tiles of
-    32 queries x min(blocks D / warps, 32) columns, a multiple of 16, the same whole number
-    per warp (at block_m 64 head dims 64 and 128; not 16, 80, 96, nor 32 at 8 warps)."""
-    blocks = block_m // 32
-    cols = min(blocks * head_dim // warps, 32)
-    return cols % 16 == 0 and cols > 0 and (blocks * head_dim) % (cols * warps) == 0
+def _grid_dq_tiles_fit(head_dim: int, warps: int) -> bool:
+    """BwdGridTraits' static_assert "dQ tiles cover D" (kernels_cu/traits.cuh): the 64 x D
+    dQ block splits into warp tiles of 32 queries x min(2 D / warps, 32) columns, a multiple
+    of 16, the same whole number per warp (head dims 64 and 128; not 16, 80, 96, nor 32 at
+    8 warps)."""
+    cols = min(2 * head_dim // warps, 32)
+    return cols % 16 == 0 and cols > 0 and (2 * head_dim) % (cols * warps) == 0
 
 
 def fwd_one_key_slot(head_dim: int, cfg: TileConfig, elem_bytes: int = 2) -> bool:
@@ -923,18 +920,11 @@ def check_config(
     rows_field = "block_n" if phase in ("bwd_dkv", "bwd_fused") + KV_PHASES else "block_m"
     rows = getattr(cfg, rows_field)
     if phase == "bwd_grid":
-        # pw_backward_grid's warp grid (BwdGridTraits): (block_n / 32) x 2 warps. 128-query
-        # steps (block_m 128: FlashAttention-2's D = 64 shape) are an override, in no table
-        # row, and built at head dim 64 only (BwdGridTraits asserts it): 128x128x8 takes
-        # 202752 bytes (sm_90 only, by the size check below), 128x64x4 157696 (sm_80, sm_90)
-        if (cfg.block_m not in (64, 128) or cfg.num_warps not in (4, 8)
-                or cfg.block_n != 16 * cfg.num_warps):
-            problems.append(f"bwd_grid needs block_m 64 or 128, num_warps 4 or 8 and block_n == "
+        # pw_backward_grid's warp grid (BwdGridTraits): (block_n / 32) x 2 warps
+        if cfg.block_m != 64 or cfg.num_warps not in (4, 8) or cfg.block_n != 16 * cfg.num_warps:
+            problems.append(f"bwd_grid needs block_m == 64, num_warps 4 or 8 and block_n == "
                             f"16 * num_warps, got {cfg}")
-        elif cfg.block_m == 128 and head_dim != 64:
-            problems.append(f"bwd_grid's 128-query steps (block_m 128) are built for head_dim 64 "
-                            f"only, got {head_dim}")
-        elif not _grid_dq_tiles_fit(head_dim, cfg.num_warps, cfg.block_m):
+        elif not _grid_dq_tiles_fit(head_dim, cfg.num_warps):
             problems.append(f"bwd_grid's dQ warp tiles (32 queries x 16-32 columns, whole tiles "
                             f"per warp) do not cover head_dim {head_dim} with {cfg.num_warps} warps")
         if cfg.stages != 2:

@@ -168,37 +168,6 @@ template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
 #ifndef PW_GRID_FMA_EXP
 #define PW_GRID_FMA_EXP 1
 #endif
-// PW_GRID_PACKED_P (2, the default: at BM = 128 only; 1: at every BM; 0: never): the warp-grid
-// backward holds P as 16-bit pairs (the words it stashes as Pᵀ) while it computes dP, and
-// forms dS = P (dP - delta) from the rounded P (FlashAttention-2's choice: P's rounding, up
-// to 2^-8 relative in bfloat16 and 2^-11 in float16, then enters dS; not yet checked against
-// the tolerance rule on the GPU grid). At BM = 128 (the 128x128x8 override at D = 64: each
-// warp 32 keys x 64 queries, so 64 score and 64 dP floats beside dV's and dK's 32 each) the
-// float P spills 24-60 bytes at 255 registers (sm_90, NVRTC 13.5, 2026-12-07; 28 in the
-// causal pair with PW_GRID_HELD_RELOAD below; the 2026-12-05 form: bench/results/
-// 2026-12-05-h100-grid-diet/bm128_packed_p.patch); the packed form frees 32 of those
-// registers across the dP product. BM = 64 keeps the float P (PTX unchanged).
-#ifndef PW_GRID_PACKED_P
-#define PW_GRID_PACKED_P 2
-#endif
-// PW_GRID_HELD_RELOAD (2, the default: at BM = 128 only; 1: at every BM; 0: never): the
-// warp-grid backward re-derives, instead of holding across its loops, the values the BM = 128
-// build spilled with packed P (4-36 bytes at 255 registers, sm_90 D = 64, NVRTC 13.5 PTX
-// through ptxas 13.0, scripts/offline_sass.py, 2026-12-07; up to 5 reloads per tile):
-//   the query-side copies re-read threadIdx.x (load_rows' RELOAD, as PW_LOAD_TID_RELOAD);
-//   each pass derives its tile range from a fresh blockIdx read (ctaid_reload), the tile
-//   count in 32 bits, so no pass bound lives across both passes;
-//   the per-tile geometry takes the warp's (wq, wk) from a fresh threadIdx read;
-//   dV's count in pass 2 is read off the tile's mode (no pair-1 entry) instead of t >= end1.
-// With any one of the four left out, some of the four BM = 128 entries (bf16/fp16, causal or
-// not) still spilled 4-16 bytes; together they build all four without spills (also NVRTC's
-// own cubins), for 33-67 more instructions in the tile loop than the spilling build (static;
-// 24-33 on an unmasked tile's path). PW_GRID_TID_RELOAD=1 (every lane- and warp-derived
-// offset re-read per tile) made it worse there (12-52 bytes). BM = 64 keeps its held form
-// (its PTX unchanged; 1 builds it without spills).
-#ifndef PW_GRID_HELD_RELOAD
-#define PW_GRID_HELD_RELOAD 2
-#endif
 
 // delta[b, h, i] = sum_d dO[i, d] * O[i, d], one warp per row, 16-byte loads.
 template <typename T, int D>
@@ -298,20 +267,6 @@ PW_DEVICE void red_add2(float* at, float x0, float x1) {
 #endif
 }
 
-// The stores of stash_ds and stash_packed: word(mi, nb, h) is the 16-bit pair of row half h.
-template <int BM, int MW, int PB, typename Word>
-PW_DEVICE void stash_words(u32 sDS, int keys, int lane, Word word) {
-#pragma unroll
-  for (int mi = 0; mi < MW; ++mi) {
-    const bool lo = mi * 16 + lane / 4 < keys, hi = mi * 16 + lane / 4 + 8 < keys;
-#pragma unroll
-    for (int nb = 0; nb < BM / 8; ++nb) {
-      const u32 at = sDS + (mi * 16 + lane / 4) * PB + (nb * 8 + 2 * (lane % 4)) * 2;
-      sts32(at, lo ? word(mi, nb, 0) : 0u);
-      sts32(at + 8 * PB, hi ? word(mi, nb, 1) : 0u);
-    }
-  }
-}
 // The warp's dSᵀ fragments (its 16MW keys x the tile's BM queries), rounded to T, into the
 // block's key-major dS buffer (BwdDkvTraits: BN rows, pitch PB bytes); sDS is the warp's
 // first row. Rows at or past `keys` (keys past the end of K) are stored as zeros: their
@@ -321,15 +276,16 @@ PW_DEVICE void stash_words(u32 sDS, int keys, int lane, Word word) {
 // it, by the caller's loss scaling (tolerance.float16_loss_scale).
 template <typename T, int BM, int MW, int PB>
 PW_DEVICE void stash_ds(u32 sDS, const float x[MW][BM / 8][4], int keys, int lane) {
-  stash_words<BM, MW, PB>(sDS, keys, lane, [&](int mi, int nb, int h) {
-    return Elem<T>::pack(x[mi][nb][2 * h], x[mi][nb][2 * h + 1]);
-  });
-}
-// stash_ds of fragments already rounded and packed (pk[mi][nb][h]: row half h's pair), the
-// warp-grid backward's packed P (PW_GRID_PACKED_P): one rounding serves Pᵀ and dS.
-template <typename T, int BM, int MW, int PB>
-PW_DEVICE void stash_packed(u32 sDS, const u32 pk[MW][BM / 8][2], int keys, int lane) {
-  stash_words<BM, MW, PB>(sDS, keys, lane, [&](int mi, int nb, int h) { return pk[mi][nb][h]; });
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi) {
+    const bool lo = mi * 16 + lane / 4 < keys, hi = mi * 16 + lane / 4 + 8 < keys;
+#pragma unroll
+    for (int nb = 0; nb < BM / 8; ++nb) {
+      const u32 at = sDS + (mi * 16 + lane / 4) * PB + (nb * 8 + 2 * (lane % 4)) * 2;
+      sts32(at, lo ? Elem<T>::pack(x[mi][nb][0], x[mi][nb][1]) : 0u);
+      sts32(at + 8 * PB, hi ? Elem<T>::pack(x[mi][nb][2], x[mi][nb][3]) : 0u);
+    }
+  }
 }
 
 // Adds a warp's 16 x 16 float32 block c (two m16n8 accumulators: columns 0-7 and 8-15) to
@@ -775,14 +731,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_dkv(const Params p)
 // ---------------------------------------------------------------- the warp-grid backward
 // pw_backward_grid (phase bwd_grid, 16-bit inputs, dense batches): the one-kernel backward of
 // pw_backward_dkv with FUSED, rebuilt on FlashAttention-2's decomposition. One block per
-// (key tile of BN keys, kv head, batch entry); BM-query tiles (64; 128 with a tile override,
-// FlashAttention-2's D = 64 shape) of every head of the group stream through two stages. The
-// warps form a (BN / 32) x 2 grid, QW = BM / 2:
-//   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: warp (wk, wq) computes keys 32 wk.. x queries QW wq..;
+// (key tile of BN keys, kv head, batch entry); 64-query tiles of every head of the group
+// stream through two stages. The warps form a (BN / 32) x 2 grid:
+//   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: warp (wk, wq) computes keys 32 wk.. x queries 32 wq..;
 //   Pᵀ and dSᵀ go to shared memory (16-bit, key-major);
 //   dV += Pᵀ dO and dK_pair += dSᵀ Q_pair: warp (wk, wq) owns keys 32 wk.. x columns
-//   wq D/2.., reading its keys' Pᵀ / dSᵀ rows over all BM queries;
-//   dQ_pair += dS K_pair: warp tiles of 32 queries x dq_cols columns over the block's BM x D,
+//   wq D/2.., reading its keys' Pᵀ / dSᵀ rows over all 64 queries;
+//   dQ_pair += dS K_pair: warp tiles of 32 queries x dq_cols columns over the block's 64 x D,
 //   added to the float32 accumulator with reductions (red_block16).
 // Every operand fragment a warp reads from shared memory then feeds two 16-row blocks: about
 // 240 bytes of ldmatrix per mma against pw_backward_dkv's 300-500 (bench/NOTES.md, 2026-12-05
@@ -798,14 +753,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_grid(const Params p
   static_assert(Elem<T>::width == 1, "the warp-grid backward is built for 16-bit inputs");
   using L = BwdGridTraits<D, BM, BN, WARPS>;
   using FP = FixedP<T>;
-  // QW: the queries of a warp's Sᵀ and dPᵀ (BM / 2); DQB: the 32-query blocks of dQ (not
-  // BwdGridTraits members: NVRTC emits a global for each, and BM = 64's PTX stays as it was)
-  constexpr int WK = L::warps_k, KC = L::kv_cols, QC = L::dq_cols, QW = BM / 2, DQB = BM / 32;
-  // P as 16-bit pairs across the dP product, values re-derived rather than held across the
-  // tile loop (PW_GRID_PACKED_P, PW_GRID_HELD_RELOAD above)
-  constexpr bool PACKED_P = PW_GRID_PACKED_P == 1 || (PW_GRID_PACKED_P == 2 && BM == 128);
-  constexpr bool HELD_RELOAD =
-      PW_GRID_HELD_RELOAD == 1 || (PW_GRID_HELD_RELOAD == 2 && BM == 128);
+  constexpr int WK = L::warps_k, KC = L::kv_cols, QC = L::dq_cols;
   constexpr int RB = L::row_bytes, TB = L::pt_pitch_bytes;
   constexpr int THREADS = L::threads;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -844,15 +792,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_grid(const Params p
     h = hk * group + hq;
     m0 = (i64)(lo + r) * BM;
   };
-  constexpr bool LRELOAD = HELD_RELOAD || PW_LOAD_TID_RELOAD != 0;  // the copies' thread index
   auto issue_tile = [&](i64 h, i64 m0, int stage) {
     const int mode = tile_mode(m0, BM, n0, BN, P, p.w);
     const u32 st = s0 + L::q_offset + stage * L::stage_bytes;
-    if (mode & 1)
-      load_rows<BM, D, THREADS, LRELOAD>(st + L::q1_in_stage, p.q1.at(b, h), p.q1.sr, m0, M);
-    if (mode & 2)
-      load_rows<BM, D, THREADS, LRELOAD>(st + L::q2_in_stage, p.q2.at(b, h), p.q2.sr, m0, M);
-    load_rows<BM, D, THREADS, LRELOAD>(st + L::do_in_stage, p.dout.at(b, h), p.dout.sr, m0, M);
+    if (mode & 1) load_rows<BM, D, THREADS>(st + L::q1_in_stage, p.q1.at(b, h), p.q1.sr, m0, M);
+    if (mode & 2) load_rows<BM, D, THREADS>(st + L::q2_in_stage, p.q2.at(b, h), p.q2.sr, m0, M);
+    load_rows<BM, D, THREADS>(st + L::do_in_stage, p.dout.at(b, h), p.dout.sr, m0, M);
     const i64 base = (b * p.H + h) * M;
     const u32 ss = s0 + L::stats_offset + stage * L::stats_stage_bytes;
     load_f32<BM, THREADS>(ss + 4 * L::lse_in_stage, p.lse + base, m0, M);
@@ -863,19 +808,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_grid(const Params p
   zero_n<KC>(&dv[0][0][0]);
 #pragma unroll 1
   for (int pair = 1; pair <= 2; ++pair) {
-    int lo = pair == 1 ? t_lo : first2, hi = pair == 1 ? end1 : t_hi;
-    if constexpr (HELD_RELOAD) {
-      // the pass's range derived again here from a fresh blockIdx read (the same formulas;
-      // the tile count in 32 bits, M < 2^30), so no pass bound is held across both passes
-      const i64 n0r = (i64)ctaid_reload() * BN;
-      const int th = (int)(((u32)p.M + BM - 1) / BM);
-      const int tl = CAUSAL ? (int)clamp64(floor_div(n0r - P, BM), 0, th) : 0;
-      const int e1 = (int)clamp64(ceil_div(p.w - P + n0r + BN - 1, BM), tl, th);
-      // (f2 computed in both passes and selected: computed in pass 2's arm only, the four
-      // BM = 128 entries spilled 12-40 bytes again)
-      const int f2 = (int)clamp64(ceil_div(p.w - P + n0r - BM + 1, BM), tl, th);
-      lo = pair == 1 ? tl : f2, hi = pair == 1 ? e1 : th;
-    }
+    const int lo = pair == 1 ? t_lo : first2, hi = pair == 1 ? end1 : t_hi;
     const int per_head = hi - lo;
     float dk[2][KC / 8][4];
     zero_n<KC>(&dk[0][0][0]);
@@ -915,91 +848,57 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_grid(const Params p
 #if PW_GRID_GEOM32
       Geom g;  // make_geom<true>'s clamps, in 32 bits
       {
-        int gq = wq, gk = wk;  // the warp's place in the grid, re-read with HELD_RELOAD
-        if constexpr (HELD_RELOAD) {
-          const int wr = tid_reload() / 32;
-          gq = wr / WK, gk = wr % WK;
-        }
-        const int q0 = m0i + gq * QW;
-        g.base = min(max(q0 + Pi - (n0i + gk * 32), -(1 << 30)), 1 << 30);
+        const int q0 = m0i + wq * 32;
+        g.base = min(max(q0 + Pi - (n0i + wk * 32), -(1 << 30)), 1 << 30);
         g.w = wi;
         g.cols_left = min(max(Mi - q0, -1), 1 << 30);
       }
 #else
-      const Geom g = make_geom<true>(krow0, m0 + wq * QW, P, p.w, M);
+      const Geom g = make_geom<true>(krow0, m0 + wq * 32, P, p.w, M);
 #endif
       const u32 aK1 = s0 + L::k1_offset + wk * 32 * RB;
 
-      // Sᵀ and P of the warp's 32 keys x QW queries
-      float s[2][QW / 8][4];
+      // Sᵀ and P of the warp's 32 keys x 32 queries
+      float s[2][4][4];
       constexpr bool FMA_EXP = PW_GRID_FMA_EXP != 0;
-      score_tile<PW_MASK_SPLIT_OR(2), T, D, QW, 2, CAUSAL, true, FMA_EXP ? 0 : FP::bias>(
-          s, aK1, aK1 + (L::k2_offset - L::k1_offset), st + L::q1_in_stage + wq * QW * RB,
-          st + L::q2_in_stage + wq * QW * RB, mode, masked, g, FMA_EXP ? 1.f : p.scale_log2,
+      score_tile<PW_MASK_SPLIT_OR(2), T, D, 32, 2, CAUSAL, true, FMA_EXP ? 0 : FP::bias>(
+          s, aK1, aK1 + (L::k2_offset - L::k1_offset), st + L::q1_in_stage + wq * 32 * RB,
+          st + L::q2_in_stage + wq * 32 * RB, mode, masked, g, FMA_EXP ? 1.f : p.scale_log2,
           lane);
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-        for (int nb = 0; nb < QW / 8; ++nb)
+        for (int nb = 0; nb < 4; ++nb)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float lse2 = lse_to_log2(ss[L::lse_in_stage + wq * QW + frag_col(nb, e, lane)]);
+            const float lse2 = lse_to_log2(ss[L::lse_in_stage + wq * 32 + frag_col(nb, e, lane)]);
             s[mi][nb][e] = FMA_EXP
                 ? fast_exp2(fmaf(s[mi][nb][e], p.scale_log2, (float)FP::bias - lse2))
                 : fast_exp2(s[mi][nb][e] - lse2);
           }
-      float dp[2][QW / 8][4];
-      zero_n<QW>(&dp[0][0][0]);
-      if constexpr (!PACKED_P)
-        mma_abt<T, D, QW, 2>(dp, s0 + L::v_offset + wk * 32 * RB,
-                             st + L::do_in_stage + wq * QW * RB, lane);
-      // dV takes every tile once: pass 2 skips the straddling tiles pass 1 counted. Those are
-      // the tiles with pair-1 entries (mode bit 0): pass 1 ran t_lo <= t < end1, and for
-      // t_lo <= t < t_hi, t < end1 exactly when dmin < w. HELD_RELOAD reads it off the mode
-      // so that end1 is not held across the loop.
-      const bool count_dv = pair == 1 || (HELD_RELOAD ? !(mode & 1) : t >= end1);
+      float dp[2][4][4];
+      zero_n<32>(&dp[0][0][0]);
+      mma_abt<T, D, 32, 2>(dp, s0 + L::v_offset + wk * 32 * RB,
+                           st + L::do_in_stage + wq * 32 * RB, lane);
+      // dV takes every tile once: pass 2 skips the straddling tiles pass 1 counted
+      const bool count_dv = pair == 1 || t >= end1;
       const u32 tPT = s0 + L::pt_offset + wk * 32 * TB;  // the warp's key rows of Pᵀ
       const u32 tDS = s0 + L::ds_offset + wk * 32 * TB;  // and of dSᵀ
-      const int pt_keys = PW_GRID_STASH_PLAIN >= 1 ? 32 : keys;
-      if constexpr (PACKED_P) {
-        // P rounded once: the pairs are Pᵀ's words, and the float P is dead while the dP
-        // product runs (its registers hold dP); dS below takes P back from the pairs
-        u32 pk[2][QW / 8][2];
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-          for (int nb = 0; nb < QW / 8; ++nb) {
-            pk[mi][nb][0] = Elem<T>::pack(s[mi][nb][0], s[mi][nb][1]);
-            pk[mi][nb][1] = Elem<T>::pack(s[mi][nb][2], s[mi][nb][3]);
-          }
-        if (count_dv) stash_packed<T, QW, 2, TB>(tPT + wq * QW * 2, pk, pt_keys, lane);
-        mma_abt<T, D, QW, 2>(dp, s0 + L::v_offset + wk * 32 * RB,
-                             st + L::do_in_stage + wq * QW * RB, lane);
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-          for (int nb = 0; nb < QW / 8; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const u32 w2 = pk[mi][nb][e / 2];
-              s[mi][nb][e] = Elem<T>::to_float((u16)(e % 2 ? w2 >> 16 : w2 & 0xffffu));
-            }
-      } else if (count_dv) {
-        stash_ds<T, QW, 2, TB>(tPT + wq * QW * 2, s, pt_keys, lane);
-      }
+      if (count_dv)
+        stash_ds<T, 32, 2, TB>(tPT + wq * 32 * 2, s, PW_GRID_STASH_PLAIN >= 1 ? 32 : keys, lane);
       // dS = P (dP - delta), P's fixed factor removed (exact: a power of two)
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-        for (int nb = 0; nb < QW / 8; ++nb)
+        for (int nb = 0; nb < 4; ++nb)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
             s[mi][nb][e] *= (FP::on ? pow2f(-FP::ex) : 1.f) *
-                            (dp[mi][nb][e] - ss[L::delta_in_stage + wq * QW + frag_col(nb, e, lane)]);
-      if (mode == 3) keep_pair<QW, 2, true>(s, pair, g, lane);
+                            (dp[mi][nb][e] - ss[L::delta_in_stage + wq * 32 + frag_col(nb, e, lane)]);
+      if (mode == 3) keep_pair<32, 2, true>(s, pair, g, lane);
       const u32 sDOc = st + L::do_in_stage + wq * KC * 2;  // dO columns wq D/2..
       if constexpr (L::two_buffers) {
-        stash_ds<T, QW, 2, TB>(tDS + wq * QW * 2, s, keys, lane);
+        stash_ds<T, 32, 2, TB>(tDS + wq * 32 * 2, s, keys, lane);
         __syncthreads();  // every warp's Pᵀ and dSᵀ
         if (count_dv) mma_ss<T, BM / 16, KC / 16, 2, TB, RB, false>(dv, tPT, sDOc, lane);
       } else {
@@ -1008,7 +907,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_grid(const Params p
           mma_ss<T, BM / 16, KC / 16, 2, TB, RB, false>(dv, tPT, sDOc, lane);
           __syncthreads();  // Pᵀ read by all: dSᵀ takes its place
         }
-        stash_ds<T, QW, 2, TB>(tDS + wq * QW * 2, s, keys, lane);
+        stash_ds<T, 32, 2, TB>(tDS + wq * 32 * 2, s, keys, lane);
         __syncthreads();
       }
       // dK_pair += dSᵀ Q_pair (q2 follows q1 in a stage)
@@ -1019,8 +918,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_grid(const Params p
       const int nvalid = (int)min((i64)BM, M - m0);
 #pragma unroll
       for (int j = 0; j < L::dq_tiles; ++j) {
-        // qq: the tile's 32-query block (of dq_blocks), cc: its column slice
-        const int id = warp + j * WARPS, qq = id & (DQB - 1), cc = id >> (DQB == 2 ? 1 : 2);
+        const int id = warp + j * WARPS, qq = id & 1, cc = id >> 1;
         float c[2][QC / 8][4];
         zero_n<QC>(&c[0][0][0]);
         mma_ss<T, BN / 16, QC / 16, 2, TB, RB, true>(

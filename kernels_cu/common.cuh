@@ -192,14 +192,6 @@ PW_DEVICE int tid_reload() {
   return t;
 }
 
-// blockIdx.x read the same way: what a kernel derives from it inside a loop is recomputed
-// there (backward.cu, PW_GRID_HELD_RELOAD).
-PW_DEVICE int ctaid_reload() {
-  int b;
-  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(b));
-  return b;
-}
-
 // ---------------------------------------------------------------- shared memory access
 PW_DEVICE u32 smem_addr(const void* p) {
   u32 a;
@@ -260,14 +252,13 @@ template <int D> struct Pitch {
 #ifndef PW_LOAD_TID_RELOAD
 #define PW_LOAD_TID_RELOAD 0
 #endif
-// RELOAD: a caller's own choice of the same (backward.cu, PW_GRID_HELD_RELOAD).
-template <int ROWS, int D, int THREADS, bool RELOAD = PW_LOAD_TID_RELOAD != 0>
+template <int ROWS, int D, int THREADS>
 PW_DEVICE void load_rows(u32 dst, const u16* src, i64 rs, i64 row0, i64 nvalid) {
   constexpr int CPR = D / 8;  // 16-byte chunks per row
   static_assert(D % 16 == 0, "head dims are multiples of 16");
   if constexpr (THREADS % CPR == 0) {
     constexpr int RSTEP = THREADS / CPR;
-    const int tid = RELOAD ? tid_reload() : (int)threadIdx.x;
+    const int tid = PW_LOAD_TID_RELOAD ? tid_reload() : (int)threadIdx.x;
     const int r = tid / CPR, ch = tid % CPR;
     i64 gr = row0 + r;
     const u16* g = src + gr * rs + ch * 8;

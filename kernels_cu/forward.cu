@@ -176,26 +176,13 @@ PW_DEVICE void online_softmax(float s[MW][BN / 8][4], float acc[MW][D / 8][4],
 #ifndef PW_FWD_COL_RANGE
 #define PW_FWD_COL_RANGE 2
 #endif
-// PW_FWD_COL_RANGE_CAUSAL (0, the default: causal kernels keep the full masked visit; an A/B
-// build): 1 gives causal kernels of the same shape the column-range visit on straddling
-// tiles only (mode 3), 2 on every masked visit (the causal form timed above). Why 1: a
-// straddling tile's two ranged visits cost every warp 10 of 16 groups, but a causal diagonal
-// visit costs warp k 2k + 2 of 8, so the block's last warp does the whole product plus the
-// grouped body's overhead and the barrier waits for it (a reading of the 0.92-0.96x above,
-// not measured).
-#ifndef PW_FWD_COL_RANGE_CAUSAL
-#define PW_FWD_COL_RANGE_CAUSAL 0
-#endif
-static_assert(PW_FWD_COL_RANGE_CAUSAL >= 0 && PW_FWD_COL_RANGE_CAUSAL <= 2,
-              "PW_FWD_COL_RANGE_CAUSAL: 0, 1 (straddling tiles) or 2 (every masked visit)");
 static_assert(PW_FWD_COL_RANGE == 0 || PW_FWD_COL_RANGE == 1 || PW_FWD_COL_RANGE == 2 ||
                   PW_FWD_COL_RANGE == 4,
               "PW_FWD_COL_RANGE: 0 (off) or a chunk of 1, 2 or 4 16-key groups");
 // Whether a visits-body kernel takes the column-range masked visit: the timed shape only.
 template <typename T, int D, int BN, bool CAUSAL, bool VARLEN>
 __host__ __device__ constexpr bool fwd_col_range() {
-  return PW_FWD_COL_RANGE && (!CAUSAL || PW_FWD_COL_RANGE_CAUSAL) && !VARLEN &&
-         Elem<T>::width == 1 && D == 64 && BN == 128;
+  return PW_FWD_COL_RANGE && !CAUSAL && !VARLEN && Elem<T>::width == 1 && D == 64 && BN == 128;
 }
 // A masked visit of the visits body over its warp's column groups, in chunks of CH groups
 // (PW_FWD_COL_RANGE): score product, mask, online softmax and P·V.
@@ -423,7 +410,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_forward(const Params p) {
         const float sc = 1.f;  // raw scores: a 1 folds the multiply away
 #if PW_FWD_COL_RANGE
         if constexpr (fwd_col_range<T, D, BN, CAUSAL, VARLEN>()) {
-          if (masked && (!CAUSAL || PW_FWD_COL_RANGE_CAUSAL == 2 || mode == 3)) {  // (above)
+          if (masked) {  // (PW_FWD_COL_RANGE above)
             visit_masked_groups<T, D, BN, MW, PW_FWD_COL_RANGE, CAUSAL>(
                 s, acc, row_max, row_sum, sA, sB, smem_addr(st + L::v_in_stage), g, pair,
                 p.scale_log2, lane);

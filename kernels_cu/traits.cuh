@@ -254,29 +254,21 @@ struct BwdDkvTraits : TileTraitsBase<D, BN, WARPS> {
 #ifndef PW_GRID_TWO_DS
 #define PW_GRID_TWO_DS 0
 #endif
-// 128-query steps (BM = 128, an override only: FlashAttention-2's D = 64 shape) keep one
-// buffer: two would take D = 64 at 8 warps to 237568 bytes, over sm_90's 232448.
-__host__ __device__ constexpr bool grid_two_ds_buffers(int D, int WARPS, int BM = 64) {
-  return BM == 64 && D <= 64 && (WARPS == 8 || (PW_GRID_TWO_DS && WARPS == 4));
+__host__ __device__ constexpr bool grid_two_ds_buffers(int D, int WARPS) {
+  return D <= 64 && (WARPS == 8 || (PW_GRID_TWO_DS && WARPS == 4));
 }
 template <int D, int BM, int BN, int WARPS> struct BwdGridTraits {
-  static_assert((BM == 64 || BM == 128) && (WARPS == 4 || WARPS == 8) && BN == 16 * WARPS,
-                "64 or 128 queries a step; 2 x (BN / 32) warps, each 32 keys x BM / 2 queries "
-                "of the scores");
-  // the only head dim whose 128-query build was read (capability.check_config mirrors it)
-  static_assert(BM == 64 || D == 64, "128-query steps are built at D = 64 only");
+  static_assert(BM == 64 && (WARPS == 4 || WARPS == 8) && BN == 16 * WARPS,
+                "64 queries a step; 2 x (BN / 32) warps, each 32 keys x 32 queries of the scores");
   static constexpr int warps = WARPS;
   static constexpr int threads = WARPS * PW_WARP_SIZE;
   static constexpr int block_m = BM, block_n = BN;
   static constexpr int warps_k = BN / 32;  // warps along the keys; 2 along queries / columns
   static constexpr int kv_cols = D / 2;    // dK, dV columns each warp accumulates
-  // dQ (BM x D) in warp tiles of 32 queries x dq_cols columns, dq_tiles of them per warp: the
-  // BM / 32 blocks of 32 queries times D columns shared out (no member for BM / 32: NVRTC
-  // emits a global per static member, which would change every entry's PTX)
-  static constexpr int dq_cols = BM / 32 * D / WARPS < 32 ? BM / 32 * D / WARPS : 32;
-  static constexpr int dq_tiles = BM / 32 * D / dq_cols / WARPS;
-  static_assert(dq_cols % 16 == 0 && dq_tiles * dq_cols * WARPS == BM / 32 * D,
-                "dQ tiles cover D");
+  // dQ (BM x D) in warp tiles of 32 queries x dq_cols columns, dq_tiles of them per warp
+  static constexpr int dq_cols = 2 * D / WARPS < 32 ? 2 * D / WARPS : 32;
+  static constexpr int dq_tiles = 2 * D / dq_cols / WARPS;
+  static_assert(dq_cols % 16 == 0 && dq_tiles * dq_cols * WARPS == 2 * D, "dQ tiles cover D");
   static constexpr int row_bytes = Pitch<D>::bytes;
   static constexpr int k_tile_bytes = BN * row_bytes;
   static constexpr int q_tile_bytes = BM * row_bytes;
@@ -296,7 +288,7 @@ template <int D, int BM, int BN, int WARPS> struct BwdGridTraits {
   static constexpr int pt_offset = stats_offset + PW_STAGES * stats_stage_bytes;
   static constexpr int pt_pitch_bytes = (BM + 8) * PW_ELEM_BYTES;
   static constexpr int pt_bytes = BN * pt_pitch_bytes;
-  static constexpr bool two_buffers = grid_two_ds_buffers(D, WARPS, BM);
+  static constexpr bool two_buffers = grid_two_ds_buffers(D, WARPS);
   static constexpr int ds_offset = pt_offset + (two_buffers ? pt_bytes : 0);
   static constexpr int smem_bytes = ds_offset + pt_bytes;
   static_assert(q_offset % PW_SMEM_ALIGN == 0 && stage_bytes % PW_SMEM_ALIGN == 0 &&

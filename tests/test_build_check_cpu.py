@@ -311,32 +311,29 @@ def test_warp_skip_forward_ab_builds_compile(nvrtc, monkeypatch, skip):
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
-@pytest.mark.parametrize("macro", ["PW_FWD_COL_RANGE=0", "PW_FWD_COL_RANGE=4",
-                                   "PW_FWD_COL_RANGE_CAUSAL=1", "PW_FWD_COL_RANGE_CAUSAL=2"])
-def test_column_range_forward_ab_build_compiles(nvrtc, monkeypatch, macro):
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_column_range_forward_ab_build_compiles(nvrtc, monkeypatch, chunk):
     """The A/B forms of the column-range masked visit (kernels_cu/forward.cu,
     PW_FWD_COL_RANGE; 2 by default since 2026-12-07, the build check's): 0, the full
-    masked visit of every kernel before, 4, chunks of four 16-key groups, and the causal
-    forms (PW_FWD_COL_RANGE_CAUSAL 1: straddling tiles only, 2: every masked visit) build
-    every selectable 16-bit forward of sm_80 to sm_90 without spills. Only the dense D = 64
-    kernels with 128-key tiles take the ranged visit (sm_90's 128x128x4 entry, bf16 and
-    fp16; non-causal by default, causal too under PW_FWD_COL_RANGE_CAUSAL); the rest build
-    the same code under every value, and the test asserts those are among the variants
-    built. Its spill-free form is fragile: plain branches on the range spilled 76-148 bytes
-    at that entry, chunks of four 4 bytes there when causal kernels took it."""
+    masked visit of every kernel before, and 4, chunks of four 16-key groups, build every
+    selectable 16-bit forward of sm_80 to sm_90 without spills. Only the dense non-causal
+    D = 64 kernels with 128-key tiles take the ranged visit (sm_90's 128x128x4 entry, bf16
+    and fp16); the rest build the same code under every value, and the test asserts those
+    two are among the variants built. Its spill-free form is fragile: plain branches on the
+    range spilled 76-148 bytes at that entry, chunks of four 4 bytes there when causal
+    kernels took it."""
     from cupy_piecewise import compile as comp
 
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options", lambda cc, hopper=False: base(cc, hopper) + (
-        f"-D{macro}",))
+        f"-DPW_FWD_COL_RANGE={chunk}",))
     for cc in ((8, 0), (8, 6), (8, 9), SM90):
         vs = [v for v in build_check.variants_for(cc)
               if v.phase == "fwd" and v.dtype in capability.HALF_DTYPES]
-        if cc == SM90:  # not vacuous: the ranged visit's variants are built
-            for causal in (False, True):
-                ranged = {v.dtype for v in vs if v.head_dim == 64 and v.causal == causal
-                          and not v.varlen and v.tiles.block_n == 128}
-                assert ranged == set(capability.HALF_DTYPES)
+        if cc == SM90:  # not vacuous: the ranged visit's two variants are built
+            ranged = {v.dtype for v in vs if v.head_dim == 64 and not v.causal and not v.varlen
+                      and v.tiles.block_n == 128}
+            assert ranged == set(capability.HALF_DTYPES)
         for r in compile_offline(cc, vs):
             assert r.ok and r.registers, (r.variant, r.log)
             assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
@@ -505,20 +502,6 @@ def test_grid_backward_reload_modes_build_without_spills(nvrtc, monkeypatch, cc)
         else:
             assert not moved, (r.variant, default[r.variant], r.registers)
     assert not moved_64 or any(moved_64), "the mode reached no D = 64 entry"
-
-
-def test_grid_backward_128_query_override_builds_without_spills(nvrtc):
-    """bwd_grid=128x128x8 (an override, in no table row: 128-query steps at D = 64, each warp
-    32 keys x 64 queries of Sᵀ and dPᵀ) builds its four sm_90 variants without spills with
-    the defaults that apply only at BM = 128 (kernels_cu/backward.cu PW_GRID_PACKED_P and
-    PW_GRID_HELD_RELOAD, both 2). NVRTC 13.5, 2026-12-07: HELD_RELOAD=0 spills 4-36 bytes
-    (stores/loads up to 24/36), PACKED_P=0 28/40 in the causal pair, both 0 24-60/40-100."""
-    vs = [Variant("bwd_grid", dt, 64, capability.TileConfig(128, 128, 8), c)
-          for dt in ("bfloat16", "float16") for c in (False, True)]
-    assert all(not capability.check_config("bwd_grid", 64, v.tiles, SM90) for v in vs)
-    for r in compile_offline(SM90, vs):
-        assert r.ok and r.registers, (r.variant, r.log)
-        assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)])

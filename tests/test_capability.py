@@ -598,34 +598,6 @@ def test_grid_backward_tiles_follow_the_table(cc, monkeypatch):
     cap.refresh_env_override()
 
 
-@pytest.mark.parametrize("cc", LISTED_ARCHS)
-def test_grid_backward_128_query_override(cc, monkeypatch):
-    """bwd_grid=128x128x8 (128-query steps, FlashAttention-2's D = 64 shape; one Pᵀ/dSᵀ
-    buffer, 202752 bytes) is an override only: check_config admits it at D = 64 where it fits
-    a block's shared memory (sm_90), refuses it by its size elsewhere and at every other head
-    dim by name, and no table row selects a 128-query step."""
-    t = TileConfig(128, 128, 8)
-    assert cap.shared_bytes("bwd_grid", 64, t) == 202752
-    assert not cap.grid_two_ds_buffers(64, t)
-    assert (not cap.check_config("bwd_grid", 64, t, cc)) == (cc == (9, 0))
-    assert any("head_dim 64 only" in e for e in cap.check_config("bwd_grid", 128, t, cc))
-    assert (not cap.check_config("bwd_grid", 64, TileConfig(128, 64, 4), cc)) == (
-        cc in ((8, 0), (9, 0)))  # 157696 bytes
-    for row in TABLE.values():
-        for entry in row.get("bwd_grid", {}).values():
-            for tiles in (entry.values() if isinstance(entry, dict) else (entry,)):
-                assert tiles.block_m == 64, tiles
-    monkeypatch.setenv(cap.ENV_VAR, "bwd_grid=128x128x8")
-    cap.refresh_env_override()
-    if cc == (9, 0):
-        assert cap.grid_backward_tiles(cc, 64, "bfloat16", True) == t
-    else:
-        with pytest.raises(ValueError, match="202752 bytes of shared memory"):
-            cap.grid_backward_tiles(cc, 64, "bfloat16", True)
-    monkeypatch.delenv(cap.ENV_VAR)
-    cap.refresh_env_override()
-
-
 def test_mode_mirrors_keep_their_type(monkeypatch):
     """apply_kernel_macros keeps each mirror's type: a switch stays a bool
     (PW_FWD_Q_ROTATE=0 -> False), a mode an int (KV90_TILE_BOX=2 -> 2, the kernel's

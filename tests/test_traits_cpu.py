@@ -123,22 +123,19 @@ def test_grid_backward_layouts_match_python_shared_bytes(nvrtc, cc):
     """BwdGridTraits (pw_backward_grid) against capability.shared_bytes for every shape
     check_config admits at head dims 64 and 128, whether or not the table selects it (a tile
     override can, and the layout differs with grid_two_ds_buffers), and the kernel's
-    grid_two_ds_buffers against the host's. Both query steps: 64, and 128 (an override only,
-    FlashAttention-2's D = 64 shape, one Pᵀ/dSᵀ buffer)."""
-    cfgs = [(d, capability.TileConfig(bm, 16 * w, w)) for d in (64, 128) for w in (4, 8)
-            for bm in (64, 128) if bm == 64 or d == 64]
-    checks = [(f"BwdGridTraits<{d}, {t.block_m}, {t.block_n}, {t.num_warps}>",
+    grid_two_ds_buffers against the host's."""
+    cfgs = [(d, capability.TileConfig(64, 16 * w, w)) for d in (64, 128) for w in (4, 8)]
+    checks = [(f"BwdGridTraits<{d}, 64, {t.block_n}, {t.num_warps}>",
                capability.shared_bytes("bwd_grid", d, t), f"bwd_grid D={d} {t}") for d, t in cfgs]
     fired, log = _failed_asserts(nvrtc, cc, "backward.cu", checks)
     assert not fired, "\n".join(fired)
     # check_config admits exactly the head dims whose traits compile (its dQ tile rule)
     for d in (16, 32, 64, 80, 96, 128, 256):
-        for w, bm in ((4, 64), (8, 64), (4, 128), (8, 128)):
-            t = capability.TileConfig(bm, 16 * w, w)
-            ok = not any("dQ warp tiles" in e or "128-query steps" in e
-                         for e in capability.check_config("bwd_grid", d, t, cc))
+        for w in (4, 8):
+            t = capability.TileConfig(64, 16 * w, w)
+            ok = not any("dQ warp tiles" in e for e in capability.check_config("bwd_grid", d, t, cc))
             prog = nvrtc.createProgram(source("backward.cu") + f"\nstatic_assert(BwdGridTraits<{d}, "
-                                       f"{bm}, {16 * w}, {w}>::smem_bytes > 0, \"\");\n",
+                                       f"64, {16 * w}, {w}>::smem_bytes > 0, \"\");\n",
                                        "backward.cu", [], [])
             try:
                 nvrtc.compileProgram(prog, list(BASE_OPTIONS) + [f"-arch=compute_{cc[0]}{cc[1]}"])
@@ -147,9 +144,9 @@ def test_grid_backward_layouts_match_python_shared_bytes(nvrtc, cc):
                 compiles = False
             finally:
                 nvrtc.destroyProgram(prog)
-            assert ok == compiles, (d, w, bm, ok, compiles)
+            assert ok == compiles, (d, w, ok, compiles)
     rules = "".join(
-        f"static_assert(grid_two_ds_buffers({d}, {t.num_warps}, {t.block_m}) == "
+        f"static_assert(grid_two_ds_buffers({d}, {t.num_warps}) == "
         f"{'true' if capability.grid_two_ds_buffers(d, t) else 'false'}, \"D={d} {t}\");\n"
         for d, t in cfgs)
     prog = nvrtc.createProgram(source("backward.cu") + "\n" + rules, "backward.cu", [], [])
