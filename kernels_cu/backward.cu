@@ -168,6 +168,23 @@ template <typename T, bool KEEP_ROW_SCALE = false> struct FixedP {
 #ifndef PW_GRID_FMA_EXP
 #define PW_GRID_FMA_EXP 1
 #endif
+// PW_GRID_STAGGER (0, the default; 1 an A/B build, D = 64 only): the warp-grid backward's
+// blocks of one head sweep each pass's query tiles starting at tile (key tile index mod the
+// pass's count) instead of all at its first, so the blocks resident together add their dQ
+// rows into different rows of the float32 accumulator at a time rather than the same ones
+// (the reductions of every key tile of a head meet in the same L2 lines when they start
+// together; ncu put the D = 64 kernel's L2 throughput at 68% against FlashAttention-2's 32%,
+// bench/results/2026-12-05-h100-grid-diet). The sum's order per element changes (float32
+// atomics are unordered anyway).
+#ifndef PW_GRID_STAGGER
+#define PW_GRID_STAGGER 0
+#endif
+// PW_GRID_DQ_FIRST (0, the default; 1 an A/B build, D = 64 only): the warp-grid backward forms
+// dQ's product and issues its reductions before dK's product instead of after it, so the
+// reductions' trip to L2 overlaps dK's tensor work rather than the next tile's wait and barrier.
+#ifndef PW_GRID_DQ_FIRST
+#define PW_GRID_DQ_FIRST 0
+#endif
 
 // delta[b, h, i] = sum_d dO[i, d] * O[i, d], one warp per row, 16-byte loads.
 template <typename T, int D>
@@ -812,12 +829,22 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_grid(const Params p
     const int per_head = hi - lo;
     float dk[2][KC / 8][4];
     zero_n<KC>(&dk[0][0][0]);
+    const int count = per_head > 0 ? per_head * group : 0;
+    // PW_GRID_STAGGER: the pass starts at its tile (key tile mod count), wrapping around
+    const int rot = (PW_GRID_STAGGER && D == 64 && count > 0) ? (int)(nt % count) : 0;
+    auto rotated = [&](int it) {
+      if constexpr (PW_GRID_STAGGER && D == 64) {
+        it += rot;
+        if (it >= count) it -= count;
+      }
+      return it;
+    };
     auto issue = [&](int it, int stage) {
       i64 h, m0;
-      tile_of(lo, per_head, it, h, m0);
+      tile_of(lo, per_head, rotated(it), h, m0);
       issue_tile(h, m0, stage);
     };
-    pipelined_tiles(0, per_head > 0 ? per_head * group : 0, issue, [&](int it, int stage) {
+    pipelined_tiles(0, count, issue, [&](int it, int stage) {
       // lane- and warp-derived offsets recomputed per tile from a fresh threadIdx read
       // (tid_reload): held across the loop they spill about 210 bytes at D = 128 (ptxas,
       // NVRTC 13.5); recomputed, every entry builds without spills (PW_GRID_TID_RELOAD)
@@ -828,7 +855,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_grid(const Params p
       const i64 krow0 = n0 + wk * 32;
       const int keys = (int)clamp64(N - krow0, 0, 32);  // the warp's keys inside K
       i64 h, m0;
-      tile_of(lo, per_head, it, h, m0);
+      tile_of(lo, per_head, rotated(it), h, m0);
 #if PW_GRID_GEOM32
       // the tile's geometry in 32-bit form (PW_GRID_GEOM32 above), lengths and shift read
       // from the parameters again rather than held
@@ -911,32 +938,46 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_grid(const Params p
         __syncthreads();
       }
       // dK_pair += dSᵀ Q_pair (q2 follows q1 in a stage)
-      mma_ss<T, BM / 16, KC / 16, 2, TB, RB, false>(
-          dk, tDS, st + L::q1_in_stage + (pair - 1) * L::q_tile_bytes + wq * KC * 2, lane);
-      // dQ_pair rows [m0, m0 + BM) of head h += dS K_pair (k2 follows k1)
-      float* acc = (pair == 1 ? p.dq_acc1 : p.dq_acc2) + ((b * p.H + h) * M + m0) * D;
-      const int nvalid = (int)min((i64)BM, M - m0);
+      auto dk_product = [&]() {
+        mma_ss<T, BM / 16, KC / 16, 2, TB, RB, false>(
+            dk, tDS, st + L::q1_in_stage + (pair - 1) * L::q_tile_bytes + wq * KC * 2, lane);
+      };
+      auto dq_product = [&]() {
+        // dQ_pair rows [m0, m0 + BM) of head h += dS K_pair (k2 follows k1)
+        float* acc = (pair == 1 ? p.dq_acc1 : p.dq_acc2) + ((b * p.H + h) * M + m0) * D;
+        const int nvalid = (int)min((i64)BM, M - m0);
 #pragma unroll
-      for (int j = 0; j < L::dq_tiles; ++j) {
-        const int id = warp + j * WARPS, qq = id & 1, cc = id >> 1;
-        float c[2][QC / 8][4];
-        zero_n<QC>(&c[0][0][0]);
-        mma_ss<T, BN / 16, QC / 16, 2, TB, RB, true>(
-            c, s0 + L::ds_offset + qq * 32 * 2,
-            s0 + L::k1_offset + (pair - 1) * L::k_tile_bytes + cc * QC * 2, lane);
+        for (int j = 0; j < L::dq_tiles; ++j) {
+          const int id = warp + j * WARPS, qq = id & 1, cc = id >> 1;
+          float c[2][QC / 8][4];
+          zero_n<QC>(&c[0][0][0]);
+          mma_ss<T, BN / 16, QC / 16, 2, TB, RB, true>(
+              c, s0 + L::ds_offset + qq * 32 * 2,
+              s0 + L::k1_offset + (pair - 1) * L::k_tile_bytes + cc * QC * 2, lane);
 #pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-          const int r = qq * 32 + mi * 16 + lane / 4;
-          float* row = acc + (i64)r * D + cc * QC + 2 * (lane % 4);
+          for (int mi = 0; mi < 2; ++mi) {
+            const int r = qq * 32 + mi * 16 + lane / 4;
+            float* row = acc + (i64)r * D + cc * QC + 2 * (lane % 4);
 #pragma unroll
-          for (int np = 0; np < QC / 16; ++np) {
-            const float blk[2][4] = {{c[mi][2 * np][0], c[mi][2 * np][1], c[mi][2 * np][2],
-                                      c[mi][2 * np][3]},
-                                     {c[mi][2 * np + 1][0], c[mi][2 * np + 1][1],
-                                      c[mi][2 * np + 1][2], c[mi][2 * np + 1][3]}};
-            red_block16(row, row + 8 * D, np * 16, blk, r < nvalid, r + 8 < nvalid, lane);
+            for (int np = 0; np < QC / 16; ++np) {
+              const float blk[2][4] = {{c[mi][2 * np][0], c[mi][2 * np][1], c[mi][2 * np][2],
+                                        c[mi][2 * np][3]},
+                                       {c[mi][2 * np + 1][0], c[mi][2 * np + 1][1],
+                                        c[mi][2 * np + 1][2], c[mi][2 * np + 1][3]}};
+              red_block16(row, row + 8 * D, np * 16, blk, r < nvalid, r + 8 < nvalid, lane);
+            }
           }
         }
+      };
+#if PW_GRID_DQ_FIRST
+      if constexpr (D == 64) {
+        dq_product();
+        dk_product();
+      } else
+#endif
+      {
+        dk_product();
+        dq_product();
       }
     });
     const float scale[2][2] = {{p.sm_scale, p.sm_scale}, {p.sm_scale, p.sm_scale}};

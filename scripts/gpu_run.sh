@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: GPU tests, sanitizers, the check command, host overhead, a
 # benchmark and the GPU fuzzer; logs and results to OUTDIR (logs.tgz, bench.tgz, overhead.json).
-#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_fwd ncu_decode fwd_ab bwd_w mma_checks fwd_d64 kvprobe kvrot tilebox rowbox gqa gqa_ncu grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
+#   PYTHONPATH=$PWD bash scripts/gpu_run.sh OUTDIR [tests sanitize cold soak check overhead bench fuzz probes mma_probes mma_bench bitwise ncu ncu_mma ncu_grid ncu_grid64 ncu_fwd grid_order ncu_decode fwd_ab bwd_w mma_checks fwd_d64 kvprobe kvrot tilebox rowbox gqa gqa_ncu grid_reload grid_reload_bench one_barrier one_barrier_ab grid_barrier_ab rotary | all]
 # sanitize: memcheck, racecheck, synccheck and initcheck over every selectable variant;
 # cold: first-call figures before and after `build --install` (scripts/cold_start.py);
 # soak: scripts/soak.py (SOAK_ARGS, e.g. --quick), figures in soak.json.
@@ -337,6 +337,34 @@ if asked ncu_grid; then
     grep -E "Duration|Executed Instructions  " "$logs/ncu_$tag.txt" | head -6
   done
 fi
+if asked ncu_grid64; then
+  # the D = 64 warp-grid backward beside FlashAttention-2's (bf16, L GRID64_L, non-causal):
+  # 64x64x4 (the table's) and 64x128x8 (half the dQ reductions and Q/dO loads per unit of
+  # work, slower when timed on 2026-12-05), each with source counters, raw metrics (every
+  # stall reason) and its SASS with per-instruction samples; FA2's likewise; with
+  # GRID64_MACRO (space-separated NAME=VALUE) also 64x64x4 built with those, tag g64m
+  secs="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis
+    --section InstructionStats --section WarpStateStats --section SchedulerStats --section Occupancy
+    --section LaunchStats --section SourceCounters"
+  for cfg in "64x64x4:g64" "64x128x8:g64w8" "flash:flash64" ${GRID64_MACRO:+"64x64x4:g64m"}; do
+    tag=${cfg##*:}; kern="regex:^pw_backward_grid$"; tiles="bwd_grid=${cfg%:*}"; extra=""; m=""
+    case $tag in flash*) kern="regex:flash_bwd_dq_dk_dv"; tiles=""; extra="--peer flash";; esac
+    [[ $tag == g64m ]] && m=$GRID64_MACRO
+    PW_TEST_MACROS="$m" CUPY_PIECEWISE_TILES="$tiles" CUPY_PIECEWISE_PATH=mma timeout 240 ncu \
+      --clock-control none -k "$kern" --launch-skip 1 --launch-count 1 $secs \
+      --import-source no -o "$logs/$tag" -f python3 scripts/profile_case.py --L ${GRID64_L:-8192} \
+      --D 64 --iters 2 $extra > "$logs/ncu_$tag.log" 2>&1
+    rc=$?; echo "ncu $tag: exit $rc"; status=$((status | rc))
+    ncu -i "$logs/$tag.ncu-rep" --page details > "$logs/ncu_$tag.txt" 2>&1
+    ncu -i "$logs/$tag.ncu-rep" --page raw --csv > "$logs/ncu_${tag}_raw.csv" 2>&1
+    ncu -i "$logs/$tag.ncu-rep" --page source --csv --print-source sass \
+      > "$logs/ncu_${tag}_sass.csv" 2>&1
+    gzip -f "$logs/ncu_${tag}_sass.csv"
+    rm -f "$logs/$tag.ncu-rep"
+    grep -E "Duration|Executed Instructions  |L2 Cache Throughput|Warp Cycles Per Issued" \
+      "$logs/ncu_$tag.txt" | head -6
+  done
+fi
 if asked ncu_fwd; then
   secs="--section SpeedOfLight --section InstructionStats --section WarpStateStats --section SchedulerStats
     --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis"
@@ -589,6 +617,34 @@ if asked fwd_ab; then
     --control --out "$logs/fwd_ab.txt" > "$logs/fwd_ab.log" 2>&1
   rc=$?; echo "fwd_ab probe: exit $rc"; tail -40 "$logs/fwd_ab.log"
   status=$((status | rc))
+fi
+if asked grid_order; then
+  # the D = 64 warp-grid backward's order macros (kernels_cu/backward.cu PW_GRID_STAGGER,
+  # PW_GRID_DQ_FIRST; D = 64 kernels only): the backward alone of each against the default
+  # with SDPA flash (mma_bwd_ab.py, w = L / 4), then the mma.sync D = 64 GPU cases and the
+  # forced warp-grid cases built with GRID_ORDER_CHECK (default both macros) beside memcheck
+  # and racecheck on the dense mma.sync D = 64 sanitizer cases under it; about 8-9 minutes
+  timeout 300 python3 scripts/mma_bwd_ab.py \
+    --variants "${GRID_ORDER_VARIANTS-PW_GRID_STAGGER=1;PW_GRID_DQ_FIRST=1;PW_GRID_STAGGER=1,PW_GRID_DQ_FIRST=1}" \
+    --w-fracs 0.25 --flash --modes default --dims 64 --lengths "${GRID_ORDER_LENGTHS:-2048,8192}" \
+    --dtypes bf16,fp16 --rounds "${GRID_ORDER_ROUNDS:-3}" --reps 15 \
+    --out "$logs/grid_order.txt" > "$logs/grid_order.log" 2>&1
+  rc=$?; echo "grid_order ab: exit $rc"; tail -30 "$logs/grid_order.log"; status=$((status | rc))
+  m=${GRID_ORDER_CHECK-PW_GRID_STAGGER=1 PW_GRID_DQ_FIRST=1}
+  if [[ -n $m ]]; then
+    for tool in memcheck racecheck; do
+      extra=""; [[ $tool == memcheck ]] && extra="--report-api-errors no"
+      PW_TEST_MACROS="$m" SANITIZE_DIMS=64 SANITIZE_PATHS=mma \
+        SANITIZE_SKIP=kvcache,rotary,varlen,torch timeout 240 compute-sanitizer --tool $tool $extra \
+        --error-exitcode 9 python3 scripts/sanitize_cases.py > "$logs/grid_order_$tool.log" 2>&1 &
+    done
+    PW_TEST_MACROS="$m" CUPY_PIECEWISE_PATH=mma timeout 240 python3 -m pytest -q -ra -m gpu \
+      -p no:cacheprovider tests/test_kernels_gpu.py -k "(mma and not hopper and 64) or grid_backward_forced" \
+      > "$logs/grid_order_pytest.log" 2>&1
+    rc=$?; echo "grid_order tests ($m): exit $rc"; tail -3 "$logs/grid_order_pytest.log"; status=$((status | rc))
+    for tool in memcheck racecheck; do wait -n; rc=$?; status=$((status | rc)); done
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Traceback" "$logs"/grid_order_{memcheck,racecheck}.log | tail -4
+  fi
 fi
 if asked bwd_w; then
   timeout 480 python3 scripts/mma_bwd_ab.py --variants "${BWDW_VARIANTS-}" --w-fracs 0.25,1 --flash \

@@ -16,6 +16,9 @@ cached keys per head (B = --batch, default 1; H = --heads query heads, default 3
 --kv-heads key heads, default 32), what the ncu step profiles for pw_kvcache;
 with ``--peer cudnn`` (or ``flash``) it runs SDPA's decode on that shape instead (one query
 row, is_causal=False: every cached key), the peer of scripts/gpu_run.sh's ncu_decode step.
+
+``PW_TEST_MACROS`` (space-separated ``NAME=VALUE``) builds every kernel of the process with
+those -D options (compile.apply_test_macros), to profile an A/B build.
 """
 from __future__ import annotations
 
@@ -24,9 +27,11 @@ import argparse
 import torch
 
 import cupy_piecewise
+from cupy_piecewise import compile as _compile
 
 
 def main() -> None:
+    _compile.apply_test_macros()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--L", type=int, default=8192)
     ap.add_argument("--D", type=int, default=128)

@@ -525,6 +525,30 @@ def test_grid_backward_two_ds_buffers_at_d64_build_without_spills(nvrtc, monkeyp
         assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
 
 
+@pytest.mark.parametrize("cc", sorted(capability.TABLE))
+@pytest.mark.parametrize("macros", [("PW_GRID_STAGGER=1",), ("PW_GRID_DQ_FIRST=1",),
+                                    ("PW_GRID_STAGGER=1", "PW_GRID_DQ_FIRST=1")])
+def test_grid_backward_order_forms_build_without_spills(nvrtc, monkeypatch, cc, macros):
+    """The D = 64 warp-grid backward's staged order forms (kernels_cu/backward.cu, A/B builds
+    for 2026-12-08): -DPW_GRID_STAGGER=1 (each block starts its passes at its own query tile)
+    and -DPW_GRID_DQ_FIRST=1 (dQ's product and reductions before dK's product), alone and
+    together, build every bwd_grid entry of every listed architecture without spills, at
+    D = 64 (whose code they change) and above (whose code they leave alone)."""
+    from cupy_piecewise import compile as comp
+
+    vs = sorted({Variant(phase, dt, d, t, c)
+                 for phase, d, dt, c, t in capability.selectable_configs(cc)
+                 if phase == "bwd_grid"}, key=str)
+    if not vs:
+        pytest.skip(f"no bwd_grid entry for {cc}")
+    base = comp.arch_options
+    monkeypatch.setattr(comp, "arch_options",
+                        lambda c, hopper=False: base(c, hopper) + tuple(f"-D{m}" for m in macros))
+    for r in compile_offline(cc, vs):
+        assert r.ok and r.registers, (r.variant, r.log)
+        assert not (r.spill_stores or r.spill_loads), (r.variant, r.log)
+
+
 def test_two_barrier_tile_loop_builds_without_spills(nvrtc, monkeypatch):
     """-DPW_ONE_BARRIER=0 (kernels_cu/common.cuh pipelined_tiles): the earlier tile loop with
     two barriers per tile, kept for A/B runs against the default (one barrier since
