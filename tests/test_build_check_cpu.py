@@ -448,6 +448,16 @@ def test_q_rotate_forward_builds(nvrtc, monkeypatch):
     assert any(changed), "no report differs from the build with -DPW_FWD_Q_ROTATE=0"
 
 
+def _grid_variants(cc) -> list:
+    """Every bwd_grid variant the table can select on ``cc`` (the test skips where none)."""
+    vs = sorted({Variant(phase, dt, d, t, c)
+                 for phase, d, dt, c, t in capability.selectable_configs(cc)
+                 if phase == "bwd_grid"}, key=str)
+    if not vs:
+        pytest.skip(f"no bwd_grid entry for {cc}")
+    return vs
+
+
 @pytest.mark.parametrize("group1", [0, 1])
 def test_grid_backward_division_forms_build_without_spills(nvrtc, monkeypatch, group1):
     """-DPW_GRID_GROUP1 (kernels_cu/backward.cu, pw_backward_grid's tile_of): 1, the default
@@ -460,9 +470,7 @@ def test_grid_backward_division_forms_build_without_spills(nvrtc, monkeypatch, g
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options",
                         lambda cc, hopper=False: base(cc, hopper) + (f"-DPW_GRID_GROUP1={group1}",))
-    vs = sorted({Variant(phase, dt, d, t, c)
-                 for phase, d, dt, c, t in capability.selectable_configs(SM90)
-                 if phase == "bwd_grid"}, key=str)
+    vs = _grid_variants(SM90)
     assert {v.head_dim for v in vs} >= {64, 128} and {v.causal for v in vs} == {False, True}
     for r in compile_offline(SM90, vs):
         assert r.ok and r.registers, (r.variant, r.log)
@@ -480,11 +488,7 @@ def test_grid_backward_reload_modes_build_without_spills(nvrtc, monkeypatch, cc)
     the sm_90 bfloat16 causal one reports 240 registers in both)."""
     from cupy_piecewise import compile as comp
 
-    vs = sorted({Variant(phase, dt, d, t, c)
-                 for phase, d, dt, c, t in capability.selectable_configs(cc)
-                 if phase == "bwd_grid"}, key=str)
-    if not vs:
-        pytest.skip(f"no bwd_grid entry for {cc}")
+    vs = _grid_variants(cc)
     base = comp.arch_options
     default = {}
     for r in compile_offline(cc, vs):
@@ -536,11 +540,7 @@ def test_grid_backward_order_forms_build_without_spills(nvrtc, monkeypatch, cc, 
     D = 64 (whose code they change) and above (whose code they leave alone)."""
     from cupy_piecewise import compile as comp
 
-    vs = sorted({Variant(phase, dt, d, t, c)
-                 for phase, d, dt, c, t in capability.selectable_configs(cc)
-                 if phase == "bwd_grid"}, key=str)
-    if not vs:
-        pytest.skip(f"no bwd_grid entry for {cc}")
+    vs = _grid_variants(cc)
     base = comp.arch_options
     monkeypatch.setattr(comp, "arch_options",
                         lambda c, hopper=False: base(c, hopper) + tuple(f"-D{m}" for m in macros))
