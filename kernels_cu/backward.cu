@@ -831,9 +831,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_grid(const Params p
     zero_n<KC>(&dk[0][0][0]);
     const int count = per_head > 0 ? per_head * group : 0;
     // PW_GRID_STAGGER: the pass starts at its tile (key tile mod count), wrapping around
-    const int rot = (PW_GRID_STAGGER && D == 64 && count > 0) ? (int)(nt % count) : 0;
+    constexpr bool STAGGER = PW_GRID_STAGGER && D == 64;
+    const int rot = (STAGGER && count > 0) ? (int)(nt % count) : 0;
     auto rotated = [&](int it) {
-      if constexpr (PW_GRID_STAGGER && D == 64) {
+      if constexpr (STAGGER) {
         it += rot;
         if (it >= count) it -= count;
       }
@@ -969,13 +970,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pw_backward_grid(const Params p
           }
         }
       };
-#if PW_GRID_DQ_FIRST
-      if constexpr (D == 64) {
+      if constexpr (PW_GRID_DQ_FIRST && D == 64) {
         dq_product();
         dk_product();
-      } else
-#endif
-      {
+      } else {
         dk_product();
         dq_product();
       }
